@@ -1,0 +1,87 @@
+"""The interface every dataplane backend implements, and the errors it raises.
+
+The core (``netproxy``) only ever talks to a :class:`Backend`; it never imports a concrete one.
+A backend renders a :class:`~netproxy.model.Snapshot` into its desired state without I/O
+(:meth:`Backend.plan`), and writes it in one atomic step (:meth:`Backend.sync`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+try:  # Python 3.8+: typing.Protocol; kept behind a name so that mypy sees one definition.
+    from typing import Protocol
+except ImportError:  # pragma: no cover
+    from typing_extensions import Protocol  # type: ignore[assignment]
+
+from netproxy.config import ProxyConfig
+from netproxy.model import Changes, Snapshot
+
+
+class BackendError(Exception):
+    """Base of the errors a backend raises; ``kind`` is a short machine-readable word."""
+
+    kind = "backend"
+
+    def __init__(self, message: str, *, detail: Optional[str] = None) -> None:
+        self.message = message
+        self.detail = detail
+        super().__init__(message if detail is None else f"{message}: {detail}")
+
+
+class BackendUnavailable(BackendError):
+    """The backend cannot run on this node (missing binary, library or kernel support)."""
+
+    kind = "unavailable"
+
+
+class SyncError(BackendError):
+    """A kernel write failed; the previous ruleset is still in place.
+
+    ``line`` is the failing payload line (or libnftables command) when the tool named one, so that
+    logs show the rule that the kernel refused, not just "exit status 1".
+    """
+
+    kind = "sync"
+
+    def __init__(self, message: str, *, line: Optional[str] = None, detail: Optional[str] = None,
+                 payload: Optional[str] = None) -> None:
+        self.line = line
+        self.payload = payload
+        text = message if line is None else f"{message} (failing line: {line!r})"
+        super().__init__(text, detail=detail)
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What one sync did, for logs, metrics and the benchmark."""
+
+    full: bool
+    """Whether the backend rewrote everything it owns (as opposed to a partial/incremental write)."""
+    services_written: int
+    """How many service ports' objects were (re)written."""
+    bytes_written: int = 0
+    """Size of the payload handed to the kernel tool or library."""
+
+
+class Backend(Protocol):
+    """A dataplane: iptables (two writers), nftables, or the in-memory fake."""
+
+    name: str
+
+    def probe(self) -> None:
+        """Check that the backend can run here; raise :class:`BackendUnavailable` saying why."""
+
+    def plan(self, snapshot: Snapshot) -> str:
+        """The full ruleset this backend would write for ``snapshot``, as text; touches nothing."""
+
+    def sync(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
+        """Make the kernel match ``snapshot``; raise :class:`SyncError` leaving the old state on failure.
+
+        ``changes`` is a hint: with ``changes.full`` the backend re-reads the kernel and rewrites all it
+        owns; otherwise it may write only the named services (and whatever dispatches to them).
+        """
+
+    def cleanup(self) -> None:
+        """Remove everything this backend (or the seed's proxier) created, and nothing else."""

@@ -1,0 +1,272 @@
+"""Kubernetes objects (as parsed dicts) → model objects.
+
+One conversion for every source: a manifest file and an API object are read by the same code, so
+they can never be read differently.  Each function raises :class:`ValidationError` naming the
+object's kind, namespace/name and the failing field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
+
+from netproxy.model import (
+    AFFINITIES,
+    DEFAULT_AFFINITY_TIMEOUT,
+    MAX_AFFINITY_TIMEOUT,
+    TRAFFIC_POLICIES,
+    Endpoint,
+    FieldError,
+    IPAddress,
+    ServicePort,
+    ServicePortName,
+    ValidationError,
+    check_choice,
+    check_cidr,
+    check_ip,
+    check_label,
+    check_port,
+    check_protocol,
+    check_subdomain,
+    check_zone,
+)
+
+T = TypeVar("T")
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
+
+
+@dataclass(frozen=True)
+class SlicePort:
+    name: str
+    protocol: str
+    port: int
+
+
+@dataclass(frozen=True)
+class EndpointSet:
+    """The endpoints one EndpointSlice (or one legacy Endpoints subset list) holds for a service."""
+
+    namespace: str
+    service: str
+    ports: Tuple[SlicePort, ...]
+    endpoints: Tuple[Endpoint, ...]
+
+    def for_port(self, port_name: str, protocol: str) -> Tuple[Endpoint, ...]:
+        out: List[Endpoint] = []
+        for p in self.ports:
+            if p.name == port_name and p.protocol == protocol:
+                out.extend(Endpoint(e.ip, p.port, e.ready, e.serving, e.terminating, e.node_name, e.zone)
+                           for e in self.endpoints)
+        return tuple(out)
+
+
+def object_ref(obj: Mapping[str, Any]) -> Tuple[str, str, str]:
+    """(kind, namespace, name) of an object, validated, for keys and error messages."""
+    kind = str(obj.get("kind") or "?")
+    meta = obj.get("metadata") or {}
+    if not isinstance(meta, Mapping):
+        raise ValidationError(kind, "?", "metadata", "must be a mapping")
+    raw_ns = meta.get("namespace") or "default"
+    raw_name = meta.get("name")
+    ref = f"{raw_ns}/{raw_name}"
+    try:
+        ns = check_label(raw_ns, "metadata.namespace")
+        name = (check_subdomain if kind == "EndpointSlice" else check_label)(raw_name, "metadata.name")
+    except FieldError as err:
+        raise ValidationError(kind, ref, err.field_path, err.message) from None
+    return kind, ns, name
+
+
+def _guard(kind: str, ref: str, fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except FieldError as err:
+        raise ValidationError(kind, ref, err.field_path, err.message) from None
+
+
+def _list(value: Any, field_path: str) -> List[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise FieldError(field_path, "must be a list")
+    return value
+
+
+def _map(value: Any, field_path: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise FieldError(field_path, "must be a mapping")
+    return value
+
+
+def _ips(values: Any, field_path: str) -> Tuple[IPAddress, ...]:
+    return tuple(check_ip(v, f"{field_path}[{i}]") for i, v in enumerate(_list(values, field_path)))
+
+
+def parse_service(obj: Mapping[str, Any]) -> Tuple[ServicePort, ...]:
+    """A v1 Service → its service ports.  Headless and ExternalName services have none (as in kube-proxy)."""
+    kind, ns, name = object_ref(obj)
+    return _guard(kind, f"{ns}/{name}", lambda: _service_ports(ns, name, obj))
+
+
+def _cluster_ips(spec: Mapping[str, Any]) -> Tuple[IPAddress, ...]:
+    raw = _list(spec.get("clusterIPs"), "spec.clusterIPs") or (
+        [spec["clusterIP"]] if spec.get("clusterIP") else [])
+    if any(v == "None" for v in raw):
+        return ()
+    field_path = "spec.clusterIPs" if spec.get("clusterIPs") else "spec.clusterIP"
+    return _ips(raw, field_path)
+
+
+def _affinity(spec: Mapping[str, Any]) -> Tuple[str, int]:
+    affinity = check_choice(spec.get("sessionAffinity"), "spec.sessionAffinity", AFFINITIES, "None")
+    cfg = _map(_map(spec.get("sessionAffinityConfig"), "spec.sessionAffinityConfig").get("clientIP"),
+               "spec.sessionAffinityConfig.clientIP")
+    timeout = cfg.get("timeoutSeconds", DEFAULT_AFFINITY_TIMEOUT)
+    path = "spec.sessionAffinityConfig.clientIP.timeoutSeconds"
+    if isinstance(timeout, bool) or not isinstance(timeout, int) or not 1 <= timeout <= MAX_AFFINITY_TIMEOUT:
+        raise FieldError(path, f"{timeout!r} is outside 1..{MAX_AFFINITY_TIMEOUT}")
+    return affinity, timeout
+
+
+def _service_ports(ns: str, name: str, obj: Mapping[str, Any]) -> Tuple[ServicePort, ...]:
+    spec = _map(obj.get("spec"), "spec")
+    svc_type = check_choice(spec.get("type"), "spec.type", SERVICE_TYPES, "ClusterIP")
+    if svc_type == "ExternalName":
+        return ()
+    cluster_ips = _cluster_ips(spec)
+    external_ips = _ips(spec.get("externalIPs"), "spec.externalIPs")
+    ingress = _list(_map(_map(obj.get("status"), "status").get("loadBalancer"),
+                         "status.loadBalancer").get("ingress"), "status.loadBalancer.ingress")
+    lb_ips = tuple(check_ip(_map(ing, f"status.loadBalancer.ingress[{i}]").get("ip"),
+                            f"status.loadBalancer.ingress[{i}].ip")
+                   for i, ing in enumerate(ingress) if isinstance(ing, Mapping) and ing.get("ip"))
+    ranges = tuple(check_cidr(v, f"spec.loadBalancerSourceRanges[{i}]")
+                   for i, v in enumerate(_list(spec.get("loadBalancerSourceRanges"),
+                                               "spec.loadBalancerSourceRanges")))
+    affinity, timeout = _affinity(spec)
+    etp = check_choice(spec.get("externalTrafficPolicy"), "spec.externalTrafficPolicy", TRAFFIC_POLICIES, "Cluster")
+    itp = check_choice(spec.get("internalTrafficPolicy"), "spec.internalTrafficPolicy", TRAFFIC_POLICIES, "Cluster")
+    hc_port = spec.get("healthCheckNodePort") or 0
+    hc_port = check_port(hc_port, "spec.healthCheckNodePort", allow_zero=True)
+    raw_ports = _list(spec.get("ports"), "spec.ports")
+    if not cluster_ips and raw_ports:
+        # Headless (clusterIP: None) or not yet allocated: nothing to program, as the seed did.
+        return ()
+    seen: Dict[str, int] = {}
+    out: List[ServicePort] = []
+    for i, raw in enumerate(raw_ports):
+        path = f"spec.ports[{i}]"
+        p = _map(raw, path)
+        port_name = p.get("name") or ""
+        if port_name:
+            check_label(port_name, f"{path}.name")
+        elif len(raw_ports) > 1:
+            raise FieldError(f"{path}.name", "is required when a service has more than one port")
+        if port_name in seen:
+            raise FieldError(f"{path}.name", f"{port_name!r} is used by spec.ports[{seen[port_name]}] too")
+        seen[port_name] = i
+        port = check_port(p.get("port"), f"{path}.port")
+        target = p.get("targetPort", port)
+        if isinstance(target, str) and not target.isdigit():
+            target = check_label(target, f"{path}.targetPort", max_len=15)
+        else:
+            target = check_port(int(target) if isinstance(target, str) else target, f"{path}.targetPort")
+        node_port = check_port(p.get("nodePort") or 0, f"{path}.nodePort", allow_zero=True)
+        out.append(ServicePort(
+            name=ServicePortName(ns, name, port_name),
+            protocol=check_protocol(p.get("protocol"), f"{path}.protocol"),
+            port=port, target_port=target, cluster_ips=cluster_ips, node_port=node_port,
+            external_ips=external_ips, load_balancer_ips=lb_ips, source_ranges=ranges,
+            affinity=affinity, affinity_timeout=timeout, external_traffic_policy=etp,
+            internal_traffic_policy=itp, health_check_node_port=hc_port, service_type=svc_type,
+        ))
+    return tuple(out)
+
+
+def _slice_ports(raw_ports: Any, path: str) -> Tuple[SlicePort, ...]:
+    out = []
+    for i, raw in enumerate(_list(raw_ports, path)):
+        p = _map(raw, f"{path}[{i}]")
+        port_name = p.get("name") or ""
+        if port_name:
+            check_label(port_name, f"{path}[{i}].name")
+        out.append(SlicePort(port_name, check_protocol(p.get("protocol"), f"{path}[{i}].protocol"),
+                             check_port(p.get("port"), f"{path}[{i}].port")))
+    return tuple(out)
+
+
+def _bool(value: Any, default: bool, path: str) -> bool:
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise FieldError(path, f"{value!r} is not a boolean")
+    return value
+
+
+def parse_endpoint_slice(obj: Mapping[str, Any], families: Tuple[str, ...] = ("IPv4", "IPv6")
+                         ) -> Optional[EndpointSet]:
+    """A discovery.k8s.io/v1 EndpointSlice → its endpoints; None for an address type not served."""
+    kind, ns, name = object_ref(obj)
+    ref = f"{ns}/{name}"
+
+    def build() -> Optional[EndpointSet]:
+        labels = _map(_map(obj.get("metadata"), "metadata").get("labels"), "metadata.labels")
+        service = check_label(labels.get("kubernetes.io/service-name"),
+                              "metadata.labels[kubernetes.io/service-name]")
+        addr_type = obj.get("addressType", "IPv4")
+        if addr_type not in ("IPv4", "IPv6", "FQDN"):
+            raise FieldError("addressType", f"{addr_type!r} is not IPv4, IPv6 or FQDN")
+        if addr_type not in families:
+            return None
+        eps: List[Endpoint] = []
+        for i, raw in enumerate(_list(obj.get("endpoints"), "endpoints")):
+            path = f"endpoints[{i}]"
+            e = _map(raw, path)
+            cond = _map(e.get("conditions"), f"{path}.conditions")
+            ready = _bool(cond.get("ready"), True, f"{path}.conditions.ready")
+            serving = _bool(cond.get("serving"), ready, f"{path}.conditions.serving")
+            terminating = _bool(cond.get("terminating"), False, f"{path}.conditions.terminating")
+            node = e.get("nodeName")
+            if node is not None:
+                check_subdomain(node, f"{path}.nodeName")
+            zone = check_zone(e.get("zone"), f"{path}.zone")
+            for j, addr in enumerate(_list(e.get("addresses"), f"{path}.addresses")):
+                ip = check_ip(addr, f"{path}.addresses[{j}]")
+                if ("IPv6" if ip.version == 6 else "IPv4") != addr_type:
+                    raise FieldError(f"{path}.addresses[{j}]", f"{addr!r} is not of addressType {addr_type}")
+                eps.append(Endpoint(ip, 0, ready, serving, terminating, node, zone))
+        return EndpointSet(ns, service, _slice_ports(obj.get("ports"), "ports"), tuple(eps))
+
+    return _guard(kind, ref, build)
+
+
+def parse_endpoints(obj: Mapping[str, Any]) -> EndpointSet:
+    """A legacy v1 Endpoints (the seed's input) → one EndpointSet; not-ready addresses are kept as not ready."""
+    kind, ns, name = object_ref(obj)
+
+    def build() -> EndpointSet:
+        ports: List[SlicePort] = []
+        eps: List[Endpoint] = []
+        subsets = _list(obj.get("subsets"), "subsets")
+        if len(subsets) > 1:
+            # Subsets with different port sets cannot be flattened into one set faithfully.
+            port_sets = {repr(_map(s, "subsets").get("ports")) for s in subsets}
+            if len(port_sets) > 1:
+                raise FieldError("subsets", "subsets with different ports are not supported; use EndpointSlices")
+        for i, raw in enumerate(subsets):
+            s = _map(raw, f"subsets[{i}]")
+            if not ports:
+                ports = list(_slice_ports(s.get("ports"), f"subsets[{i}].ports"))
+            for key, ready in (("addresses", True), ("notReadyAddresses", False)):
+                for j, a in enumerate(_list(s.get(key), f"subsets[{i}].{key}")):
+                    addr = _map(a, f"subsets[{i}].{key}[{j}]")
+                    ip = check_ip(addr.get("ip"), f"subsets[{i}].{key}[{j}].ip")
+                    node = addr.get("nodeName")
+                    if node is not None:
+                        check_subdomain(node, f"subsets[{i}].{key}[{j}].nodeName")
+                    eps.append(Endpoint(ip, 0, ready, ready, False, node, None))
+        return EndpointSet(ns, name, tuple(ports), tuple(eps))
+
+    return _guard(kind, f"{ns}/{name}", build)
