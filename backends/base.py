@@ -15,7 +15,6 @@ try:  # Python 3.8+: typing.Protocol; kept behind a name so that mypy sees one d
 except ImportError:  # pragma: no cover
     from typing_extensions import Protocol  # type: ignore[assignment]
 
-from netproxy.config import ProxyConfig
 from netproxy.model import Changes, Snapshot
 
 

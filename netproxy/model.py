@@ -208,7 +208,7 @@ class Snapshot:
     @classmethod
     def build(cls, services: Iterable[ServicePort],
               endpoints: Optional[Mapping[ServicePortName, Iterable[Endpoint]]] = None,
-              node: NodeInfo = NodeInfo()) -> "Snapshot":
+              node: NodeInfo = NodeInfo()) -> Snapshot:
         """Convenience constructor for tests and benchmarks."""
         eps = {k: tuple(v) for k, v in (endpoints or {}).items()}
         return cls({s.name: s for s in services}, eps, node)
@@ -227,5 +227,5 @@ class Changes:
     services: FrozenSet[ServicePortName] = frozenset()
 
     @classmethod
-    def everything(cls) -> "Changes":
+    def everything(cls) -> Changes:
         return cls(True, frozenset())

@@ -1,0 +1,5 @@
+import sys
+
+from netproxy.cli import main
+
+sys.exit(main())

@@ -1,0 +1,269 @@
+"""``netproxy`` — the command line.  This contract is relied on from outside: keep it stable.
+
+    netproxy sync    --source PATH [--backend B] [--iptables-writer W]   sync once, exit 0/1/2
+    netproxy run     --source PATH | --kubeconfig PATH                   the long-running proxy
+    netproxy plan    --source PATH [--backend B]                         print the ruleset, touch nothing
+    netproxy detect                                                      print the version check's choice
+    netproxy cleanup [--backend B|all]                                   remove what netproxy created
+
+Exit codes: 0 all applied; 1 the kernel write failed (previous ruleset kept) or nothing could be
+done; 2 some objects were rejected (each named on stderr) and the valid rest was applied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import signal
+import sys
+import threading
+from typing import List, Optional, Sequence, Tuple
+
+from netproxy import detect as detect_mod
+from netproxy.backends import BackendError, create
+from netproxy.backends.base import Backend
+from netproxy.config import BACKENDS, IPTABLES_WRITERS, ProxyConfig, parse_cidrs
+from netproxy.model import Changes
+from netproxy.source.files import FileSource, SourceError, load
+from netproxy.tracker import ChangeTracker
+
+log = logging.getLogger("netproxy")
+
+EXIT_OK, EXIT_FAILED, EXIT_REJECTED = 0, 1, 2
+_DURATION = re.compile(r"^(?P<n>\d+(?:\.\d+)?)(?P<unit>ms|s|m|h)?$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def duration(text: str) -> float:
+    """A kube-proxy style duration ("30s", "1m", "500ms") or plain seconds, for flags."""
+    m = _DURATION.match(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 30s, 1m, 500ms)")
+    return float(m.group("n")) * _UNITS[m.group("unit")]
+
+
+def cidr_list(text: str) -> Tuple[object, ...]:
+    try:
+        return parse_cidrs(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _add_common(p: argparse.ArgumentParser, backends: Sequence[str] = BACKENDS) -> None:
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--backend", default="auto", choices=list(backends),
+                   help="dataplane; auto runs the iptables version check (see `netproxy detect`)")
+    p.add_argument("--iptables-writer", default="restore", choices=list(IPTABLES_WRITERS),
+                   help="iptables backend: atomic iptables-restore (default) or in-process libiptc")
+    p.add_argument("--iptables-flavour", default="auto", choices=["auto", "legacy", "nft"],
+                   help="iptables backend: which iptables the node uses (auto: ask `iptables --version`)")
+
+
+def _add_proxy(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sync-period", type=duration, default=30.0, help="full resync at least this often (30s)")
+    p.add_argument("--min-sync-period", type=duration, default=1.0, help="sync at most this often (1s)")
+    p.add_argument("--masquerade-all", action="store_true", help="SNAT all traffic to service addresses")
+    p.add_argument("--masquerade-bit", type=int, default=14, help="fwmark bit for traffic to SNAT (14)")
+    p.add_argument("--cluster-cidr", type=cidr_list, default=(), help="pod CIDRs, comma-separated")
+    p.add_argument("--hostname-override", default="", help="this node's name (default: the host name)")
+    p.add_argument("--nodeport-addresses", type=cidr_list, default=(),
+                   help="CIDRs of node addresses that accept NodePorts (default: all local addresses)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="netproxy", description="Node service proxy: Kubernetes Services "
+                                     "to iptables or nftables rules.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("sync", help="load the source, sync once, exit (0 ok, 1 write failed, 2 rejected)")
+    p.add_argument("--source", required=True, help="manifest file or directory")
+    _add_common(p)
+    _add_proxy(p)
+    p = sub.add_parser("run", help="the long-running proxy: watch the source, keep the rules in sync")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--source", help="manifest file or directory, watched for changes")
+    src.add_argument("--kubeconfig", help="read the Kubernetes API with this kubeconfig")
+    p.add_argument("--use-endpoints", action="store_true", help="read v1 Endpoints instead of EndpointSlices")
+    p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", help="host:port for /metrics ('' off)")
+    _add_common(p)
+    _add_proxy(p)
+    p = sub.add_parser("plan", help="print the ruleset that sync would write, touching nothing")
+    p.add_argument("--source", required=True, help="manifest file or directory")
+    _add_common(p)
+    _add_proxy(p)
+    p = sub.add_parser("detect", help="print the backend the version check picks and the evidence")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p = sub.add_parser("cleanup", help="remove every rule, chain and table netproxy created, nothing else")
+    _add_common(p, BACKENDS + ("all",))
+    p.set_defaults(backend="all")
+    return parser
+
+
+def _config(args: argparse.Namespace, backend: str, flavour: str) -> ProxyConfig:
+    import socket
+
+    return ProxyConfig(
+        backend=backend, iptables_writer=args.iptables_writer, iptables_flavour=flavour,
+        sync_period=getattr(args, "sync_period", 30.0), min_sync_period=getattr(args, "min_sync_period", 1.0),
+        masquerade_all=getattr(args, "masquerade_all", False), masquerade_bit=getattr(args, "masquerade_bit", 14),
+        cluster_cidrs=tuple(getattr(args, "cluster_cidr", ())),  # type: ignore[arg-type]
+        hostname=getattr(args, "hostname_override", "") or socket.gethostname(),
+        nodeport_addresses=tuple(getattr(args, "nodeport_addresses", ())),  # type: ignore[arg-type]
+    )
+
+
+def choose_backend(args: argparse.Namespace) -> Tuple[str, str]:
+    """(backend, iptables flavour) from the flags, running the version check where they say auto."""
+    flavour = args.iptables_flavour
+    if args.backend == "auto":
+        decision = detect_mod.detect()
+        log.info("backend %s: %s", decision.backend, decision.reason)
+        backend = decision.backend
+        if flavour == "auto":
+            flavour = decision.flavour or "legacy"
+    else:
+        backend = args.backend
+    if flavour == "auto":
+        flavour = detect_mod.iptables_flavour()
+    return backend, flavour
+
+
+def make_backend(args: argparse.Namespace) -> Backend:
+    backend, flavour = choose_backend(args)
+    return create(backend, _config(args, backend, flavour))
+
+
+def _report_rejections(errors: Sequence[Exception]) -> None:
+    for err in errors:
+        print(f"netproxy: rejected {err}", file=sys.stderr)
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    loaded = load(args.source, args.hostname_override)
+    backend = make_backend(args)
+    backend.probe()
+    tracker = ChangeTracker()
+    if loaded.node is not None:
+        tracker.set_node(loaded.node)
+    tracker.replace_services(loaded.services)
+    tracker.replace_endpoints(loaded.endpoints)
+    snapshot, _ = tracker.take()
+    result = backend.sync(snapshot, Changes(full=True))
+    log.info("synced %d service ports with the %s backend", result.services_written, backend.name)
+    _report_rejections(loaded.errors)
+    return EXIT_REJECTED if loaded.errors else EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    loaded = load(args.source, args.hostname_override)
+    backend = make_backend(args)
+    tracker = ChangeTracker()
+    if loaded.node is not None:
+        tracker.set_node(loaded.node)
+    tracker.replace_services(loaded.services)
+    tracker.replace_endpoints(loaded.endpoints)
+    snapshot, _ = tracker.take()
+    sys.stdout.write(backend.plan(snapshot))
+    _report_rejections(loaded.errors)
+    return EXIT_REJECTED if loaded.errors else EXIT_OK
+
+
+def cmd_detect(args: argparse.Namespace) -> int:
+    try:
+        decision = detect_mod.detect()
+    except detect_mod.DetectError as err:
+        print(f"backend: none\nreason: {err}")
+        return EXIT_FAILED
+    print(f"backend: {decision.backend}")
+    if decision.flavour:
+        print(f"iptables: {decision.flavour}")
+    print(f"reason: {decision.reason}")
+    for line in decision.evidence:
+        print(f"evidence: {line}")
+    return EXIT_OK
+
+
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    names: List[str] = ["iptables", "nftables"] if args.backend == "all" else [args.backend]
+    status = EXIT_OK
+    for name in names:
+        if name == "auto":
+            name = choose_backend(args)[0]
+        flavours = ["legacy", "nft"] if name == "iptables" and args.iptables_flavour == "auto" else [
+            args.iptables_flavour if args.iptables_flavour != "auto" else "legacy"]
+        for flavour in flavours:
+            try:
+                backend = create(name, _config(args, name, flavour))
+                backend.probe()
+            except BackendError as err:
+                log.info("cleanup: skipping %s (%s): %s", name, flavour, err)
+                continue
+            try:
+                backend.cleanup()
+            except BackendError as err:
+                log.error("cleanup of %s failed: %s", name, err)
+                status = EXIT_FAILED
+    return status
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from netproxy import metrics
+    from netproxy.proxier import Proxier
+    from netproxy.runner import BoundedFrequencyRunner
+
+    backend = make_backend(args)
+    backend.probe()
+    config = _config(args, backend.name, args.iptables_flavour)
+    tracker = ChangeTracker()
+    proxier = Proxier(tracker, backend, config)
+    runner = BoundedFrequencyRunner(proxier.sync, config.min_sync_period, config.sync_period)
+    proxier.retry = runner.retry_after
+    tracker.on_change = runner.request
+    source = _make_source(args, config)
+    stop = threading.Event()
+
+    def _stop(signum: int, _frame: object) -> None:
+        log.info("signal %d: stopping", signum)
+        stop.set()
+        runner.wake()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    metrics.serve(args.metrics_bind_address)
+    source.start(tracker)
+    log.info("running with the %s backend", backend.name)
+    try:
+        runner.loop(stop)
+    finally:
+        source.stop()
+    return EXIT_OK
+
+
+def _make_source(args: argparse.Namespace, config: ProxyConfig) -> FileSource:
+    if args.source:
+        return FileSource(args.source, node_name=config.hostname)
+    from netproxy.source import kube  # type: ignore[attr-defined]
+
+    return kube.from_flags(args.kubeconfig, config.hostname, use_endpoints=args.use_endpoints)  # type: ignore[no-any-return]
+
+
+COMMANDS = {"sync": cmd_sync, "run": cmd_run, "plan": cmd_plan, "detect": cmd_detect, "cleanup": cmd_cleanup}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except SourceError as err:
+        print(f"netproxy: source: {err}", file=sys.stderr)
+    except detect_mod.DetectError as err:
+        print(f"netproxy: {err}", file=sys.stderr)
+    except BackendError as err:
+        print(f"netproxy: {err.kind} error: {err}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The start-up choice of backend: the seed's iptables version check, extended for nf_tables nodes.
+
+- ``iptables --version`` says ``(nf_tables)``      → nftables backend (the node's iptables is nft-based)
+- a legacy iptables at or above 1.4.0              → iptables backend, legacy flavour
+- no iptables binary, but libnftables is loadable  → nftables backend
+- an older or unparsable iptables, or nothing      → a clear error
+
+Versions are compared with :mod:`packaging.version`, not by hand.  The probes (running a binary,
+finding a library) are injectable so unit tests feed real version strings without the binaries.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+from packaging.version import InvalidVersion, Version
+
+MIN_IPTABLES = Version("1.4.0")
+_VERSION_LINE = re.compile(r"^iptables v(?P<version>\d+(?:\.\d+)*)(?:\s+\((?P<mode>[a-z_]+)\))?\s*$")
+
+
+class DetectError(Exception):
+    """No backend can run on this node; the message says what was found."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    backend: str                 # "iptables" or "nftables"
+    flavour: Optional[str]       # for iptables: "legacy" or "nft"; None when no iptables is involved
+    reason: str                  # one sentence, printed by `netproxy detect`
+    evidence: Tuple[str, ...]    # what was probed and what it said
+
+
+def run_iptables_version(binary: str = "iptables") -> Optional[str]:
+    """The first line of ``iptables --version``, or None when there is no such binary."""
+    path = shutil.which(binary)
+    if path is None:
+        return None
+    try:
+        proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10, check=False)
+    except OSError:
+        return None
+    out = (proc.stdout or proc.stderr).strip()
+    return out.splitlines()[0] if out else ""
+
+
+def libnftables_present() -> bool:
+    return ctypes.util.find_library("nftables") is not None
+
+
+def parse_iptables_version(line: str) -> Tuple[Version, Optional[str]]:
+    """``"iptables v1.8.9 (nf_tables)"`` → (Version("1.8.9"), "nf_tables"); ValueError if unparsable."""
+    m = _VERSION_LINE.match(line.strip())
+    if not m:
+        raise ValueError(f"unrecognised iptables version output {line!r}")
+    try:
+        return Version(m.group("version")), m.group("mode")
+    except InvalidVersion:
+        raise ValueError(f"unrecognised iptables version {m.group('version')!r}") from None
+
+
+def detect(version_probe: Callable[[], Optional[str]] = run_iptables_version,
+           libnft_probe: Callable[[], bool] = libnftables_present) -> Decision:
+    """The backend for this node, or :class:`DetectError` saying why there is none."""
+    line = version_probe()
+    has_lib = libnft_probe()
+    evidence = (f"iptables --version: {line!r}" if line is not None else "iptables: not found",
+                f"libnftables: {'found' if has_lib else 'not found'}")
+    if line is None:
+        if has_lib:
+            return Decision("nftables", None, "no iptables binary; libnftables is present", evidence)
+        raise DetectError("no backend available: no iptables binary and no libnftables")
+    try:
+        version, mode = parse_iptables_version(line)
+    except ValueError as err:
+        raise DetectError(f"cannot use this node's iptables: {err}") from None
+    if mode == "nf_tables":
+        if not has_lib:
+            return Decision("iptables", "nft", f"iptables {version} is nf_tables-based but libnftables is "
+                            "missing: falling back to the iptables backend through iptables-nft", evidence)
+        return Decision("nftables", None, f"iptables {version} is nf_tables-based: the node uses nftables",
+                        evidence)
+    if version < MIN_IPTABLES:
+        raise DetectError(f"iptables {version} is older than the minimum {MIN_IPTABLES}")
+    return Decision("iptables", "legacy", f"legacy iptables {version} >= {MIN_IPTABLES}", evidence)
+
+
+def iptables_flavour(version_probe: Callable[[], Optional[str]] = run_iptables_version) -> str:
+    """Which iptables the node's ``iptables`` is ("legacy" or "nft"), for a forced iptables backend."""
+    line = version_probe()
+    if line:
+        try:
+            _, mode = parse_iptables_version(line)
+        except ValueError:
+            return "legacy"
+        if mode == "nf_tables":
+            return "nft"
+    return "legacy"

@@ -1,0 +1,77 @@
+"""The proxier: takes snapshots from the tracker and hands them to the backend, one step at a time.
+
+kube-proxy's syncProxyRules, split into named steps: decide whether this sync is full, take the
+snapshot, write it, record the outcome.  It knows the backend only through the Backend protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional
+
+from netproxy import metrics
+from netproxy.backends.base import Backend, SyncError, SyncResult
+from netproxy.config import ProxyConfig
+from netproxy.model import Changes
+from netproxy.tracker import ChangeTracker
+
+log = logging.getLogger(__name__)
+
+MIN_BACKOFF = 1.0
+
+
+class Proxier:
+    def __init__(self, tracker: ChangeTracker, backend: Backend, config: ProxyConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.tracker = tracker
+        self.backend = backend
+        self.config = config
+        self.clock = clock
+        self._last_full: Optional[float] = None
+        self._need_full = True  # at start: re-read the kernel and write everything
+        self._failures = 0
+        self.last_error: Optional[SyncError] = None
+        self.last_result: Optional[SyncResult] = None
+        self.retry: Callable[[float], None] = lambda delay: None
+
+    def sync(self) -> None:
+        """One sync; the runner calls this.  Never raises for a kernel error: it schedules a retry."""
+        if not self.tracker.ready:
+            log.debug("not syncing yet: waiting for the first services and endpoints")
+            return
+        now = self.clock()
+        full = self._need_full or self._last_full is None or now - self._last_full >= self.config.sync_period
+        snapshot, changes = self.tracker.take()
+        if not full and not changes.full and not changes.services:
+            return
+        full = full or changes.full
+        start = time.perf_counter()
+        try:
+            self.last_result = self.backend.sync(snapshot, Changes(full=full, services=changes.services))
+        except SyncError as err:
+            self._failed(err)
+            return
+        elapsed = time.perf_counter() - start
+        metrics.SYNC_DURATION.labels("full" if full else "partial").observe(elapsed)
+        metrics.SYNC_TOTAL.labels("ok").inc()
+        metrics.LAST_SYNC.set_to_current_time()
+        metrics.SERVICES.set(len(snapshot.services))
+        if full:
+            self._last_full = now
+        self._need_full = False
+        self._failures = 0
+        self.last_error = None
+        log.info("synced %s: %d service ports (%d written) in %.3f s", "full" if full else "partial",
+                 len(snapshot.services), self.last_result.services_written, elapsed)
+
+    def _failed(self, err: SyncError) -> None:
+        # The backend left the previous ruleset in place; the changes taken from the tracker are not
+        # lost because the next sync is full.
+        self._need_full = True
+        self._failures += 1
+        self.last_error = err
+        metrics.SYNC_TOTAL.labels("error").inc()
+        delay = min(self.config.sync_period, MIN_BACKOFF * 2 ** (self._failures - 1))
+        log.error("sync failed (attempt %d), retrying in %.1f s: %s", self._failures, delay, err)
+        self.retry(delay)

@@ -1,0 +1,207 @@
+"""The file source: Kubernetes manifests on disk (a file or a directory), loaded and watched.
+
+Accepts what ``kubectl get svc,endpointslices -A -o yaml`` prints as is: ``kind: List`` (and typed
+lists such as ``ServiceList``), multi-document YAML, JSON, ``v1 Service``, ``discovery.k8s.io/v1
+EndpointSlice``, the seed's ``v1 Endpoints`` and ``v1 Node`` (for this node's zone).
+A file that fails to parse keeps the last good state; an invalid object is rejected on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import yaml
+
+from netproxy.model import FieldError, NodeInfo, ServicePort, ValidationError, check_zone
+from netproxy.source.convert import EndpointSet, object_ref, parse_endpoint_slice, parse_endpoints, parse_service
+
+log = logging.getLogger(__name__)
+
+Key = Tuple[str, str]
+MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
+ZONE_LABEL = "topology.kubernetes.io/zone"
+
+
+class SourceError(Exception):
+    """A file could not be read or parsed at all (as opposed to one bad object in it)."""
+
+
+@dataclass
+class Loaded:
+    """Everything one load of the source produced, valid objects and rejections side by side."""
+
+    services: Dict[Key, Tuple[ServicePort, ...]] = field(default_factory=dict)
+    endpoints: Dict[Key, EndpointSet] = field(default_factory=dict)
+    node: Optional[NodeInfo] = None
+    errors: List[ValidationError] = field(default_factory=list)
+
+
+def manifest_files(path: str) -> List[str]:
+    """The manifest files under ``path`` (itself, or a directory's files), sorted for stable loads."""
+    if os.path.isdir(path):
+        return sorted(os.path.join(path, n) for n in os.listdir(path)
+                      if n.endswith(MANIFEST_SUFFIXES) and not n.startswith("."))
+    if not os.path.exists(path):
+        raise SourceError(f"{path}: no such file or directory")
+    return [path]
+
+
+def read_documents(path: str) -> List[Any]:
+    """Parse one file into its documents; raises :class:`SourceError` naming the file and position."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as err:
+        raise SourceError(f"{path}: {err.strerror}") from None
+    try:
+        if path.endswith(".json"):
+            return [json.loads(text)]
+        return [d for d in yaml.safe_load_all(text) if d is not None]
+    except (ValueError, yaml.YAMLError) as err:
+        raise SourceError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {err}") from None
+
+
+def flatten(docs: Sequence[Any]) -> Iterator[Mapping[str, Any]]:
+    """Objects out of documents, unpacking ``List``/``ServiceList``/... as kubectl prints them."""
+    for doc in docs:
+        if not isinstance(doc, Mapping):
+            raise SourceError(f"a document is a {type(doc).__name__}, not a Kubernetes object")
+        kind = str(doc.get("kind") or "")
+        if kind.endswith("List") and isinstance(doc.get("items"), list):
+            item_kind = kind[: -len("List")] or None
+            for item in doc["items"]:
+                if isinstance(item, Mapping) and not item.get("kind") and item_kind:
+                    item = {**item, "kind": item_kind}  # typed lists omit the items' kind
+                yield from flatten([item])
+        else:
+            yield doc
+
+
+def parse_objects(objects: Iterator[Mapping[str, Any]], node_name: str = "") -> Loaded:
+    """Model objects from Kubernetes objects; each invalid one lands in ``errors``, the rest are used."""
+    out = Loaded()
+    legacy: Dict[Key, EndpointSet] = {}
+    for obj in objects:
+        kind = obj.get("kind")
+        try:
+            if kind == "Service":
+                _, ns, name = object_ref(obj)
+                if (ns, name) in out.services:
+                    raise ValidationError(kind, f"{ns}/{name}", "metadata.name", "is defined twice")
+                out.services[(ns, name)] = parse_service(obj)
+            elif kind == "EndpointSlice":
+                _, ns, name = object_ref(obj)
+                eps = parse_endpoint_slice(obj)
+                if eps is not None:
+                    out.endpoints[(ns, name)] = eps
+            elif kind == "Endpoints":
+                eps = parse_endpoints(obj)
+                legacy[(eps.namespace, eps.service)] = eps
+            elif kind == "Node":
+                node = _parse_node(obj, node_name)
+                if node is not None:
+                    out.node = node
+            else:
+                log.debug("ignoring object of kind %r", kind)
+        except ValidationError as err:
+            out.errors.append(err)
+    # Legacy Endpoints only stand in for services without slices (kube-proxy reads one or the other).
+    sliced = {(e.namespace, e.service) for e in out.endpoints.values()}
+    for (ns, svc), eps in legacy.items():
+        if (ns, svc) not in sliced:
+            out.endpoints[(ns, f"Endpoints/{svc}")] = eps
+    return out
+
+
+def _parse_node(obj: Mapping[str, Any], node_name: str) -> Optional[NodeInfo]:
+    meta = obj.get("metadata") or {}
+    name = meta.get("name") if isinstance(meta, Mapping) else None
+    if not node_name or name != node_name:
+        return None
+    labels = meta.get("labels") or {}
+    try:
+        zone = check_zone(labels.get(ZONE_LABEL) if isinstance(labels, Mapping) else None,
+                          f"metadata.labels[{ZONE_LABEL}]")
+    except FieldError as err:
+        raise ValidationError("Node", str(name), err.field_path, err.message) from None
+    return NodeInfo(name=node_name, zone=zone)
+
+
+def load(path: str, node_name: str = "") -> Loaded:
+    """Load every manifest under ``path``; raises :class:`SourceError` if any file cannot be parsed."""
+    objects: List[Mapping[str, Any]] = []
+    for f in manifest_files(path):
+        objects.extend(flatten(read_documents(f)))
+    return parse_objects(iter(objects), node_name)
+
+
+class FileSource:
+    """Loads ``path`` into a tracker, then polls it and reloads on change (``netproxy run``).
+
+    Polling the files' (mtime, size, inode) every ``poll_interval`` is cheap for a handful of files
+    and needs no inotify binding; it catches editors that replace the file as well as in-place writes.
+    """
+
+    def __init__(self, path: str, node_name: str = "", poll_interval: float = 0.02) -> None:
+        self.path = path
+        self.node_name = node_name
+        self.poll_interval = poll_interval
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._signature: Optional[Tuple[Tuple[str, int, int, int], ...]] = None
+        self.last_error: Optional[str] = None
+
+    def _current_signature(self) -> Tuple[Tuple[str, int, int, int], ...]:
+        sig = []
+        try:
+            files = manifest_files(self.path)
+        except SourceError:
+            return ()
+        for f in files:
+            try:
+                st = os.stat(f)
+            except OSError:
+                continue
+            sig.append((f, st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(sig)
+
+    def load_into(self, tracker: Any) -> Optional[Loaded]:
+        """One load; on a parse error keep the tracker's last good state and remember the error."""
+        self._signature = self._current_signature()
+        try:
+            loaded = load(self.path, self.node_name)
+        except SourceError as err:
+            self.last_error = str(err)
+            log.error("source not reloaded, keeping the last good state: %s", err)
+            return None
+        self.last_error = None
+        for err in loaded.errors:
+            tracker.reject(err)
+        if loaded.node is not None:
+            tracker.set_node(loaded.node)
+        tracker.replace_services(loaded.services)
+        tracker.replace_endpoints(loaded.endpoints)
+        tracker.services_synced()
+        tracker.endpoints_synced()
+        return loaded
+
+    def start(self, tracker: Any) -> None:
+        self.load_into(tracker)
+        self._thread = threading.Thread(target=self._watch, args=(tracker,), name="file-source", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def _watch(self, tracker: Any) -> None:
+        while not self._stop.wait(self.poll_interval):
+            if self._current_signature() != self._signature:
+                log.info("source %s changed, reloading", self.path)
+                self.load_into(tracker)

@@ -1,0 +1,176 @@
+"""The change tracker: turns source events into snapshots and says which service ports changed.
+
+Sources call the ``update_*``/``replace_*`` methods from their own threads; the sync loop calls
+:meth:`ChangeTracker.take` to get a :class:`Snapshot` and the set of changed service port names.
+Endpoints are resolved per service port here (merging every slice of a service, deduplicating an
+endpoint listed by two slices), so backends only ever see resolved ``Endpoint`` tuples.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Dict, Mapping, Optional, Set, Tuple
+
+from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot, ValidationError
+from netproxy.source.convert import EndpointSet
+
+log = logging.getLogger(__name__)
+
+Key = Tuple[str, str]  # (namespace, name)
+
+
+class ChangeTracker:
+    """Holds the latest state from the sources and what changed since the last :meth:`take`."""
+
+    def __init__(self, node: Optional[NodeInfo] = None, on_change: Optional[Callable[[], None]] = None) -> None:
+        self._lock = threading.Lock()
+        self._services: Dict[Key, Tuple[ServicePort, ...]] = {}
+        self._slices: Dict[Key, EndpointSet] = {}  # keyed by (namespace, slice name)
+        self._slices_by_service: Dict[Key, Set[Key]] = {}
+        self._dirty: Set[Key] = set()  # services (namespace, name) whose ports or endpoints changed
+        self._resolved: Dict[ServicePortName, Tuple[Endpoint, ...]] = {}
+        self._ports: Dict[ServicePortName, ServicePort] = {}
+        self._names_by_service: Dict[Key, Set[ServicePortName]] = {}
+        self._node = node or NodeInfo()
+        self._node_changed = False
+        self._services_synced = False
+        self._endpoints_synced = False
+        self.rejected = 0  # a count: a long-running proxy must not keep every error it ever saw
+        self.on_change = on_change
+
+    # -- events from sources ------------------------------------------------------------------
+
+    def update_service(self, namespace: str, name: str, ports: Optional[Tuple[ServicePort, ...]]) -> None:
+        """A service was added or changed (``ports``) or deleted (``None``)."""
+        with self._lock:
+            self._set_service((namespace, name), ports)
+        self._notify()
+
+    def update_endpoints(self, namespace: str, slice_name: str, eps: Optional[EndpointSet]) -> None:
+        """An EndpointSlice (or legacy Endpoints) was added or changed, or deleted (``None``)."""
+        with self._lock:
+            self._set_slice((namespace, slice_name), eps)
+        self._notify()
+
+    def replace_services(self, services: Mapping[Key, Tuple[ServicePort, ...]]) -> None:
+        """The full set of services after a (re)list: ones not in ``services`` are removed."""
+        with self._lock:
+            for key in set(self._services) - set(services):
+                self._set_service(key, None)
+            for key, ports in services.items():
+                self._set_service(key, ports)
+        self._notify()
+
+    def replace_endpoints(self, sets: Mapping[Key, EndpointSet]) -> None:
+        """The full set of endpoint slices after a (re)list: ones not in ``sets`` are removed."""
+        with self._lock:
+            for key in set(self._slices) - set(sets):
+                self._set_slice(key, None)
+            for key, eps in sets.items():
+                self._set_slice(key, eps)
+        self._notify()
+
+    def set_node(self, node: NodeInfo) -> None:
+        with self._lock:
+            if node != self._node:
+                self._node = node
+                self._node_changed = True
+        self._notify()
+
+    def services_synced(self) -> None:
+        with self._lock:
+            self._services_synced = True
+        self._notify()
+
+    def endpoints_synced(self) -> None:
+        with self._lock:
+            self._endpoints_synced = True
+        self._notify()
+
+    def reject(self, error: ValidationError) -> None:
+        """A source could not use an object; it is logged here once, with the object and field."""
+        log.error("rejected %s", error)
+        with self._lock:
+            self.rejected += 1
+
+    # -- the sync loop's side -------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """The seed's rule: never write before both services and endpoints were seen once."""
+        with self._lock:
+            return self._services_synced and self._endpoints_synced
+
+    def pending(self) -> bool:
+        with self._lock:
+            return bool(self._dirty) or self._node_changed
+
+    def take(self) -> Tuple[Snapshot, Changes]:
+        """The current snapshot and the service ports changed since the last call (then cleared)."""
+        with self._lock:
+            changed: Set[ServicePortName] = set()
+            for key in self._dirty:
+                changed.update(self._resolve(key))
+            self._dirty.clear()
+            full = self._node_changed  # node zone/name changes can affect every service
+            self._node_changed = False
+            snap = Snapshot(dict(self._ports), dict(self._resolved), self._node)
+        return snap, Changes(full=full, services=frozenset(changed))
+
+    # -- internals (lock held) ------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def _set_service(self, key: Key, ports: Optional[Tuple[ServicePort, ...]]) -> None:
+        old = self._services.get(key)
+        if ports is None or not ports:
+            if old is not None:
+                del self._services[key]
+                self._dirty.add(key)
+            return
+        if old != ports:
+            self._services[key] = ports
+            self._dirty.add(key)
+
+    def _set_slice(self, key: Key, eps: Optional[EndpointSet]) -> None:
+        old = self._slices.get(key)
+        if old == eps:
+            return
+        if old is not None:
+            service = (old.namespace, old.service)
+            self._slices_by_service.get(service, set()).discard(key)
+            self._dirty.add(service)
+            del self._slices[key]
+        if eps is not None:
+            service = (eps.namespace, eps.service)
+            self._slices[key] = eps
+            self._slices_by_service.setdefault(service, set()).add(key)
+            self._dirty.add(service)
+
+    def _resolve(self, key: Key) -> Set[ServicePortName]:
+        """Recompute one service's ports and endpoints; return every port name touched."""
+        touched = self._names_by_service.pop(key, set())
+        for name in touched:
+            del self._ports[name]
+            self._resolved.pop(name, None)
+        ports = self._services.get(key, ())
+        slices = [self._slices[k] for k in sorted(self._slices_by_service.get(key, ()))]
+        names: Set[ServicePortName] = set()
+        for sp in ports:
+            seen: Dict[Tuple[object, int], Endpoint] = {}
+            for s in slices:
+                for ep in s.for_port(sp.name.port, sp.protocol):
+                    # The same address in two slices (during a slice rebalance) counts once; a ready
+                    # copy wins over a not-ready one.
+                    prev = seen.get((ep.ip, ep.port))
+                    if prev is None or (ep.ready and not prev.ready):
+                        seen[(ep.ip, ep.port)] = ep
+            self._ports[sp.name] = sp
+            self._resolved[sp.name] = tuple(sorted(seen.values(), key=lambda e: (e.ip.version, e.ip, e.port)))
+            names.add(sp.name)
+        if names:
+            self._names_by_service[key] = names
+        return touched | names
