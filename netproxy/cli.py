@@ -18,7 +18,7 @@ import re
 import signal
 import sys
 import threading
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Protocol, Sequence, Tuple
 
 from netproxy import detect as detect_mod
 from netproxy.backends import BackendError, create
@@ -27,6 +27,12 @@ from netproxy.config import BACKENDS, IPTABLES_WRITERS, ProxyConfig, parse_cidrs
 from netproxy.model import Changes
 from netproxy.source.files import FileSource, SourceError, load
 from netproxy.tracker import ChangeTracker
+
+
+class Source(Protocol):
+    def start(self, tracker: ChangeTracker) -> None: ...
+
+    def stop(self) -> None: ...
 
 log = logging.getLogger("netproxy")
 
@@ -106,9 +112,9 @@ def _config(args: argparse.Namespace, backend: str, flavour: str) -> ProxyConfig
         backend=backend, iptables_writer=args.iptables_writer, iptables_flavour=flavour,
         sync_period=getattr(args, "sync_period", 30.0), min_sync_period=getattr(args, "min_sync_period", 1.0),
         masquerade_all=getattr(args, "masquerade_all", False), masquerade_bit=getattr(args, "masquerade_bit", 14),
-        cluster_cidrs=tuple(getattr(args, "cluster_cidr", ())),  # type: ignore[arg-type]
+        cluster_cidrs=tuple(getattr(args, "cluster_cidr", ())),
         hostname=getattr(args, "hostname_override", "") or socket.gethostname(),
-        nodeport_addresses=tuple(getattr(args, "nodeport_addresses", ())),  # type: ignore[arg-type]
+        nodeport_addresses=tuple(getattr(args, "nodeport_addresses", ())),
     )
 
 
@@ -128,9 +134,10 @@ def choose_backend(args: argparse.Namespace) -> Tuple[str, str]:
     return backend, flavour
 
 
-def make_backend(args: argparse.Namespace) -> Backend:
+def make_backend(args: argparse.Namespace) -> Tuple[Backend, ProxyConfig]:
     backend, flavour = choose_backend(args)
-    return create(backend, _config(args, backend, flavour))
+    config = _config(args, backend, flavour)
+    return create(backend, config), config
 
 
 def _report_rejections(errors: Sequence[Exception]) -> None:
@@ -140,7 +147,7 @@ def _report_rejections(errors: Sequence[Exception]) -> None:
 
 def cmd_sync(args: argparse.Namespace) -> int:
     loaded = load(args.source, args.hostname_override)
-    backend = make_backend(args)
+    backend, _ = make_backend(args)
     backend.probe()
     tracker = ChangeTracker()
     if loaded.node is not None:
@@ -156,7 +163,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     loaded = load(args.source, args.hostname_override)
-    backend = make_backend(args)
+    backend, _ = make_backend(args)
     tracker = ChangeTracker()
     if loaded.node is not None:
         tracker.set_node(loaded.node)
@@ -211,9 +218,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from netproxy.proxier import Proxier
     from netproxy.runner import BoundedFrequencyRunner
 
-    backend = make_backend(args)
+    backend, config = make_backend(args)
     backend.probe()
-    config = _config(args, backend.name, args.iptables_flavour)
     tracker = ChangeTracker()
     proxier = Proxier(tracker, backend, config)
     runner = BoundedFrequencyRunner(proxier.sync, config.min_sync_period, config.sync_period)
@@ -239,12 +245,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _make_source(args: argparse.Namespace, config: ProxyConfig) -> FileSource:
+def _make_source(args: argparse.Namespace, config: ProxyConfig) -> Source:
+    """The file source for --source; otherwise the Kubernetes API (--kubeconfig, or in-cluster)."""
     if args.source:
         return FileSource(args.source, node_name=config.hostname)
-    from netproxy.source import kube  # type: ignore[attr-defined]
+    # Imported lazily: the kubernetes client is slow to import and file-source users never need it.
+    from netproxy.source import kube
 
-    return kube.from_flags(args.kubeconfig, config.hostname, use_endpoints=args.use_endpoints)  # type: ignore[no-any-return]
+    try:
+        client = kube.api_client_from(args.kubeconfig)
+    except ValueError as err:
+        raise SourceError(f"{err}; pass --source PATH or --kubeconfig PATH") from None
+    return kube.KubeSource(client, config.hostname, use_endpoints=args.use_endpoints)
 
 
 COMMANDS = {"sync": cmd_sync, "run": cmd_run, "plan": cmd_plan, "detect": cmd_detect, "cleanup": cmd_cleanup}

@@ -180,8 +180,8 @@ class FileSource:
             log.error("source not reloaded, keeping the last good state: %s", err)
             return None
         self.last_error = None
-        for err in loaded.errors:
-            tracker.reject(err)
+        for rejected in loaded.errors:
+            tracker.reject(rejected)
         if loaded.node is not None:
             tracker.set_node(loaded.node)
         tracker.replace_services(loaded.services)
