@@ -1,6 +1,11 @@
 """Which endpoints of a service port a backend routes to (kube-proxy's CategorizeEndpoints, in one place).
 
-Both backends call these so that they cannot disagree on which endpoints are eligible.
+Both backends call these so that they cannot disagree on which endpoints are eligible:
+- ready endpoints; when none is ready, the serving-and-terminating ones (graceful termination);
+- ``internalTrafficPolicy``/``externalTrafficPolicy: Local``: only endpoints on this node;
+- topology: zone hints (``hints.forZones``, or the endpoint's own zone under
+  ``trafficDistribution: PreferClose``) restrict cluster traffic to endpoints for this node's zone,
+  only when every endpoint is hinted and at least one is for this zone (kube-proxy's canUseTopology).
 """
 
 from __future__ import annotations
@@ -9,8 +14,10 @@ from typing import Sequence, Tuple
 
 from netproxy.model import Endpoint, NodeInfo, ServicePort
 
+PREFER_ZONE = ("PreferClose", "PreferSameZone")
 
-def _usable(endpoints: Sequence[Endpoint]) -> Tuple[Endpoint, ...]:
+
+def usable(endpoints: Sequence[Endpoint]) -> Tuple[Endpoint, ...]:
     """Ready endpoints; when there are none, the serving-and-terminating ones (graceful shutdown)."""
     ready = tuple(e for e in endpoints if e.ready)
     if ready:
@@ -22,15 +29,36 @@ def cluster_endpoints(svc: ServicePort, endpoints: Sequence[Endpoint], node: Nod
     """Endpoints for traffic from inside the cluster (ClusterIP), honouring internalTrafficPolicy."""
     if svc.internal_traffic_policy == "Local":
         return local_endpoints(endpoints, node)
-    return _usable(endpoints)
+    return _by_topology(svc, usable(endpoints), node)
 
 
 def external_endpoints(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeInfo) -> Tuple[Endpoint, ...]:
     """Endpoints for external traffic (NodePort, external IP, LB IP), honouring externalTrafficPolicy."""
     if svc.external_traffic_policy == "Local":
         return local_endpoints(endpoints, node)
-    return _usable(endpoints)
+    return _by_topology(svc, usable(endpoints), node)
 
 
 def local_endpoints(endpoints: Sequence[Endpoint], node: NodeInfo) -> Tuple[Endpoint, ...]:
-    return _usable(tuple(e for e in endpoints if node.name and e.node_name == node.name))
+    """Endpoints on this node (matched by nodeName), with the same ready/terminating fallback."""
+    return usable(tuple(e for e in endpoints if node.name and e.node_name == node.name))
+
+
+def _zones_of(svc: ServicePort, ep: Endpoint) -> Tuple[str, ...]:
+    if ep.zone_hints:
+        return ep.zone_hints
+    if svc.traffic_distribution in PREFER_ZONE and ep.zone:
+        # Without the EndpointSlice controller (file source), PreferClose means what the controller
+        # would hint: each endpoint serves its own zone.
+        return (ep.zone,)
+    return ()
+
+
+def _by_topology(svc: ServicePort, endpoints: Tuple[Endpoint, ...], node: NodeInfo) -> Tuple[Endpoint, ...]:
+    if not node.zone or not endpoints:
+        return endpoints
+    zones = [_zones_of(svc, e) for e in endpoints]
+    if any(not z for z in zones):
+        return endpoints  # kube-proxy ignores hints unless every endpoint has them
+    same = tuple(e for e, z in zip(endpoints, zones) if node.zone in z)
+    return same or endpoints

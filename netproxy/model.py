@@ -150,6 +150,8 @@ class ServicePort:
     internal_traffic_policy: str = "Cluster"
     health_check_node_port: int = 0
     service_type: str = "ClusterIP"
+    traffic_distribution: str = ""
+    """``spec.trafficDistribution`` ("PreferClose"): prefer endpoints in the node's zone."""
 
     @property
     def client_ip_affinity(self) -> bool:
@@ -171,6 +173,8 @@ class Endpoint:
     terminating: bool = False
     node_name: Optional[str] = None
     zone: Optional[str] = None
+    zone_hints: Tuple[str, ...] = ()
+    """EndpointSlice ``hints.forZones``: the zones whose nodes should route to this endpoint."""
 
     def __str__(self) -> str:
         if self.ip.version == 6:
@@ -184,6 +188,8 @@ class NodeInfo:
 
     name: str = ""
     zone: Optional[str] = None
+    addresses: Tuple[IPAddress, ...] = ()
+    """The node's local addresses that accept NodePorts (only used with --nodeport-addresses)."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -7,7 +7,7 @@ object's kind, namespace/name and the failing field.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
 
 from netproxy.model import (
@@ -55,8 +55,7 @@ class EndpointSet:
         out: List[Endpoint] = []
         for p in self.ports:
             if p.name == port_name and p.protocol == protocol:
-                out.extend(Endpoint(e.ip, p.port, e.ready, e.serving, e.terminating, e.node_name, e.zone)
-                           for e in self.endpoints)
+                out.extend(replace(e, port=p.port) for e in self.endpoints)
         return tuple(out)
 
 
@@ -148,6 +147,10 @@ def _service_ports(ns: str, name: str, obj: Mapping[str, Any]) -> Tuple[ServiceP
     affinity, timeout = _affinity(spec)
     etp = check_choice(spec.get("externalTrafficPolicy"), "spec.externalTrafficPolicy", TRAFFIC_POLICIES, "Cluster")
     itp = check_choice(spec.get("internalTrafficPolicy"), "spec.internalTrafficPolicy", TRAFFIC_POLICIES, "Cluster")
+    distribution = spec.get("trafficDistribution") or ""
+    if distribution not in ("", "PreferClose", "PreferSameZone", "PreferSameNode"):
+        raise FieldError("spec.trafficDistribution", f"{distribution!r} is not PreferClose, PreferSameZone or "
+                         "PreferSameNode")
     hc_port = spec.get("healthCheckNodePort") or 0
     hc_port = check_port(hc_port, "spec.healthCheckNodePort", allow_zero=True)
     raw_ports = _list(spec.get("ports"), "spec.ports")
@@ -181,6 +184,7 @@ def _service_ports(ns: str, name: str, obj: Mapping[str, Any]) -> Tuple[ServiceP
             external_ips=external_ips, load_balancer_ips=lb_ips, source_ranges=ranges,
             affinity=affinity, affinity_timeout=timeout, external_traffic_policy=etp,
             internal_traffic_policy=itp, health_check_node_port=hc_port, service_type=svc_type,
+            traffic_distribution=str(distribution),
         ))
     return tuple(out)
 
@@ -232,11 +236,16 @@ def parse_endpoint_slice(obj: Mapping[str, Any], families: Tuple[str, ...] = ("I
             if node is not None:
                 check_subdomain(node, f"{path}.nodeName")
             zone = check_zone(e.get("zone"), f"{path}.zone")
+            hints = _map(e.get("hints"), f"{path}.hints")
+            for_zones = _list(hints.get("forZones"), f"{path}.hints.forZones")
+            zone_hints = tuple(check_zone(_map(z, f"{path}.hints.forZones[{k}]").get("name"),
+                                          f"{path}.hints.forZones[{k}].name") or ""
+                               for k, z in enumerate(for_zones))
             for j, addr in enumerate(_list(e.get("addresses"), f"{path}.addresses")):
                 ip = check_ip(addr, f"{path}.addresses[{j}]")
                 if ("IPv6" if ip.version == 6 else "IPv4") != addr_type:
                     raise FieldError(f"{path}.addresses[{j}]", f"{addr!r} is not of addressType {addr_type}")
-                eps.append(Endpoint(ip, 0, ready, serving, terminating, node, zone))
+                eps.append(Endpoint(ip, 0, ready, serving, terminating, node, zone, zone_hints))
         return EndpointSet(ns, service, _slice_ports(obj.get("ports"), "ports"), tuple(eps))
 
     return _guard(kind, ref, build)
