@@ -24,10 +24,11 @@ MAX_AFFINITY_TIMEOUT = 86400
 # Kubernetes' own limits: namespaces and service names are DNS-1123 labels (63),
 # EndpointSlice names are DNS-1123 subdomains (253), port names are IANA_SVC_NAME-like labels (15
 # for container ports; service port names are DNS-1123 labels).
-_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# \Z, not $: "$" also matches before a trailing newline, which would let "web\n" through.
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
 _NODE_NAME = _DNS1123_SUBDOMAIN
-_ZONE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_ZONE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?\Z")
 
 
 class ValidationError(ValueError):
@@ -86,18 +87,25 @@ def check_ip(value: object, field_path: str) -> IPAddress:
     if not isinstance(value, str):
         raise FieldError(field_path, f"{value!r} is not an IP address")
     try:
-        return ipaddress.ip_address(value)
+        ip = ipaddress.ip_address(value)
     except ValueError:
         raise FieldError(field_path, f"{value!r} is not an IP address") from None
+    if getattr(ip, "scope_id", None) is not None:
+        # Python >= 3.9 accepts "fe80::1%<anything>" and keeps the text in str(ip); Kubernetes has no zones.
+        raise FieldError(field_path, f"{value!r} is not an IP address (no %zone allowed)")
+    return ip
 
 
 def check_cidr(value: object, field_path: str) -> IPNetwork:
     if not isinstance(value, str):
         raise FieldError(field_path, f"{value!r} is not a CIDR")
     try:
-        return ipaddress.ip_network(value.strip(), strict=False)
+        net = ipaddress.ip_network(value.strip(), strict=False)
     except ValueError:
         raise FieldError(field_path, f"{value!r} is not a CIDR") from None
+    if getattr(net.network_address, "scope_id", None) is not None:
+        raise FieldError(field_path, f"{value!r} is not a CIDR (no %zone allowed)")
+    return net
 
 
 def check_choice(value: object, field_path: str, choices: Tuple[str, ...], default: str) -> str:
