@@ -24,7 +24,8 @@ from netproxy import detect as detect_mod
 from netproxy.backends import BackendError, create
 from netproxy.backends.base import Backend
 from netproxy.config import BACKENDS, IPTABLES_WRITERS, ProxyConfig, parse_cidrs
-from netproxy.model import Changes
+from netproxy.model import Changes, NodeInfo, Snapshot, ValidationError
+from netproxy.proxier import Proxier
 from netproxy.source.files import FileSource, SourceError, load
 from netproxy.tracker import ChangeTracker
 
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--kubeconfig", help="read the Kubernetes API with this kubeconfig")
     p.add_argument("--use-endpoints", action="store_true", help="read v1 Endpoints instead of EndpointSlices")
     p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", help="host:port for /metrics ('' off)")
+    p.add_argument("--healthz-bind-address", default="0.0.0.0:10256", help="host:port for /healthz ('' off)")
     _add_common(p)
     _add_proxy(p)
     p = sub.add_parser("plan", help="print the ruleset that sync would write, touching nothing")
@@ -145,34 +147,37 @@ def _report_rejections(errors: Sequence[Exception]) -> None:
         print(f"netproxy: rejected {err}", file=sys.stderr)
 
 
-def cmd_sync(args: argparse.Namespace) -> int:
-    loaded = load(args.source, args.hostname_override)
-    backend, _ = make_backend(args)
-    backend.probe()
-    tracker = ChangeTracker()
+def _snapshot(args: argparse.Namespace, config: ProxyConfig) -> Tuple[Snapshot, List[ValidationError]]:
+    """One load of --source into a snapshot, for the one-shot commands."""
+    loaded = load(args.source, config.hostname)
+    tracker = ChangeTracker(NodeInfo(name=config.hostname))
     if loaded.node is not None:
         tracker.set_node(loaded.node)
+    if config.nodeport_addresses:
+        from netproxy.nodeaddr import local_addresses
+
+        tracker.set_node_addresses(local_addresses(config.nodeport_addresses))
     tracker.replace_services(loaded.services)
     tracker.replace_endpoints(loaded.endpoints)
-    snapshot, _ = tracker.take()
+    return tracker.take()[0], loaded.errors
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    backend, config = make_backend(args)
+    snapshot, errors = _snapshot(args, config)
+    backend.probe()
     result = backend.sync(snapshot, Changes(full=True))
     log.info("synced %d service ports with the %s backend", result.services_written, backend.name)
-    _report_rejections(loaded.errors)
-    return EXIT_REJECTED if loaded.errors else EXIT_OK
+    _report_rejections(errors)
+    return EXIT_REJECTED if errors else EXIT_OK
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    loaded = load(args.source, args.hostname_override)
-    backend, _ = make_backend(args)
-    tracker = ChangeTracker()
-    if loaded.node is not None:
-        tracker.set_node(loaded.node)
-    tracker.replace_services(loaded.services)
-    tracker.replace_endpoints(loaded.endpoints)
-    snapshot, _ = tracker.take()
+    backend, config = make_backend(args)
+    snapshot, errors = _snapshot(args, config)
     sys.stdout.write(backend.plan(snapshot))
-    _report_rejections(loaded.errors)
-    return EXIT_REJECTED if loaded.errors else EXIT_OK
+    _report_rejections(errors)
+    return EXIT_REJECTED if errors else EXIT_OK
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
@@ -215,7 +220,6 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from netproxy import metrics
-    from netproxy.proxier import Proxier
     from netproxy.runner import BoundedFrequencyRunner
 
     backend, config = make_backend(args)
@@ -226,6 +230,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     proxier.retry = runner.retry_after
     tracker.on_change = runner.request
     source = _make_source(args, config)
+    _add_post_sync_steps(proxier, config, args)
     stop = threading.Event()
 
     def _stop(signum: int, _frame: object) -> None:
@@ -237,12 +242,38 @@ def cmd_run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _stop)
     metrics.serve(args.metrics_bind_address)
     source.start(tracker)
+    watcher = None
+    if config.nodeport_addresses:
+        from netproxy.nodeaddr import NodeAddressWatcher
+
+        watcher = NodeAddressWatcher(config.nodeport_addresses)
+        watcher.start(tracker)
     log.info("running with the %s backend", backend.name)
     try:
         runner.loop(stop)
     finally:
         source.stop()
+        if watcher is not None:
+            watcher.stop()
     return EXIT_OK
+
+
+def _add_post_sync_steps(proxier: Proxier, config: ProxyConfig, args: argparse.Namespace) -> None:
+    """What kube-proxy does after writing rules: UDP conntrack cleanup and the health-check servers."""
+    from netproxy.conntrack import ConntrackCleaner, stale_udp
+    from netproxy.healthcheck import ProxyHealth, ServiceHealthServers
+
+    cleaner = ConntrackCleaner()
+    services = ServiceHealthServers()
+    health = ProxyHealth(config.sync_period)
+    health.serve(args.healthz_bind_address)
+
+    def clean_conntrack(prev: Optional[Snapshot], cur: Snapshot) -> None:
+        cleaner.clean(stale_udp(prev, cur))
+
+    proxier.after_sync.append(clean_conntrack)
+    proxier.after_sync.append(lambda prev, cur: services.update(cur))
+    proxier.after_sync.append(lambda prev, cur: health.synced())
 
 
 def _make_source(args: argparse.Namespace, config: ProxyConfig) -> Source:

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 from netproxy import metrics
 from netproxy.backends.base import Backend, SyncError, SyncResult
 from netproxy.config import ProxyConfig
-from netproxy.model import Changes
+from netproxy.model import Changes, Snapshot
 from netproxy.tracker import ChangeTracker
 
 log = logging.getLogger(__name__)
 
 MIN_BACKOFF = 1.0
+AfterSync = Callable[[Optional[Snapshot], Snapshot], None]
 
 
 class Proxier:
@@ -34,6 +35,10 @@ class Proxier:
         self.last_error: Optional[SyncError] = None
         self.last_result: Optional[SyncResult] = None
         self.retry: Callable[[float], None] = lambda delay: None
+        self.after_sync: List[AfterSync] = []
+        """Called with (previous, current) snapshot after each successful sync: conntrack cleanup,
+        health-check servers.  A failing hook is logged and does not fail the sync."""
+        self._previous: Optional[Snapshot] = None
 
     def sync(self) -> None:
         """One sync; the runner calls this.  Never raises for a kernel error: it schedules a retry."""
@@ -64,6 +69,12 @@ class Proxier:
         self.last_error = None
         log.info("synced %s: %d service ports (%d written) in %.3f s", "full" if full else "partial",
                  len(snapshot.services), self.last_result.services_written, elapsed)
+        for hook in self.after_sync:
+            try:
+                hook(self._previous, snapshot)
+            except Exception:  # noqa: BLE001 - a hook must never stop the proxy from syncing
+                log.exception("post-sync step %r failed", hook)
+        self._previous = snapshot
 
     def _failed(self, err: SyncError) -> None:
         # The backend left the previous ruleset in place; the changes taken from the tracker are not

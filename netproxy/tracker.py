@@ -10,9 +10,19 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from typing import Callable, Dict, Mapping, Optional, Set, Tuple
 
-from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot, ValidationError
+from netproxy.model import (
+    Changes,
+    Endpoint,
+    IPAddress,
+    NodeInfo,
+    ServicePort,
+    ServicePortName,
+    Snapshot,
+    ValidationError,
+)
 from netproxy.source.convert import EndpointSet
 
 log = logging.getLogger(__name__)
@@ -34,6 +44,7 @@ class ChangeTracker:
         self._names_by_service: Dict[Key, Set[ServicePortName]] = {}
         self._node = node or NodeInfo()
         self._node_changed = False
+        self._node_addresses: Tuple[IPAddress, ...] = ()
         self._services_synced = False
         self._endpoints_synced = False
         self.rejected = 0  # a count: a long-running proxy must not keep every error it ever saw
@@ -78,6 +89,14 @@ class ChangeTracker:
                 self._node_changed = True
         self._notify()
 
+    def set_node_addresses(self, addresses: Tuple[IPAddress, ...]) -> None:
+        """The node's local addresses changed (kept apart from set_node: two sources feed them)."""
+        with self._lock:
+            if addresses != self._node_addresses:
+                self._node_addresses = addresses
+                self._node_changed = True
+        self._notify()
+
     def services_synced(self) -> None:
         with self._lock:
             self._services_synced = True
@@ -115,7 +134,8 @@ class ChangeTracker:
             self._dirty.clear()
             full = self._node_changed  # node zone/name changes can affect every service
             self._node_changed = False
-            snap = Snapshot(dict(self._ports), dict(self._resolved), self._node)
+            node = replace(self._node, addresses=self._node_addresses) if self._node_addresses else self._node
+            snap = Snapshot(dict(self._ports), dict(self._resolved), node)
         return snap, Changes(full=full, services=frozenset(changed))
 
     # -- internals (lock held) ------------------------------------------------------------------
