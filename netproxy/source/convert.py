@@ -114,8 +114,9 @@ def _cluster_ips(spec: Mapping[str, Any]) -> Tuple[IPAddress, ...]:
         [spec["clusterIP"]] if spec.get("clusterIP") else [])
     if any(v == "None" for v in raw):
         return ()
-    field_path = "spec.clusterIPs" if spec.get("clusterIPs") else "spec.clusterIP"
-    return _ips(raw, field_path)
+    if not spec.get("clusterIPs"):
+        return (check_ip(raw[0], "spec.clusterIP"),) if raw else ()  # a scalar: no "[0]" in the error
+    return _ips(raw, "spec.clusterIPs")
 
 
 def _affinity(spec: Mapping[str, Any]) -> Tuple[str, int]:
@@ -172,7 +173,8 @@ def _service_ports(ns: str, name: str, obj: Mapping[str, Any]) -> Tuple[ServiceP
         seen[port_name] = i
         port = check_port(p.get("port"), f"{path}.port")
         target = p.get("targetPort", port)
-        if isinstance(target, str) and not target.isdigit():
+        # isascii: "²".isdigit() is true but int("²") raises ValueError, which no caller catches.
+        if isinstance(target, str) and not (target.isascii() and target.isdigit()):
             target = check_label(target, f"{path}.targetPort", max_len=15)
         else:
             target = check_port(int(target) if isinstance(target, str) else target, f"{path}.targetPort")
