@@ -162,6 +162,7 @@ class Sandbox:
         self._want_pods = pods
         self._remote_pods = remote_pods
         self._namespaces: List[str] = []
+        self._client_extra: List[str] = []
         self._servers: Dict[str, subprocess.Popen] = {}  # type: ignore[type-arg]
         self._procs: List[subprocess.Popen] = []  # type: ignore[type-arg]
         self.workdir = ""
@@ -300,6 +301,24 @@ class Sandbox:
             self.start_server(pod)
         return pod
 
+    def client_addresses(self, n: int) -> List[str]:
+        """``n`` IPv4 addresses of the client namespace (extra ones added on first ask), so that one
+        namespace can act as many clients (per-client-address behaviour such as affinity)."""
+        if n > 100:
+            raise SandboxError("at most 100 client addresses")
+        have = len(self._client_extra)
+        if n > have:
+            with _iproute_ns(self.client) as cli:
+                cidx = cli.link_lookup(ifname="eth0")[0]
+                with _iproute_ns(self.node) as node:
+                    nidx = node.link_lookup(ifname="v-client")[0]
+                    for k in range(have, n):
+                        addr = f"10.244.1.{100 + k}"
+                        cli.addr("add", index=cidx, address=addr, prefixlen=32)
+                        node.route("add", dst=f"{addr}/32", oif=nidx)
+                        self._client_extra.append(addr)
+        return self._client_extra[:n]
+
     # ---- processes ----------------------------------------------------------------------------
 
     def start_server(self, pod: Pod, *, wait: bool = True) -> None:
@@ -347,12 +366,18 @@ class Sandbox:
 
     def connect(self, address: str, port: int, *, proto: str = "tcp", count: int = 1, source: Optional[str] = None,
                 timeout: float = 1.0, concurrency: int = 32, interval: float = 0.0,
-                bind: Optional[str] = None) -> ConnectResult:
-        """``count`` connections to ``address:port`` from namespace ``source`` (default: the client)."""
+                bind: Optional[str] = None, sources: Sequence[str] = ()) -> ConnectResult:
+        """``count`` connections to ``address:port`` from namespace ``source`` (default: the client).
+
+        ``sources``: source addresses used round-robin (attempt i from ``sources[i % len]``), e.g.
+        from :meth:`client_addresses`; ``bind``: one fixed ``ADDRESS:PORT`` (or ``:PORT``) for all.
+        """
         argv = [sys.executable, CLIENT, address, str(port), "--proto", proto, "--count", str(count),
                 "--timeout", str(timeout), "--concurrency", str(concurrency), "--interval", str(interval)]
         if bind:
             argv += ["--bind", bind]
+        if sources:
+            argv += ["--sources", ",".join(sources)]
         budget = 10.0 + count * (interval + timeout)
         proc = self.exec(source or self.client, argv, timeout=budget)
         if proc.returncode != 0:

@@ -89,7 +89,7 @@ def _open(proto: str, address: str, port: int, bind: Optional[Tuple[str, int]]) 
     kind = socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM
     sock = socket.socket(_family(address), kind)
     if bind is not None:
-        # A fixed source port is reused attempt after attempt (the UDP "same flow" case).
+        # A fixed source port (or address) is reused attempt after attempt (the UDP "same flow" case).
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(bind)
     sock.setblocking(False)
@@ -100,9 +100,12 @@ class Batch:
     """Runs ``count`` attempts with at most ``concurrency`` in flight."""
 
     def __init__(self, proto: str, address: str, port: int, *, count: int, timeout: float, concurrency: int,
-                 interval: float = 0.0, bind: Optional[Tuple[str, int]] = None) -> None:
+                 interval: float = 0.0, bind: Optional[Tuple[str, int]] = None,
+                 sources: Sequence[str] = ()) -> None:
         self.proto, self.address, self.port = proto, address, port
         self.count, self.timeout, self.interval, self.bind = count, timeout, interval, bind
+        # Attempt i leaves from sources[i % len(sources)]: many "clients" in one batch (affinity tests).
+        self.sources = list(sources)
         # A fixed source port or a pacing interval means one flow at a time, in order.
         self.concurrency = 1 if (bind is not None or interval > 0) else max(1, concurrency)
         self.sel = selectors.DefaultSelector()
@@ -130,8 +133,11 @@ class Batch:
     def _start(self, now: float) -> None:
         index = self.started
         self.started += 1
+        bind = self.bind
+        if self.sources:
+            bind = (self.sources[index % len(self.sources)], 0)
         try:
-            sock = _open(self.proto, self.address, self.port, self.bind)
+            sock = _open(self.proto, self.address, self.port, bind)
         except OSError as err:
             self.result.record(index, error_kind(err))
             return
@@ -200,6 +206,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--interval", type=float, default=0.0, help="seconds between attempt starts (serialises)")
     parser.add_argument("--bind", default=None, help="source ADDRESS:PORT (or :PORT) for every attempt")
+    parser.add_argument("--sources", default="", help="comma-separated source addresses, used round-robin")
     args = parser.parse_args(argv)
     bind: Optional[Tuple[str, int]] = None
     if args.bind:
@@ -207,7 +214,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         host = host.strip("[]") or ("::" if ":" in args.address else "0.0.0.0")
         bind = (host, int(port))
     batch = Batch(args.proto, args.address, args.port, count=args.count, timeout=args.timeout,
-                  concurrency=args.concurrency, interval=args.interval, bind=bind)
+                  concurrency=args.concurrency, interval=args.interval, bind=bind,
+                  sources=[a for a in args.sources.split(",") if a])
     json.dump(batch.run().as_dict(), sys.stdout)
     sys.stdout.write("\n")
     return 0
