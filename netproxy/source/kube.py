@@ -1,0 +1,233 @@
+"""The Kubernetes API source: list-watch Services, EndpointSlices (or Endpoints) and this node.
+
+Objects are read as raw JSON and converted by :mod:`netproxy.source.convert`, the code the file
+source uses, so a manifest and an API object can never be read differently.  An object that does not
+convert is rejected (logged and counted by the tracker) and treated as absent: programming a stale
+earlier version of it would be a guess, and after a relist there is no earlier version to fall back
+on anyway.
+
+Construct with an API client (see :func:`api_client_from`)::
+
+    source = KubeSource(api_client, node_name, use_endpoints=False, families=("IPv4", "IPv6"))
+    source.start(tracker)   # three daemon threads
+    ...
+    source.stop()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+
+from netproxy.model import FieldError, NodeInfo, ServicePort, ValidationError, check_zone
+from netproxy.source.convert import EndpointSet, parse_endpoint_slice, parse_endpoints, parse_service
+from netproxy.source.kube_reflector import Obj, Reflector, ReflectorSettings
+from netproxy.tracker import ChangeTracker
+
+log = logging.getLogger(__name__)
+
+Key = Tuple[str, str]
+ZONE_LABEL = "topology.kubernetes.io/zone"
+
+
+def object_key(obj: Mapping[str, Any]) -> Optional[Key]:
+    """(namespace, name) straight from metadata, unvalidated: a delete must find what an add stored."""
+    meta = obj.get("metadata")
+    if not isinstance(meta, Mapping) or not isinstance(meta.get("name"), str):
+        return None
+    return (str(meta.get("namespace") or "default"), meta["name"])
+
+
+class ServiceHandler:
+    """Services → tracker.update_service / replace_services."""
+
+    def __init__(self, tracker: ChangeTracker) -> None:
+        self.tracker = tracker
+        self._synced = False
+
+    def _convert(self, obj: Obj) -> Tuple[Optional[Key], Optional[Tuple[ServicePort, ...]]]:
+        key = object_key(obj)
+        try:
+            return key, parse_service(obj)
+        except ValidationError as err:
+            self.tracker.reject(err)
+            return key, None
+
+    def replace(self, items: Iterator[Obj]) -> None:
+        services: Dict[Key, Tuple[ServicePort, ...]] = {}
+        for obj in items:
+            key, ports = self._convert(obj)
+            if key is not None and ports is not None:
+                services[key] = ports
+        self.tracker.replace_services(services)
+        if not self._synced:
+            self._synced = True
+            self.tracker.services_synced()
+
+    def apply(self, event_type: str, obj: Obj) -> None:
+        if event_type == "DELETED":
+            key, ports = object_key(obj), None
+        else:
+            key, ports = self._convert(obj)
+        if key is not None:
+            self.tracker.update_service(key[0], key[1], ports)
+
+
+class SliceHandler:
+    """EndpointSlices (or, with ``legacy``, v1 Endpoints) → tracker.update_endpoints / replace_endpoints.
+
+    Slices are keyed by their own name; the tracker merges a service's slices and dedupes endpoints.
+    A slice of an address type this node does not serve converts to None and is treated as absent.
+    """
+
+    def __init__(self, tracker: ChangeTracker, families: Tuple[str, ...], legacy: bool = False) -> None:
+        self.tracker = tracker
+        self.families = families
+        self.legacy = legacy
+        self._synced = False
+
+    def _convert(self, obj: Obj) -> Tuple[Optional[Key], Optional[EndpointSet]]:
+        key = object_key(obj)
+        try:
+            if self.legacy:
+                return key, self._legacy(parse_endpoints(obj))
+            return key, parse_endpoint_slice(obj, self.families)
+        except ValidationError as err:
+            self.tracker.reject(err)
+            return key, None
+
+    def _legacy(self, eps: EndpointSet) -> EndpointSet:
+        # v1 Endpoints mix families in one object; keep only the ones this node serves.
+        wanted = {4 if f == "IPv4" else 6 for f in self.families}
+        kept = tuple(e for e in eps.endpoints if e.ip.version in wanted)
+        return eps if len(kept) == len(eps.endpoints) else EndpointSet(eps.namespace, eps.service, eps.ports, kept)
+
+    def replace(self, items: Iterator[Obj]) -> None:
+        sets: Dict[Key, EndpointSet] = {}
+        for obj in items:
+            key, eps = self._convert(obj)
+            if key is not None and eps is not None:
+                sets[key] = eps
+        self.tracker.replace_endpoints(sets)
+        if not self._synced:
+            self._synced = True
+            self.tracker.endpoints_synced()
+
+    def apply(self, event_type: str, obj: Obj) -> None:
+        if event_type == "DELETED":
+            key, eps = object_key(obj), None
+        else:
+            key, eps = self._convert(obj)
+        if key is not None:
+            self.tracker.update_endpoints(key[0], key[1], eps)
+
+
+class NodeHandler:
+    """This node's ``v1 Node`` (a field-selected list-watch) → tracker.set_node, only when it changes.
+
+    Nodes are modified often (status, leases, images); only the zone label matters here, so unchanged
+    NodeInfo is not passed on, and a missing node leaves a NodeInfo without zone.
+    """
+
+    def __init__(self, tracker: ChangeTracker, node_name: str) -> None:
+        self.tracker = tracker
+        self.node_name = node_name
+        self._last: Optional[NodeInfo] = None
+
+    def node_info(self, obj: Optional[Obj]) -> NodeInfo:
+        if obj is None:
+            return NodeInfo(self.node_name)
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        raw = labels.get(ZONE_LABEL) if isinstance(labels, Mapping) else None
+        try:
+            zone = check_zone(raw, f"metadata.labels[{ZONE_LABEL}]")
+        except FieldError as err:
+            self.tracker.reject(ValidationError("Node", self.node_name, err.field_path, err.message))
+            zone = None
+        return NodeInfo(self.node_name, zone)
+
+    def _set(self, info: NodeInfo) -> None:
+        if info != self._last:
+            self._last = info
+            self.tracker.set_node(info)
+
+    def _mine(self, obj: Obj) -> bool:
+        return bool((obj.get("metadata") or {}).get("name") == self.node_name)
+
+    def replace(self, items: Iterator[Obj]) -> None:
+        found: Optional[Obj] = None
+        for obj in items:
+            if self._mine(obj):
+                found = obj
+        if found is None:
+            log.warning("node %r not found in the API; topology hints are off until it appears", self.node_name)
+        self._set(self.node_info(found))
+
+    def apply(self, event_type: str, obj: Obj) -> None:
+        if not self._mine(obj):
+            return
+        self._set(self.node_info(None if event_type == "DELETED" else obj))
+
+
+class KubeSource:
+    """Keeps a tracker up to date with the cluster: three reflectors in daemon threads."""
+
+    def __init__(self, api_client: Any, node_name: str, use_endpoints: bool = False,
+                 families: Tuple[str, ...] = ("IPv4", "IPv6"),
+                 settings: Optional[ReflectorSettings] = None) -> None:
+        for family in families:
+            if family not in ("IPv4", "IPv6"):
+                raise ValueError(f"family {family!r} is not IPv4 or IPv6")
+        self.api_client = api_client
+        self.node_name = node_name
+        self.use_endpoints = use_endpoints
+        self.families = tuple(families)
+        self.settings = settings or ReflectorSettings()
+        self.reflectors: List[Reflector] = []
+
+    def start(self, tracker: ChangeTracker) -> None:
+        # Imported here so that netproxy's file-source paths never pay for the client's import.
+        from kubernetes import client
+
+        core = client.CoreV1Api(self.api_client)
+        if self.use_endpoints:
+            endpoints = Reflector("Endpoints", core.list_endpoints_for_all_namespaces,
+                                  SliceHandler(tracker, self.families, legacy=True), self.settings)
+        else:
+            discovery = client.DiscoveryV1Api(self.api_client)
+            endpoints = Reflector("EndpointSlice", discovery.list_endpoint_slice_for_all_namespaces,
+                                  SliceHandler(tracker, self.families), self.settings)
+        self.reflectors = [
+            Reflector("Service", core.list_service_for_all_namespaces, ServiceHandler(tracker), self.settings),
+            endpoints,
+            Reflector("Node", core.list_node, NodeHandler(tracker, self.node_name), self.settings,
+                      list_kwargs={"field_selector": f"metadata.name={self.node_name}"}),
+        ]
+        log.info("watching services, %s and node %s", "endpoints" if self.use_endpoints else "endpointslices",
+                 self.node_name)
+        for r in self.reflectors:
+            r.start()
+
+    def stop(self) -> None:
+        for r in self.reflectors:
+            r.signal_stop()
+        for r in self.reflectors:
+            r.stop()
+
+
+def api_client_from(kubeconfig: Optional[str] = None, context: Optional[str] = None) -> Any:
+    """An ApiClient from a kubeconfig file, or the pod's service account when run in a cluster.
+
+    Raises ValueError when neither is available, naming what was tried.
+    """
+    from kubernetes import client, config
+
+    if kubeconfig:
+        return config.new_client_from_config(  # type: ignore[no-untyped-call]  # the client is untyped
+            config_file=kubeconfig, context=context)
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        cfg = client.Configuration()
+        config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+        return client.ApiClient(cfg)
+    raise ValueError("no --kubeconfig given and not running in a cluster (KUBERNETES_SERVICE_HOST unset)")
