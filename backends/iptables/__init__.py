@@ -1,26 +1,150 @@
-"""The iptables backend (not implemented yet: every call says so, none pretends to succeed)."""
+"""The iptables backend: one rendered ruleset, two writers (save/restore and libiptc).
+
+Rendering is pure (:mod:`.render`); :class:`IptablesBackend` caches each service port's rendered
+rules, diffs the desired chains against what it last wrote (partial syncs) or against the kernel
+(full syncs), and hands the same :class:`~.diff.TableChange` list to whichever writer is configured.
+"""
 
 from __future__ import annotations
 
-from netproxy.backends.base import BackendUnavailable, SyncResult
+import logging
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from netproxy.backends.base import BackendError, BackendUnavailable, SyncResult
+from netproxy.backends.iptables import cleanup as cleanup_mod
+from netproxy.backends.iptables.diff import TableChange, Writer, full_change, partial_change
+from netproxy.backends.iptables.payload import plan_text
+from netproxy.backends.iptables.render import (
+    JUMPS,
+    TABLES,
+    Chains,
+    FamilyRuleset,
+    Rule,
+    ServiceRules,
+    assemble,
+    render_service,
+)
+from netproxy.backends.iptables.restore import RestoreTools, RestoreWriter
 from netproxy.config import ProxyConfig
-from netproxy.model import Changes, Snapshot
+from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
+
+__all__ = ["IptablesBackend"]
+
+log = logging.getLogger(__name__)
+FAMILIES = (4, 6)
+
+
+@dataclass
+class _Rendered:
+    svc: ServicePort
+    endpoints: Tuple[Endpoint, ...]
+    node: NodeInfo
+    rules: Dict[int, ServiceRules]
 
 
 class IptablesBackend:
+    """Backend protocol implementation for iptables (legacy or nft flavour)."""
+
     name = "iptables"
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
+        self.writer = self._make_writer(config)
+        self._cache: Dict[ServicePortName, _Rendered] = {}
+        self._written: Dict[int, Dict[str, Chains]] = {}
+        self._need_full = True
+
+    @staticmethod
+    def _make_writer(config: ProxyConfig) -> Writer:
+        if config.iptables_writer == "libiptc":
+            from netproxy.backends.iptables.libiptc import LibiptcWriter
+
+            return LibiptcWriter(config.iptables_flavour)
+        return RestoreWriter(config.iptables_flavour)
+
+    # -- rendering -------------------------------------------------------------------------------
+
+    def _render(self, snapshot: Snapshot) -> Tuple[Dict[int, FamilyRuleset], int]:
+        """Desired state per family, re-rendering only service ports whose inputs changed."""
+        rerendered = 0
+        for name in [n for n in self._cache if n not in snapshot.services]:
+            del self._cache[name]
+            rerendered += 1
+        for name, svc in snapshot.services.items():
+            eps = snapshot.endpoints_of(name)
+            cached = self._cache.get(name)
+            if cached is not None and cached.svc == svc and cached.endpoints == eps and cached.node == snapshot.node:
+                continue
+            rules = {}
+            for family in FAMILIES:
+                rendered = render_service(svc, eps, snapshot.node, family, self.config)
+                if rendered is not None:
+                    rules[family] = rendered
+            self._cache[name] = _Rendered(svc, eps, snapshot.node, rules)
+            rerendered += 1
+        ordered = [self._cache[n] for n in sorted(self._cache)]
+        desired = {f: assemble(f, (r.rules[f] for r in ordered if f in r.rules), self.config) for f in FAMILIES}
+        return desired, rerendered
+
+    def _has_family(self, family: int) -> bool:
+        return any(family in r.rules for r in self._cache.values())
+
+    # -- Backend protocol ------------------------------------------------------------------------
 
     def probe(self) -> None:
-        raise BackendUnavailable("the iptables backend is not implemented yet")
+        self.writer.probe()
 
     def plan(self, snapshot: Snapshot) -> str:
-        raise BackendUnavailable("the iptables backend is not implemented yet")
+        desired, _ = self._render(snapshot)
+        jumps: Dict[str, Tuple[Tuple[str, Rule], ...]] = {
+            t: tuple((hook, rule) for hook, _target, rule in JUMPS[t]) for t in TABLES}
+        text: str = plan_text((f, desired[f].tables, jumps) for f in FAMILIES)
+        return text
 
     def sync(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
-        raise BackendUnavailable("the iptables backend is not implemented yet")
+        full = changes.full or self._need_full
+        desired, rerendered = self._render(snapshot)
+        total = 0
+        try:
+            for family in FAMILIES:
+                written = self._sync_family(desired[family], full)
+                if written is not None:
+                    total += written
+        except BackendError:
+            self._need_full = True  # our record of the kernel may be wrong now: re-read next time
+            raise
+        self._need_full = False
+        return SyncResult(full=full, services_written=len(snapshot.services) if full else rerendered,
+                          bytes_written=total)
+
+    def _sync_family(self, ruleset: FamilyRuleset, full: bool) -> Optional[int]:
+        family = ruleset.family
+        if full:
+            try:
+                kernel = self.writer.read(family)
+            except BackendError as exc:
+                if family == 6 and not self._has_family(6):
+                    # A node without IPv6 (or ip6tables) still runs IPv4 services.
+                    log.debug("skipping IPv6: %s", exc)
+                    self._written.pop(6, None)
+                    return None
+                raise
+            table_changes = [full_change(t, ruleset.chains(t), kernel[t]) for t in TABLES]
+        else:
+            if family not in self._written:
+                return None if family == 6 and not self._has_family(6) else self._sync_family(ruleset, True)
+            written = self._written[family]
+            table_changes = [partial_change(t, ruleset.chains(t), written.get(t, {})) for t in TABLES]
+        changed: List[TableChange] = [c for c in table_changes if not c.empty()]
+        size = self.writer.apply(family, changed) if changed else 0
+        self._written[family] = {t: dict(ruleset.chains(t)) for t in TABLES}
+        return size
 
     def cleanup(self) -> None:
-        raise BackendUnavailable("the iptables backend is not implemented yet")
+        flavour = self.config.iptables_flavour
+        if self.config.iptables_writer == "libiptc" and flavour == "nft":
+            raise BackendUnavailable("libiptc cannot reach nf_tables; use the restore writer on this node")
+        cleanup_mod.cleanup(RestoreTools(flavour))
+        self._written.clear()
+        self._need_full = True

@@ -1,0 +1,52 @@
+"""``netproxy cleanup``: remove the jump rules and every chain netproxy (or the seed) owns, nothing else."""
+
+from __future__ import annotations
+
+import logging
+from typing import List
+
+from netproxy.backends.base import BackendError
+from netproxy.backends.iptables import names, save
+from netproxy.backends.iptables.payload import quote
+from netproxy.backends.iptables.render import TABLES
+from netproxy.backends.iptables.restore import RestoreTools
+
+log = logging.getLogger(__name__)
+
+
+def cleanup_payload(saved: save.SavedTable) -> List[str]:
+    """Restore lines that delete the rules of other chains jumping to ours, then flush and delete ours.
+
+    Foreign rules are deleted by their saved spec (``-D chain <spec>``): only rules whose target is a
+    chain we own, so that ``-X`` can succeed; every other rule stays.
+    """
+    owned = frozenset(c for c in saved.chains if names.is_owned(c))
+    if not owned:
+        return []
+    lines = [f"*{saved.name}"]
+    lines.extend(f":{c} - [0:0]" for c in sorted(owned))
+    for chain, rule in saved.references_to(owned):
+        if chain not in owned:
+            lines.append(f"-D {quote(chain)} {rule}")
+    lines.extend(f"-X {c}" for c in sorted(owned))
+    lines.append("COMMIT")
+    return lines
+
+
+def cleanup(tools: RestoreTools) -> None:
+    """Both families, both tables; a family whose tools or kernel support are missing is skipped."""
+    for family in (4, 6):
+        lines: List[str] = []
+        try:
+            for table in TABLES:
+                tables = save.parse(tools.save(family, table))
+                if table in tables:
+                    lines.extend(cleanup_payload(tables[table]))
+        except BackendError as exc:
+            if family == 4:
+                raise
+            log.info("skipping IPv6 cleanup: %s", exc)
+            continue
+        if lines:
+            tools.restore(family, "\n".join(lines) + "\n")
+            log.info("removed netproxy's IPv%d chains", family)

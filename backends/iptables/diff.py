@@ -1,0 +1,72 @@
+"""What to write: the desired rules against what the kernel (or our record of it) holds.
+
+Both writers apply the same :class:`TableChange`, so they cannot disagree on what a sync means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, FrozenSet, List, Mapping, Tuple
+
+try:
+    from typing import Protocol
+except ImportError:  # pragma: no cover
+    from typing_extensions import Protocol  # type: ignore[assignment]
+
+from netproxy.backends.iptables import names
+from netproxy.backends.iptables.render import JUMPS, Chains, Rule
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    """What a full sync needs to know of one kernel table: its chains, and which built-in chains
+    already jump to which of our chains."""
+
+    chains: FrozenSet[str] = frozenset()
+    jumps: FrozenSet[Tuple[str, str]] = frozenset()
+    """(built-in chain, target) pairs present in the kernel."""
+
+
+@dataclass
+class TableChange:
+    """One table's write: chains to (create and) fill, chains to delete, jump rules to insert."""
+
+    table: str
+    write: Dict[str, Tuple[Rule, ...]] = field(default_factory=dict)
+    delete: List[str] = field(default_factory=list)
+    jumps: List[Tuple[str, Rule]] = field(default_factory=list)
+    existing: FrozenSet[str] = frozenset()
+    """Chains known to exist before the write (a full sync's kernel read; our record otherwise)."""
+
+    def empty(self) -> bool:
+        return not (self.write or self.delete or self.jumps)
+
+    def rule_count(self) -> int:
+        return sum(len(r) for r in self.write.values()) + len(self.jumps)
+
+
+def full_change(table: str, desired: Chains, kernel: KernelTable) -> TableChange:
+    """Rewrite every chain we own, delete our stale ones, add missing jump rules."""
+    stale = sorted(c for c in kernel.chains if names.is_owned(c) and c not in desired)
+    jumps = [(hook, rule) for hook, target, rule in JUMPS[table] if (hook, target) not in kernel.jumps]
+    return TableChange(table, dict(desired), stale, jumps, kernel.chains)
+
+
+def partial_change(table: str, desired: Chains, written: Mapping[str, Tuple[Rule, ...]]) -> TableChange:
+    """Only chains whose rules differ from what we last wrote; chains we wrote and no longer want."""
+    write = {c: rules for c, rules in desired.items() if written.get(c) != rules}
+    delete = sorted(c for c in written if c not in desired)
+    return TableChange(table, write, delete, [], frozenset(written))
+
+
+class Writer(Protocol):
+    """What both writers do: read a family's tables for a full sync, apply a list of changes atomically
+    per table."""
+
+    name: str
+
+    def probe(self) -> None: ...
+
+    def read(self, family: int) -> Dict[str, KernelTable]: ...
+
+    def apply(self, family: int, changes: List[TableChange]) -> int: ...

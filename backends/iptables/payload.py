@@ -1,0 +1,78 @@
+"""Rules → ``iptables-restore`` text, with quoting that no argument can escape."""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, List, Mapping, Optional, Tuple
+
+from netproxy.backends.iptables.diff import TableChange
+from netproxy.backends.iptables.render import Chains, Rule
+
+_SAFE = re.compile(r"[A-Za-z0-9_.:/\-\[\]!,=+@%]+")
+
+
+def quote(arg: str) -> str:
+    """One argument as iptables-restore's tokenizer reads it back unchanged.
+
+    Inside double quotes the tokenizer takes a backslash as "next character is literal"; a newline
+    would end the line whatever the quoting, so control characters are refused here (the renderer's
+    :func:`safe_comment` already removed them from comments).
+    """
+    if _SAFE.fullmatch(arg):
+        return arg
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in arg):
+        raise ValueError(f"argument {arg!r} contains a control character")
+    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def quote_always(arg: str) -> str:
+    """Comments are always quoted, as iptables-save prints them, so that payload and save output read alike."""
+    quoted = quote(arg)
+    return quoted if quoted.startswith('"') else f'"{quoted}"'
+
+
+def rule_line(verb: str, chain: str, rule: Rule) -> str:
+    parts = [verb, chain]
+    after_comment = False
+    for arg in rule:
+        parts.append(quote_always(arg) if after_comment else quote(arg))
+        after_comment = arg == "--comment"
+    return " ".join(parts)
+
+
+def table_text(change: TableChange, counters: Optional[Mapping[str, str]] = None) -> List[str]:
+    """One ``*table ... COMMIT`` block: declare (flush) every chain written or deleted, append rules,
+    insert jump rules, then delete stale chains — in the one order that never references a chain
+    that is gone."""
+    counters = counters or {}
+    lines = [f"*{change.table}"]
+    for chain in list(change.write) + change.delete:
+        lines.append(f":{chain} - {counters.get(chain, '[0:0]')}")
+    for chain, rules in change.write.items():
+        lines.extend(rule_line("-A", chain, r) for r in rules)
+    for hook, rule in change.jumps:
+        lines.append(rule_line("-I", f"{hook} 1", rule))
+    lines.extend(f"-X {chain}" for chain in change.delete)
+    lines.append("COMMIT")
+    return lines
+
+
+def restore_payload(changes: Iterable[TableChange]) -> str:
+    lines: List[str] = []
+    for change in changes:
+        if not change.empty():
+            lines.extend(table_text(change))
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def plan_text(families: Iterable[Tuple[int, Mapping[str, Chains], Mapping[str, Tuple[Tuple[str, Rule], ...]]]]
+              ) -> str:
+    """The full ruleset as restore text, per family, each under a header line saying which tool."""
+    out: List[str] = []
+    for family, tables, jumps in families:
+        tool = "iptables-restore" if family == 4 else "ip6tables-restore"
+        out.append(f"# IPv{family} ({tool} --noflush)")
+        for table, chains in tables.items():
+            change = TableChange(table, dict(chains), [], list(jumps.get(table, ())))
+            out.extend(table_text(change))
+    return "\n".join(out) + "\n"

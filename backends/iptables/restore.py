@@ -1,0 +1,97 @@
+"""Writer 1: ``iptables-save`` to read, one ``iptables-restore --noflush --counters --wait`` to write.
+
+The payload for one family covers every table that changes; each table's block applies atomically
+(the legacy kernel API swaps whole tables), so a refused line leaves that table as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import subprocess
+from typing import Dict, List, Optional, Sequence
+
+from netproxy.backends.base import BackendUnavailable, SyncError
+from netproxy.backends.iptables import save
+from netproxy.backends.iptables.diff import KernelTable, TableChange
+from netproxy.backends.iptables.payload import restore_payload
+from netproxy.backends.iptables.render import TABLES
+
+log = logging.getLogger(__name__)
+
+_LINE_FAILED = re.compile(r"line:?\s+(\d+)(?:\s+failed)?", re.IGNORECASE)
+TIMEOUT = 120.0
+
+
+def tool(family: int, flavour: str, verb: str) -> str:
+    """``iptables-legacy-restore`` and friends; plain ``iptables-restore`` when the flavoured one is
+    missing (older distributions ship only the plain name, which is then legacy)."""
+    base = "iptables" if family == 4 else "ip6tables"
+    for candidate in (f"{base}-{flavour}-{verb}", f"{base}-{verb}"):
+        path = shutil.which(candidate) or shutil.which(candidate, path="/usr/sbin:/sbin:/usr/local/sbin")
+        if path:
+            return path
+    raise BackendUnavailable(f"neither {base}-{flavour}-{verb} nor {base}-{verb} is installed")
+
+
+def failing_line(stderr: str, payload: str) -> Optional[str]:
+    """The payload line iptables-restore named in its error ("line 7 failed", "Error occurred at line: 7")."""
+    match = _LINE_FAILED.search(stderr)
+    if not match:
+        return None
+    lines = payload.splitlines()
+    index = int(match.group(1)) - 1
+    return lines[index] if 0 <= index < len(lines) else None
+
+
+class RestoreTools:
+    """The save/restore binaries for one iptables flavour ("legacy" or "nft")."""
+
+    def __init__(self, flavour: str) -> None:
+        self.flavour = flavour
+
+    def probe(self) -> None:
+        for verb in ("save", "restore"):
+            tool(4, self.flavour, verb)
+
+    def save(self, family: int, table: str) -> str:
+        cmd = [tool(family, self.flavour, "save"), "-t", table]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+        if proc.returncode != 0:
+            raise SyncError(f"{' '.join(cmd)} failed", detail=proc.stderr.strip())
+        return proc.stdout
+
+    def restore(self, family: int, payload: str, extra: Sequence[str] = ()) -> None:
+        cmd = [tool(family, self.flavour, "restore"), "--noflush", "--counters", "--wait", *extra]
+        proc = subprocess.run(cmd, input=payload, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+        if proc.returncode != 0:
+            stderr = proc.stderr.strip()
+            line = failing_line(stderr, payload)
+            log.error("%s failed: %s; failing line: %s", cmd[0], stderr, line)
+            raise SyncError(f"{cmd[0]} refused the payload", line=line, detail=stderr, payload=payload)
+
+
+class RestoreWriter:
+    """The default writer."""
+
+    name = "restore"
+
+    def __init__(self, flavour: str) -> None:
+        self.tools = RestoreTools(flavour)
+
+    def probe(self) -> None:
+        self.tools.probe()
+
+    def read(self, family: int) -> Dict[str, KernelTable]:
+        out: Dict[str, KernelTable] = {}
+        for table in TABLES:
+            parsed = save.parse(self.tools.save(family, table))
+            out[table] = parsed[table].kernel_table() if table in parsed else KernelTable()
+        return out
+
+    def apply(self, family: int, changes: List[TableChange]) -> int:
+        payload = restore_payload(changes)
+        if payload:
+            self.tools.restore(family, payload)
+        return len(payload)
