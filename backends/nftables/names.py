@@ -1,0 +1,90 @@
+"""Object names and comments in netproxy's nftables tables: readable, stable, and always safe to print.
+
+An operator reading ``nft list table ip netproxy`` should see which service an object belongs to, so
+per-service names carry ``<namespace>/<name>/<port>`` rather than a hash.  nftables allows 255
+characters in a chain or set name, enough for three DNS-1123 labels plus an endpoint.  Validation in
+:mod:`netproxy.model` already forbids odd characters; these helpers still sanitise, so that no input
+can end a name or a quoted comment early.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+from netproxy.model import Endpoint, ServicePortName
+
+TABLE = "netproxy"
+MAX_NAME = 255
+MAX_COMMENT = 128
+
+# Base and shared objects.  Other programs may rely on these names (README.md).
+NAT_PREROUTING = "nat-prerouting"
+NAT_OUTPUT = "nat-output"
+NAT_POSTROUTING = "nat-postrouting"
+FILTER_INPUT = "filter-input"
+FILTER_FORWARD = "filter-forward"
+FILTER_OUTPUT = "filter-output"
+SERVICES = "services"
+REJECT = "reject-packet"
+SERVICE_IPS = "service-ips"
+NO_ENDPOINTS = "no-endpoint-services"
+ENDPOINTS = "endpoints"
+
+# What an unquoted nft identifier may contain (nft's scanner: a letter first, then letters, digits,
+# '/', '-', '_' and '.').
+_IDENT_BAD = re.compile(r"[^A-Za-z0-9/_.\-]")
+_COMMENT_BAD = re.compile(r"[^A-Za-z0-9 /_.:\-]")
+
+
+def identifier(text: str) -> str:
+    """``text`` as an nft identifier: bad characters become '_', too long names end in a hash."""
+    safe = _IDENT_BAD.sub("_", text)
+    if not safe or not safe[0].isalpha():
+        safe = "x" + safe
+    if len(safe) > MAX_NAME:
+        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+        safe = f"{safe[:MAX_NAME - 13]}-{digest}"
+    return safe
+
+
+def comment(text: str) -> str:
+    """``text`` safe inside nft double quotes (no quote, backslash or newline) and within 128 bytes."""
+    safe = _COMMENT_BAD.sub("_", text)
+    if len(safe) > MAX_COMMENT:
+        digest = hashlib.sha256(text.encode()).hexdigest()[:8]
+        safe = f"{safe[:MAX_COMMENT - 9]}-{digest}"
+    return safe
+
+
+def service_id(name: ServicePortName) -> str:
+    """``namespace/name/port`` (``namespace/name`` for an unnamed port): unique per service port."""
+    base = f"{name.namespace}/{name.name}"
+    return f"{base}/{name.port}" if name.port else base
+
+
+def service_comment(name: ServicePortName) -> str:
+    return comment(str(name))
+
+
+def endpoint_id(ep: Endpoint) -> str:
+    # ':' cannot appear in an identifier; an IPv6 address keeps its shape with '.' instead.
+    return f"{str(ep.ip).replace(':', '.')}/{ep.port}"
+
+
+def affinity_chain(name: ServicePortName, external: bool) -> str:
+    """The chain that applies ClientIP affinity for one service port's cluster or external traffic."""
+    return identifier(f"{'ext' if external else 'svc'}-{service_id(name)}")
+
+
+def endpoint_chain(name: ServicePortName, ep: Endpoint) -> str:
+    return identifier(f"ep-{service_id(name)}__{endpoint_id(ep)}")
+
+
+def affinity_set(name: ServicePortName, ep: Endpoint) -> str:
+    return identifier(f"aff-{service_id(name)}__{endpoint_id(ep)}")
+
+
+def pick_chain(kind: str, count: int) -> str:
+    """The shared chain that picks one of ``count`` endpoints for traffic of ``kind``."""
+    return f"{kind}-pick-{count}"

@@ -1,0 +1,74 @@
+"""Typed nftables objects (knftables-style): what render produces and what a transaction carries.
+
+A rule body is nft statement text built by :mod:`render` from validated model values; everything
+that is a name or a comment is kept apart and quoted by :mod:`serialise`, the one place that
+turns these objects into libnftables input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Tuple, Union
+
+
+@dataclass(frozen=True)
+class Table:
+    family: str
+    name: str
+    comment: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Hook:
+    """What makes a chain a base chain."""
+
+    type: str  # "nat" or "filter"
+    hook: str  # "prerouting", "output", ...
+    priority: int
+    policy: str = "accept"
+
+
+@dataclass(frozen=True)
+class Chain:
+    name: str
+    hook: Optional[Hook] = None
+    comment: Optional[str] = None
+
+
+class Rule(NamedTuple):
+    chain: str
+    body: str
+    comment: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Set:
+    """A named set, or a map when ``value_type`` is given.
+
+    ``key_type`` is an nft type expression: ``ipv4_addr . inet_proto . inet_service`` or, when
+    ``typeof`` is set, an expression such as ``ip daddr . th dport``.
+    """
+
+    name: str
+    key_type: str
+    value_type: Optional[str] = None
+    typeof: bool = False
+    flags: Tuple[str, ...] = ()
+    timeout: Optional[int] = None
+    comment: Optional[str] = None
+
+    @property
+    def is_map(self) -> bool:
+        return self.value_type is not None
+
+
+class Element(NamedTuple):
+    """One element of a set or map; ``key`` and ``value`` are nft value text (e.g. ``10.0.0.1 . tcp . 80``)."""
+
+    set: str
+    key: str
+    value: Optional[str] = None
+    comment: Optional[str] = None
+
+
+Object = Union[Table, Chain, Rule, Set, Element]

@@ -1,0 +1,224 @@
+"""Pure rendering: a snapshot (or one service port of it) to the nftables objects netproxy wants.
+
+Layout (PERF-NOTES.md's compact layout; README.md has the picture):
+
+- ``services`` (jumped to from nat prerouting and output) does one lookup in the ``service-ips``
+  verdict map, ``address . protocol . port`` -> ``goto <kind>-pick-<N>``, whatever the number of
+  services;
+- ``<kind>-pick-<N>`` is shared by every service address with N endpoints: it marks for masquerade
+  when ``kind`` needs it and DNATs through the ``endpoints`` map, keyed by
+  ``address . protocol . port . numgen random mod N`` -- equal odds, one lookup;
+- ClientIP affinity: the address goes to a per-service chain instead, which checks one dynamic
+  timeout set per endpoint (as iptables ``recent --rcheck --seconds T``) before the random choice,
+  and each endpoint chain refreshes its set (``recent --set``) before the DNAT;
+- an address without endpoints goes into ``no-endpoint-services`` (filter hooks): reject, or drop
+  for externalTrafficPolicy Local.
+
+Few chains and few rules bound to each map keep the kernel's transaction cost linear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+
+from netproxy.backends.nftables import names
+from netproxy.backends.nftables.objects import Chain, Element, Hook, Rule, Set, Table
+from netproxy.config import ProxyConfig
+from netproxy.endpoints import cluster_endpoints, external_endpoints
+from netproxy.model import Endpoint, IPAddress, NodeInfo, ServicePort
+
+FAMILIES = ("ip", "ip6")
+_ADDR_TYPE = {"ip": "ipv4_addr", "ip6": "ipv6_addr"}
+_VERSION = {"ip": 4, "ip6": 6}
+
+CLUSTER, EXTERNAL, LOCAL = "cluster", "external", "local"
+"""Kinds of service address: a ClusterIP; an external/LB IP with externalTrafficPolicy Cluster
+(masqueraded); the same with policy Local (client address kept, local endpoints only)."""
+
+NAT_PRIORITY_DSTNAT = -100
+NAT_PRIORITY_SRCNAT = 100
+# Before DNAT (-100), so that the no-endpoints check sees the service address.
+FILTER_PRIORITY = -110
+
+TABLE_COMMENT = "managed by netproxy: changes made here are overwritten"
+
+
+@dataclass
+class ServiceObjects:
+    """Everything one service port owns in one family's table."""
+
+    elements: Dict[Tuple[str, str], Element] = field(default_factory=dict)
+    chains: Dict[str, Tuple[Rule, ...]] = field(default_factory=dict)
+    sets: Dict[str, Set] = field(default_factory=dict)
+    shared: FrozenSet[str] = frozenset()
+    """Names of the shared pick chains this service's map elements jump to."""
+    dispatch_keys: Tuple[str, ...] = ()
+    """``address . protocol . port`` keys this service claims (one owner per key)."""
+
+    def is_empty(self) -> bool:
+        return not (self.elements or self.chains or self.sets)
+
+
+def family_of(ip: IPAddress) -> str:
+    return "ip" if ip.version == 4 else "ip6"
+
+
+def table(family: str) -> Table:
+    return Table(family, names.TABLE, TABLE_COMMENT)
+
+
+def base_chains(family: str) -> List[Tuple[Chain, Tuple[Rule, ...]]]:
+    """The chains every table has, with their rules (rendered as a whole on each full sync)."""
+    fam = family
+    dispatch = f"{fam} daddr . meta l4proto . th dport"
+    no_ep = Rule("", f"ct state new {dispatch} vmap @{names.NO_ENDPOINTS}")
+    out = [
+        (Chain(names.NAT_PREROUTING, Hook("nat", "prerouting", NAT_PRIORITY_DSTNAT)),
+         (Rule(names.NAT_PREROUTING, f"jump {names.SERVICES}"),)),
+        (Chain(names.NAT_OUTPUT, Hook("nat", "output", NAT_PRIORITY_DSTNAT)),
+         (Rule(names.NAT_OUTPUT, f"jump {names.SERVICES}"),)),
+        (Chain(names.NAT_POSTROUTING, Hook("nat", "postrouting", NAT_PRIORITY_SRCNAT)), ()),
+        (Chain(names.FILTER_INPUT, Hook("filter", "input", FILTER_PRIORITY)),
+         (no_ep._replace(chain=names.FILTER_INPUT),)),
+        (Chain(names.FILTER_FORWARD, Hook("filter", "forward", FILTER_PRIORITY)),
+         (no_ep._replace(chain=names.FILTER_FORWARD),)),
+        (Chain(names.FILTER_OUTPUT, Hook("filter", "output", FILTER_PRIORITY)),
+         (no_ep._replace(chain=names.FILTER_OUTPUT),)),
+        (Chain(names.SERVICES), (Rule(names.SERVICES, f"{dispatch} vmap @{names.SERVICE_IPS}"),)),
+        (Chain(names.REJECT), (Rule(names.REJECT, "reject"),)),
+    ]
+    return out
+
+
+def postrouting_rules(config: ProxyConfig) -> Tuple[Rule, ...]:
+    mark = config.masquerade_mark
+    return (Rule(names.NAT_POSTROUTING,
+                 f"meta mark & {mark:#010x} == {mark:#010x} meta mark set meta mark ^ {mark:#010x} "
+                 "masquerade fully-random", "masquerade traffic marked by netproxy"),)
+
+
+def base_sets(family: str) -> List[Set]:
+    addr = _ADDR_TYPE[family]
+    dispatch = f"{addr} . inet_proto . inet_service"
+    return [
+        Set(names.SERVICE_IPS, dispatch, "verdict", comment="service address . protocol . port"),
+        Set(names.NO_ENDPOINTS, dispatch, "verdict", comment="service ports without endpoints"),
+        Set(names.ENDPOINTS, f"{family} daddr . meta l4proto . th dport . numgen random mod 1",
+            f"{family} daddr . th dport", typeof=True, comment="service address . protocol . port . index: endpoint"),
+    ]
+
+
+def _masquerade_rule(chain: str, kind: str, family: str, config: ProxyConfig) -> Optional[Rule]:
+    mark = f"meta mark set meta mark | {config.masquerade_mark:#010x}"
+    if kind == EXTERNAL or (kind == CLUSTER and config.masquerade_all):
+        return Rule(chain, mark)
+    if kind == CLUSTER:
+        cidrs = [str(c) for c in config.cluster_cidrs if c.version == _VERSION[family]]
+        if cidrs:
+            return Rule(chain, f"{family} saddr != {{ {', '.join(cidrs)} }} {mark}")
+    return None
+
+
+def pick_chain(kind: str, count: int, family: str, config: ProxyConfig) -> Tuple[Chain, Tuple[Rule, ...]]:
+    """The shared chain for ``kind`` addresses with ``count`` endpoints (no affinity)."""
+    name = names.pick_chain(kind, count)
+    rules: List[Rule] = []
+    masq = _masquerade_rule(name, kind, family, config)
+    if masq is not None:
+        rules.append(masq)
+    rules.append(Rule(name, f"dnat {family} to {family} daddr . meta l4proto . th dport . "
+                            f"numgen random mod {count} map @{names.ENDPOINTS}"))
+    return Chain(name), tuple(rules)
+
+
+def parse_pick_chain(name: str) -> Optional[Tuple[str, int]]:
+    """(kind, count) of a shared pick chain name, or None."""
+    kind, sep, count = name.partition("-pick-")
+    if sep and kind in (CLUSTER, EXTERNAL, LOCAL) and count.isdigit():
+        return kind, int(count)
+    return None
+
+
+def _ep_value(ep: Endpoint) -> str:
+    return f"{ep.ip} . {ep.port}"
+
+
+def _dnat_target(ep: Endpoint) -> str:
+    return f"[{ep.ip}]:{ep.port}" if ep.ip.version == 6 else f"{ep.ip}:{ep.port}"
+
+
+def _affinity_objects(svc: ServicePort, kind: str, eps: Sequence[Endpoint], family: str,
+                      config: ProxyConfig, out: ServiceObjects) -> str:
+    """The per-service chain (and its endpoint chains and sets) for ClientIP affinity; returns its name."""
+    cname: str = names.affinity_chain(svc.name, external=kind != CLUSTER)
+    note = str(svc.name)
+    rules: List[Rule] = []
+    masq = _masquerade_rule(cname, kind, family, config)
+    if masq is not None:
+        rules.append(masq)
+    proto = svc.protocol.lower()
+    targets = []
+    for ep in eps:
+        ep_chain = names.endpoint_chain(svc.name, ep)
+        aff = names.affinity_set(svc.name, ep)
+        targets.append(ep_chain)
+        rules.append(Rule(cname, f"{family} saddr @{aff} goto {ep_chain}"))
+        if ep_chain not in out.chains:
+            out.sets[aff] = Set(aff, _ADDR_TYPE[family], flags=("dynamic", "timeout"),
+                                timeout=svc.affinity_timeout, comment=note)
+            out.chains[ep_chain] = (
+                Rule(ep_chain, f"update @{aff} {{ {family} saddr }}"),
+                Rule(ep_chain, f"meta l4proto {proto} dnat {family} to {_dnat_target(ep)}", note),
+            )
+    choice = ", ".join(f"{i} : goto {t}" for i, t in enumerate(targets))
+    rules.append(Rule(cname, f"numgen random mod {len(targets)} vmap {{ {choice} }}"))
+    out.chains[cname] = tuple(rules)
+    return cname
+
+
+def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeInfo, family: str,
+                   config: ProxyConfig) -> ServiceObjects:
+    """The objects one service port owns in ``family``'s table (empty if it has no such address)."""
+    out = ServiceObjects()
+    version = _VERSION[family]
+    addrs = [(ip, CLUSTER) for ip in svc.cluster_ips if ip.version == version]
+    ext_kind = LOCAL if svc.external_traffic_policy == "Local" else EXTERNAL
+    addrs += [(ip, ext_kind) for ip in svc.external_ips + svc.load_balancer_ips if ip.version == version]
+    if not addrs:
+        return out
+    family_eps = [e for e in endpoints if e.ip.version == version]
+    by_kind: Dict[str, Tuple[Endpoint, ...]] = {}
+    if any(k == CLUSTER for _, k in addrs):
+        by_kind[CLUSTER] = tuple(sorted(cluster_endpoints(svc, family_eps, node)))
+    if any(k != CLUSTER for _, k in addrs):
+        by_kind[ext_kind] = tuple(sorted(external_endpoints(svc, family_eps, node)))
+    note = names.service_comment(svc.name)
+    proto = svc.protocol.lower()
+    shared = set()
+    keys = []
+    verdicts: Dict[str, str] = {}
+    for ip, kind in addrs:
+        key = f"{ip} . {proto} . {svc.port}"
+        if key in keys:
+            continue  # the same address listed twice (e.g. as external and LB IP): first wins
+        keys.append(key)
+        eps = by_kind[kind]
+        if not eps:
+            verdict = "drop" if kind == LOCAL else f"goto {names.REJECT}"
+            out.elements[(names.NO_ENDPOINTS, key)] = Element(names.NO_ENDPOINTS, key, verdict, note)
+            continue
+        if svc.client_ip_affinity:
+            if kind not in verdicts:
+                verdicts[kind] = f"goto {_affinity_objects(svc, kind, eps, family, config, out)}"
+        else:
+            chain = names.pick_chain(kind, len(eps))
+            shared.add(chain)
+            verdicts[kind] = f"goto {chain}"
+            for i, ep in enumerate(eps):
+                ekey = f"{key} . {i}"
+                out.elements[(names.ENDPOINTS, ekey)] = Element(names.ENDPOINTS, ekey, _ep_value(ep))
+        out.elements[(names.SERVICE_IPS, key)] = Element(names.SERVICE_IPS, key, verdicts[kind], note)
+    out.shared = frozenset(shared)
+    out.dispatch_keys = tuple(keys)
+    return out

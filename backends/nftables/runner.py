@@ -1,0 +1,312 @@
+"""The seam between the backend and the kernel: libnftables in process, or a fake with real semantics.
+
+:class:`LibNftRunner` hands one text buffer to ``nftables.Nftables().cmd()``, which libnftables
+sends as one netlink batch: all of it applies or none does.  It binds to the network namespace of
+the calling process.  :class:`FakeNft` applies the same operations to an in-memory table with the
+kernel's refusals (missing chain or set, an element that exists with another value, deleting an
+object still in use) so that unit tests can assert on the resulting state.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+try:  # Python 3.8+
+    from typing import Protocol
+except ImportError:  # pragma: no cover
+    from typing_extensions import Protocol  # type: ignore[assignment]
+
+from netproxy.backends.base import BackendUnavailable, SyncError
+from netproxy.backends.nftables import names, serialise
+from netproxy.backends.nftables.objects import Chain, Element, Hook, Rule, Set, Table
+from netproxy.backends.nftables.serialise import Op
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TableInfo:
+    """What a full sync needs to know of a table in the kernel: names and shapes, no elements."""
+
+    chains: Dict[str, Optional[Hook]] = field(default_factory=dict)
+    sets: Dict[str, Set] = field(default_factory=dict)
+
+
+class Runner(Protocol):
+    def apply(self, ops: Sequence[Op]) -> int:
+        """Apply ``ops`` as one transaction; return the payload size; raise SyncError on refusal."""
+
+    def read_table(self, family: str) -> Optional[TableInfo]:
+        """The shape of ``family netproxy`` (chains, sets; terse), or None when it does not exist."""
+
+    def delete_tables(self) -> List[str]:
+        """Delete netproxy's tables (and only them); return which were deleted."""
+
+
+def failing_command(error: str) -> Optional[str]:
+    """The command libnftables echoes after its first ``Error:`` line."""
+    lines = error.splitlines()
+    for i, line in enumerate(lines):
+        if "Error:" in line and i + 1 < len(lines):
+            return lines[i + 1].strip()
+    return None
+
+
+class LibNftRunner:
+    def __init__(self) -> None:
+        try:
+            import nftables  # the binding shipped with libnftables (pip-nftables)
+        except ImportError as exc:
+            raise BackendUnavailable("the nftables Python binding is not installed", detail=str(exc)) from exc
+        try:
+            self._nft = nftables.Nftables()
+        except OSError as exc:
+            raise BackendUnavailable("libnftables cannot be loaded", detail=str(exc)) from exc
+        self._nft.set_handle_output(False)
+
+    def _cmd(self, text: str, json_output: bool = False) -> Tuple[int, str, str]:
+        self._nft.set_json_output(json_output)
+        self._nft.set_terse_output(json_output)
+        rc, out, err = self._nft.cmd(text)
+        return int(rc), str(out or ""), str(err or "")
+
+    def apply(self, ops: Sequence[Op]) -> int:
+        text = serialise.ops_text(ops)
+        rc, _, err = self._cmd(text)
+        if rc != 0:
+            line = failing_command(err)
+            raise SyncError("libnftables refused the transaction", line=line, detail=err.strip(), payload=text)
+        return len(text)
+
+    def _list(self, what: str) -> Optional[List[Dict[str, Any]]]:
+        rc, out, err = self._cmd(what, json_output=True)
+        if rc != 0:
+            if "No such file or directory" in err:
+                return None
+            raise SyncError("cannot read the nftables ruleset", line=what, detail=err.strip())
+        items: List[Dict[str, Any]] = json.loads(out).get("nftables", [])
+        return items
+
+    def read_table(self, family: str) -> Optional[TableInfo]:
+        items = self._list(f"list table {family} {names.TABLE}")
+        if items is None:
+            return None
+        return table_info_from_json(items)
+
+    def probe(self) -> None:
+        if self._list("list tables") is None:
+            raise BackendUnavailable("libnftables cannot list tables")
+
+    def delete_tables(self) -> List[str]:
+        items = self._list("list tables") or []
+        ours = [f"{t['table']['family']} {t['table']['name']}" for t in items
+                if "table" in t and t["table"].get("name") == names.TABLE
+                and t["table"].get("family") in ("ip", "ip6")]
+        if ours:
+            text = "".join(f"delete table {t}\n" for t in ours)
+            rc, _, err = self._cmd(text)
+            if rc != 0:
+                raise SyncError("cannot delete netproxy's tables", line=failing_command(err), detail=err.strip())
+        return ours
+
+
+def table_info_from_json(items: Sequence[Dict[str, Any]]) -> TableInfo:
+    info = TableInfo()
+    for item in items:
+        if "chain" in item:
+            c = item["chain"]
+            hook = None
+            if "hook" in c:
+                hook = Hook(str(c.get("type")), str(c["hook"]), int(c.get("prio", 0)), str(c.get("policy", "accept")))
+            info.chains[str(c["name"])] = hook
+        for kind in ("set", "map"):
+            if kind in item:
+                s = item[kind]
+                timeout = s.get("timeout")
+                value = str(s["map"]) if kind == "map" else None
+                info.sets[str(s["name"])] = Set(str(s["name"]), json.dumps(s.get("type")), value,
+                                                flags=tuple(s.get("flags", ())),
+                                                timeout=int(timeout) if timeout is not None else None)
+    return info
+
+
+# --- the fake ---------------------------------------------------------------------------------------
+
+_CHAIN_REF = re.compile(r"\b(?:goto|jump) ([A-Za-z0-9/_.\-]+)")
+_SET_REF = re.compile(r"@([A-Za-z0-9/_.\-]+)")
+
+
+@dataclass
+class _FakeTable:
+    table: Table
+    chains: Dict[str, Chain] = field(default_factory=dict)
+    rules: Dict[str, List[Rule]] = field(default_factory=dict)
+    sets: Dict[str, Set] = field(default_factory=dict)
+    elements: Dict[str, Dict[str, Element]] = field(default_factory=dict)
+
+
+class FakeNft:
+    """An in-memory nftables with the kernel's all-or-nothing transactions and its refusals."""
+
+    def __init__(self) -> None:
+        self.tables: Dict[str, _FakeTable] = {}
+        self.transactions: List[List[Op]] = []
+        self.fail_next: Optional[str] = None
+        self.reads = 0
+
+    # Runner
+    def apply(self, ops: Sequence[Op]) -> int:
+        self.transactions.append(list(ops))
+        if self.fail_next is not None:
+            line, self.fail_next = self.fail_next, None
+            raise SyncError("fake kernel refused the transaction", line=line)
+        work = copy.deepcopy(self.tables)
+        for op in ops:
+            err = self._apply_one(work, op)
+            if err is not None:
+                line = serialise.op_text(op[0], op[1], op[2])
+                raise SyncError(f"fake kernel refused the transaction: {err}", line=line)
+        self.tables = work
+        return len(serialise.ops_text(ops))
+
+    def read_table(self, family: str) -> Optional[TableInfo]:
+        self.reads += 1
+        t = self.tables.get(family)
+        if t is None:
+            return None
+        return TableInfo({n: c.hook for n, c in t.chains.items()}, dict(t.sets))
+
+    def delete_tables(self) -> List[str]:
+        gone = [f"{f} {names.TABLE}" for f in sorted(self.tables)]
+        self.tables = {}
+        return gone
+
+    # semantics
+    def _apply_one(self, tables: Dict[str, _FakeTable], op: Op) -> Optional[str]:
+        verb, family, obj = op
+        if isinstance(obj, Table):
+            if verb == "add":
+                tables.setdefault(family, _FakeTable(obj))
+                return None
+            return None if tables.pop(family, None) is not None else "No such file or directory"
+        t = tables.get(family)
+        if t is None:
+            return "No such file or directory"
+        if isinstance(obj, Chain):
+            return self._chain_op(t, verb, obj)
+        if isinstance(obj, Set):
+            return self._set_op(t, verb, obj)
+        if isinstance(obj, Rule):
+            if obj.chain not in t.chains:
+                return "No such file or directory"
+            if any(c not in t.chains for c in _CHAIN_REF.findall(obj.body)):
+                return "No such file or directory"
+            if any(s not in t.sets for s in _SET_REF.findall(obj.body)):
+                return "No such file or directory"
+            t.rules[obj.chain].append(obj)
+            return None
+        if isinstance(obj, Element):
+            return self._element_op(t, verb, obj)
+        return f"unknown object {obj!r}"
+
+    @staticmethod
+    def _chain_op(t: _FakeTable, verb: str, obj: Chain) -> Optional[str]:
+        have = t.chains.get(obj.name)
+        if verb == "add":
+            if have is not None and have.hook != obj.hook:
+                return "File exists"
+            if have is None:
+                t.chains[obj.name] = obj
+                t.rules[obj.name] = []
+            return None
+        if have is None:
+            return "No such file or directory"
+        if verb == "flush":
+            t.rules[obj.name] = []
+            return None
+        if t.rules[obj.name] or FakeNft._chain_used(t, obj.name):
+            return "Device or resource busy"
+        del t.chains[obj.name]
+        del t.rules[obj.name]
+        return None
+
+    @staticmethod
+    def _chain_used(t: _FakeTable, name: str) -> bool:
+        for rules in t.rules.values():
+            if any(name in _CHAIN_REF.findall(r.body) for r in rules):
+                return True
+        return any(e.value in (f"goto {name}", f"jump {name}") for els in t.elements.values() for e in els.values())
+
+    @staticmethod
+    def _set_op(t: _FakeTable, verb: str, obj: Set) -> Optional[str]:
+        have = t.sets.get(obj.name)
+        if verb == "add":
+            if have is not None and (have.key_type, have.value_type, have.timeout) != (
+                    obj.key_type, obj.value_type, obj.timeout):
+                return "File exists"
+            if have is None:
+                t.sets[obj.name] = obj
+                t.elements[obj.name] = {}
+            return None
+        if have is None:
+            return "No such file or directory"
+        if verb == "flush":
+            t.elements[obj.name] = {}
+            return None
+        if any(obj.name in _SET_REF.findall(r.body) for rules in t.rules.values() for r in rules):
+            return "Device or resource busy"
+        del t.sets[obj.name]
+        del t.elements[obj.name]
+        return None
+
+    @staticmethod
+    def _element_op(t: _FakeTable, verb: str, obj: Element) -> Optional[str]:
+        els = t.elements.get(obj.set)
+        if els is None:
+            return "No such file or directory"
+        have = els.get(obj.key)
+        if verb == "add":
+            if have is not None:
+                return None if have.value == obj.value else "File exists"
+            refs = _CHAIN_REF.findall(obj.value or "")
+            if any(c not in t.chains for c in refs):
+                return "No such file or directory"
+            els[obj.key] = obj
+            return None
+        if have is None:
+            return "No such file or directory"
+        del els[obj.key]
+        return None
+
+    # inspection
+    def dump(self, family: str = "ip") -> str:
+        """The table as sorted nft-like text (rule order within a chain kept): what tests assert on."""
+        t = self.tables.get(family)
+        if t is None:
+            return ""
+        lines = [f"table {family} {t.table.name}"]
+        for name in sorted(t.sets):
+            s = t.sets[name]
+            lines.append(f"  {'map' if s.is_map else 'set'} {name}{serialise.set_spec(s)}")
+            for key in sorted(t.elements[name]):
+                lines.append(f"    {serialise.element_text(t.elements[name][key])}")
+        for name in sorted(t.chains):
+            lines.append(f"  chain {name}{serialise.chain_spec(t.chains[name])}")
+            for r in t.rules[name]:
+                lines.append(f"    {r.body}" + (f' comment "{r.comment}"' if r.comment else ""))
+        return "\n".join(lines) + "\n"
+
+    def elements(self, family: str, set_name: str) -> Dict[str, Optional[str]]:
+        t = self.tables.get(family)
+        if t is None or set_name not in t.elements:
+            return {}
+        return {k: e.value for k, e in t.elements[set_name].items()}
+
+    def chain_rules(self, family: str, chain: str) -> List[str]:
+        t = self.tables.get(family)
+        return [] if t is None or chain not in t.rules else [r.body for r in t.rules[chain]]
