@@ -399,9 +399,13 @@ class Sandbox:
         return self.exec(self.node, [*netproxy_command(), *args], timeout=timeout, env=self._np_env(flavour, env))
 
     def start_netproxy(self, args: Sequence[str], *, flavour: Optional[str] = None,
-                       env: Optional[Mapping[str, str]] = None) -> subprocess.Popen:  # type: ignore[type-arg]
-        """Start a long-running ``netproxy ARGS`` (e.g. ``run``) in the node; killed on :meth:`close`."""
-        log_path = os.path.join(self.workdir, f"netproxy-{len(self._procs)}.log")
+                       env: Optional[Mapping[str, str]] = None,
+                       log_path: Optional[str] = None) -> subprocess.Popen:  # type: ignore[type-arg]
+        """Start a long-running ``netproxy ARGS`` (e.g. ``run``) in the node; killed on :meth:`close`.
+
+        Its stdout and stderr go to ``log_path`` (default: a file in the sandbox's work directory).
+        """
+        log_path = log_path or os.path.join(self.workdir, f"netproxy-{len(self._procs)}.log")
         with open(log_path, "wb") as log_file:
             return self.popen(self.node, [*netproxy_command(), *args], env=self._np_env(flavour, env),
                               stdout=log_file, stderr=subprocess.STDOUT)

@@ -159,7 +159,9 @@ class Proxy:
 
     def __init__(self, sandbox: Sandbox, combo: Combo, workdir: str) -> None:
         self.sandbox, self.combo = sandbox, combo
+        self.workdir = workdir
         self.source = os.path.join(workdir, "cluster.yaml")
+        self.run_log = ""
         self._runs: List[subprocess.Popen] = []  # type: ignore[type-arg]
         self.base_flags = ["--hostname-override", NODE_NAME]
 
@@ -182,10 +184,24 @@ class Proxy:
     def start_run(self, objects: Sequence[Manifest], *extra: str) -> subprocess.Popen:  # type: ignore[type-arg]
         """``netproxy run --source FILE`` in the background; stopped after the test."""
         write_manifests(self.source, objects)
+        self.run_log = os.path.join(self.workdir, f"run-{len(self._runs)}.log")
         proc = self.sandbox.start_netproxy(["run", "--source", self.source, "--metrics-bind-address", "",
-                                            *self.base_flags, *self.combo.flags, *extra], flavour=self.combo.flavour)
+                                            *self.base_flags, *self.combo.flags, *extra], flavour=self.combo.flavour,
+                                           log_path=self.run_log)
         self._runs.append(proc)
         return proc
+
+    def run_output(self) -> str:
+        """The latest ``run``'s log so far (its stdout and stderr)."""
+        try:
+            with open(self.run_log, errors="replace") as f:
+                return f.read()
+        except (OSError, AttributeError):
+            return ""
+
+    def running(self) -> Optional[bool]:
+        """Whether the latest ``run`` is alive (None: none started)."""
+        return self._runs[-1].poll() is None if self._runs else None
 
     def stop_runs(self) -> List[int]:
         """SIGTERM every ``run`` this proxy started; their exit codes."""

@@ -1,0 +1,290 @@
+"""One test body per behaviour, run against every backend/writer combination (``NETPROXY_BACKENDS``).
+
+That the same body passes on iptables-legacy (restore and libiptc), iptables-nft (restore) and
+nftables is what "the backends are equivalent" means (issues 3 and 4).  Each test syncs a small
+cluster with real `netproxy` in the sandbox's node namespace and sends real connections from the
+client, the node itself or the off-cluster ``ext`` namespace; pods answer with their names.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from typing import List, Optional, Sequence
+
+import pytest
+from harness import (
+    Manifest,
+    Proxy,
+    assert_only_and_all,
+    endpoint_slice,
+    port,
+    require,
+    service,
+    wait_for,
+    write_manifests,
+)
+
+from netproxy.sandbox import GATEWAY4, NODE_EXT4, Pod, Sandbox
+
+pytestmark = pytest.mark.kernel
+
+WEB_IP = "10.96.0.10"
+DNS_IP = "10.96.0.53"
+OTHER_IP = "10.96.0.20"
+EXTERNAL_IP = "203.0.113.10"
+LB_IP = "198.51.100.10"
+
+
+def web(pods: Sequence[Pod], **spec: object) -> List[Manifest]:
+    """default/web: TCP 80 → pods' 8080."""
+    return [service("web", WEB_IP, [port(80, 8080, name="http")], **spec),
+            endpoint_slice("web", pods, [port(8080, name="http")])]
+
+
+def endpoints_of(sb: Sandbox, n: int) -> List[Pod]:
+    # pod-3 stays out of every service unless a test moves traffic to it: "only its endpoints".
+    return sb.pods[:n]
+
+
+def test_clusterip_reaches_only_and_all_endpoints(proxy: Proxy, sandbox: Sandbox) -> None:
+    proxy.sync(web(endpoints_of(sandbox, 3)))
+    res = sandbox.connect(WEB_IP, 80, count=600)
+    assert_only_and_all(res, endpoints_of(sandbox, 3), total=600, at_least=140)
+
+
+def test_node_own_connections(proxy: Proxy, sandbox: Sandbox) -> None:
+    """The node's processes reach services through the nat OUTPUT hook."""
+    proxy.sync(web(endpoints_of(sandbox, 3)))
+    res = sandbox.connect(WEB_IP, 80, count=150, source=sandbox.node)
+    assert_only_and_all(res, endpoints_of(sandbox, 3), total=150, at_least=15)
+    # Whatever source the node picked (masqueraded or not), it is one of the node's own addresses.
+    assert set(res.source_addresses()) <= {NODE_EXT4, GATEWAY4}, res.sources
+
+
+def test_udp(proxy: Proxy, sandbox: Sandbox) -> None:
+    objects = [service("dns", DNS_IP, [port(53, 8080, name="dns", protocol="UDP")], namespace="kube-system"),
+               endpoint_slice("dns", endpoints_of(sandbox, 3), [port(8080, name="dns", protocol="UDP")],
+                              namespace="kube-system")]
+    proxy.sync(objects)
+    res = sandbox.connect(DNS_IP, 53, proto="udp", count=300)
+    assert_only_and_all(res, endpoints_of(sandbox, 3), total=300, at_least=50)
+    # The TCP port of the same number is not part of the service.
+    assert sandbox.connect(DNS_IP, 53, count=3, timeout=0.3).answered == 0
+
+
+def test_multi_port_and_named_target_port(proxy: Proxy, sandbox: Sandbox) -> None:
+    pods = endpoints_of(sandbox, 2)
+    objects = [service("multi", OTHER_IP, [port(80, "http", name="http"), port(9000, 9090, name="admin")]),
+               endpoint_slice("multi", pods, [port(8080, name="http"), port(9090, name="admin")])]
+    proxy.sync(objects)
+    assert_only_and_all(sandbox.connect(OTHER_IP, 80, count=100), pods, total=100, at_least=10)
+    assert_only_and_all(sandbox.connect(OTHER_IP, 9000, count=100), pods, total=100, at_least=10)
+
+
+AFFINITY_TIMEOUT = 2
+
+
+def test_client_ip_affinity_holds_then_expires(proxy: Proxy, sandbox: Sandbox) -> None:
+    """Each client address sticks to one endpoint while it keeps connecting; idle past the timeout, it is free."""
+    proxy.sync(web(endpoints_of(sandbox, 3), sessionAffinity="ClientIP",
+                   sessionAffinityConfig={"clientIP": {"timeoutSeconds": AFFINITY_TIMEOUT}}))
+    clients = sandbox.client_addresses(20)
+    first = sandbox.connect(WEB_IP, 80, count=len(clients) * 5, sources=clients, concurrency=len(clients))
+    assert first.errors == {}, first.errors
+    chosen = {}
+    for i, answer in enumerate(first.sequence):
+        chosen.setdefault(clients[i % len(clients)], set()).add(answer)
+    split = {c: pods for c, pods in chosen.items() if len(pods) != 1}
+    assert not split, f"affinity did not hold within {AFFINITY_TIMEOUT}s for {split}"
+    # Twenty clients on one endpoint would mean no random choice at all (odds 3 * 3^-20).
+    assert len({next(iter(p)) for p in chosen.values()}) > 1, chosen
+    time.sleep(AFFINITY_TIMEOUT + 1.5)
+    later = sandbox.connect(WEB_IP, 80, count=len(clients), sources=clients, concurrency=len(clients))
+    assert later.errors == {}, later.errors
+    moved = [c for i, c in enumerate(clients) if later.sequence[i] not in chosen[c]]
+    # After expiry each client picks afresh; all 20 landing where they were has odds 3^-20.
+    assert moved, f"no client changed endpoint {AFFINITY_TIMEOUT + 1.5}s after its last connection"
+
+
+def test_external_and_load_balancer_ips(proxy: Proxy, sandbox: Sandbox) -> None:
+    pods = endpoints_of(sandbox, 3)
+    proxy.sync(web(pods, externalIPs=[EXTERNAL_IP], load_balancer_ips=[LB_IP]))
+    for address in (EXTERNAL_IP, LB_IP):
+        for source in (sandbox.ext, sandbox.client):
+            res = sandbox.connect(address, 80, count=150, source=source)
+            assert_only_and_all(res, pods, total=150, at_least=15)
+    # Only the service's port is forwarded on those addresses.
+    assert sandbox.connect(EXTERNAL_IP, 81, count=2, timeout=0.3, source=sandbox.ext).answered == 0
+
+
+def test_endpoint_change_moves_traffic(proxy: Proxy, sandbox: Sandbox) -> None:
+    before, after = sandbox.pods[:2], sandbox.pods[2:4]
+    proxy.sync(web(before))
+    assert_only_and_all(sandbox.connect(WEB_IP, 80, count=100), before, total=100, at_least=10)
+    proxy.sync(web(after))
+    assert_only_and_all(sandbox.connect(WEB_IP, 80, count=100), after, total=100, at_least=10)
+    proxy.sync(web(sandbox.pods[3:4]))
+    assert_only_and_all(sandbox.connect(WEB_IP, 80, count=50), sandbox.pods[3:4], total=50)
+
+
+def _netproxy_objects(ruleset: str) -> List[str]:
+    """Names of netproxy's iptables chains and nft objects in a ruleset dump."""
+    chains = re.findall(r"^:(KUBE-[A-Z]+-[A-Z0-9]+)", ruleset, re.M)
+    nft = re.findall(r"^\s*(?:chain|set|map) (\S+)", ruleset, re.M)
+    return chains + nft
+
+
+def test_deleting_a_service_removes_its_rules(proxy: Proxy, sandbox: Sandbox) -> None:
+    pods = endpoints_of(sandbox, 3)
+    gone = [service("vanishing", OTHER_IP, [port(80, 8080)]), endpoint_slice("vanishing", pods[:2], [port(8080)])]
+    proxy.sync(web(pods) + gone)
+    assert_only_and_all(sandbox.connect(OTHER_IP, 80, count=30), pods[:2], total=30)
+    before = proxy.ruleset()
+    assert OTHER_IP in before and "vanishing" in before, "the service is not visible in the ruleset at all"
+    proxy.sync(web(pods))
+    after = proxy.ruleset()
+    assert OTHER_IP not in after and "vanishing" not in after, after
+    stale = set(_netproxy_objects(after)) - set(_netproxy_objects(before))
+    assert not stale, f"new objects appeared: {stale}"
+    if proxy.combo.backend == "iptables":
+        # Its KUBE-SVC- chain (and any KUBE-SEP- chains of its own) must be deleted, not just emptied.
+        # (The nftables layout may share chains between services: there, its elements must go.)
+        assert len(_netproxy_objects(after)) < len(_netproxy_objects(before)), "no chain was removed"
+    res = sandbox.connect(OTHER_IP, 80, count=5, timeout=0.3)
+    assert res.answered == 0, res
+    assert_only_and_all(sandbox.connect(WEB_IP, 80, count=30), pods, total=30)
+
+
+FOREIGN_NFT = """
+table inet np-foreign {
+  set allowed {
+    type ipv4_addr; elements = { 192.0.2.77 }
+  }
+  chain input {
+    type filter hook input priority 0; policy accept;
+    ip saddr @allowed counter accept
+  }
+  chain pre {
+    type nat hook prerouting priority -150; policy accept;
+    ip daddr 10.99.0.1 counter
+  }
+}
+"""
+
+
+def _foreign_iptables(flavour: str) -> str:
+    return "\n".join([
+        "*nat", ":FOREIGN-NAT - [0:0]", "-A FOREIGN-NAT -d 10.99.0.1/32 -j RETURN",
+        "-A PREROUTING -j FOREIGN-NAT", '-A OUTPUT -d 10.99.0.2/32 -m comment --comment "operator rule" -j RETURN',
+        "COMMIT",
+        "*filter", ":FOREIGN-FILTER - [0:0]", "-A FOREIGN-FILTER -s 192.0.2.77/32 -j ACCEPT",
+        "-A INPUT -j FOREIGN-FILTER", "COMMIT", "",
+    ])
+
+
+def _foreign_state(proxy: Proxy) -> str:
+    sb, flavour = proxy.sandbox, proxy.combo.flavour
+    lines = []
+    for table in ("nat", "filter"):
+        out = sb.exec(sb.node, [f"iptables-{flavour}-save", "-t", table], check=True).stdout
+        lines += [ln for ln in out.splitlines() if "FOREIGN" in ln or "operator rule" in ln]
+    nft = sb.exec(sb.node, ["nft", "list", "table", "inet", "np-foreign"], check=True).stdout
+    return "\n".join(sorted(lines)) + "\n" + nft
+
+
+def test_foreign_rules_survive_sync_and_cleanup(proxy: Proxy, sandbox: Sandbox) -> None:
+    require(shutil.which("nft") is not None, "nft is not installed")
+    flavour = proxy.combo.flavour
+    sandbox.exec(sandbox.node, [f"iptables-{flavour}-restore", "--noflush"], input=_foreign_iptables(flavour),
+                 check=True)
+    sandbox.exec(sandbox.node, ["nft", "-f", "-"], input=FOREIGN_NFT, check=True)
+    original = _foreign_state(proxy)
+    assert original.count("FOREIGN") >= 6, original
+    pods = endpoints_of(sandbox, 3)
+    proxy.sync(web(pods))
+    assert _foreign_state(proxy) == original
+    proxy.sync(web(pods[:1]))  # an update, not only a first sync
+    assert _foreign_state(proxy) == original
+    assert_only_and_all(sandbox.connect(WEB_IP, 80, count=20), pods[:1], total=20)
+    proxy.cleanup()
+    assert _foreign_state(proxy) == original
+    assert sandbox.connect(WEB_IP, 80, count=5, timeout=0.3).answered == 0, "cleanup left the service working"
+    leftover = [n for n in _netproxy_objects(proxy.ruleset()) if n.startswith("KUBE-")]
+    assert not leftover, leftover
+    assert "netproxy" not in sandbox.exec(sandbox.node, ["nft", "list", "tables"], check=True).stdout
+
+
+def test_invalid_object_rejected_neighbours_work(proxy: Proxy, sandbox: Sandbox) -> None:
+    pods = endpoints_of(sandbox, 3)
+    broken = service("broken-svc", "10.96.0.300", [port(80, 8080)])
+    bad_port = service("bad-port", OTHER_IP, [port(70000, 8080)])
+    proc = proxy.sync(web(pods) + [broken, bad_port, endpoint_slice("broken-svc", pods, [port(8080)])], expect=2)
+    assert "broken-svc" in proc.stderr and "bad-port" in proc.stderr, proc.stderr
+    assert_only_and_all(sandbox.connect(WEB_IP, 80, count=60), pods, total=60, at_least=5)
+    assert sandbox.connect(OTHER_IP, 80, count=3, timeout=0.3).answered == 0
+
+
+def _only(sb: Sandbox, pods: Sequence[Pod], proxy: Optional[Proxy] = None) -> Optional[str]:
+    if proxy is not None and proxy.running() is False:
+        raise AssertionError(f"netproxy run exited:\n{proxy.run_output()[-3000:]}")
+    res = sb.connect(WEB_IP, 80, count=30, timeout=0.5)
+    want = sorted(p.name for p in pods)
+    if res.errors or sorted(res.counts) != want:
+        return f"answers {res.counts}, errors {res.errors}, want {want}"
+    return None
+
+
+def test_run_follows_source_edits(proxy: Proxy, sandbox: Sandbox) -> None:
+    first, second = sandbox.pods[:2], sandbox.pods[2:3]
+    proc = proxy.start_run(web(first))
+    wait_for(lambda: _only(sandbox, first, proxy), timeout=15)
+    write_manifests(proxy.source, web(second))
+    took = wait_for(lambda: _only(sandbox, second, proxy), timeout=6, step=0.1)
+    # The default --min-sync-period is 1 s and the file is polled: a few seconds at most.
+    assert took < 5, took
+    assert proc.poll() is None, "netproxy run exited on its own"
+    assert proxy.stop_runs() == [0], proxy.run_output()[-3000:]
+
+
+# ---- start-up selection on real binaries (not per combination: the version check decides) ------
+
+
+@pytest.mark.parametrize("flavour,expected", [("legacy", "iptables"), ("nft", "nftables")])
+def test_auto_selection_follows_iptables_version(bare_sandbox: Sandbox, tmp_path: object, flavour: str,
+                                                 expected: str, combo_names: Sequence[str]) -> None:
+    from harness import COMBOS
+
+    relevant = [n for n in combo_names if COMBOS[n].flavour == flavour and COMBOS[n].backend == expected]
+    if not relevant:
+        pytest.skip(f"no {expected} combination on iptables-{flavour} selected by NETPROXY_BACKENDS")
+    why = COMBOS[relevant[0]].missing()
+    require(why is None, f"{relevant[0]}: {why}")
+    sb = bare_sandbox
+    sb.reset_netfilter()
+    try:
+        proc = sb.netproxy(["detect"], flavour=flavour)
+        assert proc.returncode == 0, proc.stderr
+        assert re.search(rf"^backend: {expected}$", proc.stdout, re.M), proc.stdout
+        source = f"{tmp_path}/cluster.yaml"
+        write_manifests(source, web(sb.pods))
+        proc = sb.netproxy(["sync", "--source", source, "--backend", "auto"], flavour=flavour)
+        assert proc.returncode == 0, proc.stderr
+        assert_only_and_all(sb.connect(WEB_IP, 80, count=60), sb.pods, total=60, at_least=5)
+        tables = sb.exec(sb.node, ["nft", "list", "tables"]).stdout if shutil.which("nft") else ""
+        legacy_nat = sb.exec(sb.node, ["iptables-legacy-save", "-t", "nat"]).stdout \
+            if shutil.which("iptables-legacy-save") else ""
+        if expected == "nftables":
+            assert "netproxy" in tables and "KUBE-SERVICES" not in legacy_nat, (tables, legacy_nat)
+        else:
+            assert "KUBE-SERVICES" in legacy_nat and "netproxy" not in tables, (tables, legacy_nat)
+    finally:
+        sb.reset_netfilter()
+
+
+@pytest.fixture()
+def combo_names() -> List[str]:
+    from harness import selected_combos
+
+    return [c.name for c in selected_combos()]
