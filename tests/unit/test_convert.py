@@ -296,7 +296,7 @@ def test_fqdn_slice_is_skipped() -> None:
     (lambda o: o["ports"][0].update(protocol="tcp"), "ports[0].protocol"),
     (lambda o: o["ports"][0].update(name="HTTP"), "ports[0].name"),
     (lambda o: o.update(endpoints={"addresses": []}), "endpoints"),
-])
+], ids=lambda v: v.replace("kubernetes.io/", "") if isinstance(v, str) else "mutated")
 def test_bad_slices_rejected_naming_the_field(mutate: Any, field: str) -> None:
     obj = endpoint_slice()
     mutate(obj)

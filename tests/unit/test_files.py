@@ -57,12 +57,12 @@ def write_yaml(path: Path, *docs: object) -> Path:
 # -- what kubectl prints -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def kubectl() -> Loaded:
+def cluster_dump() -> Loaded:
     return load(str(KUBECTL))
 
 
-def test_kubectl_get_all_namespaces_output_loads_as_is(kubectl: Loaded) -> None:
-    loaded = kubectl
+def test_get_all_namespaces_output_loads_as_is(cluster_dump: Loaded) -> None:
+    loaded = cluster_dump
     assert loaded.errors == []
     assert port_names(loaded) == {"default/kubernetes:https", "kube-system/kube-dns:dns",
                                   "kube-system/kube-dns:dns-tcp", "kube-system/kube-dns:metrics",
@@ -73,8 +73,8 @@ def test_kubectl_get_all_namespaces_output_loads_as_is(kubectl: Loaded) -> None:
                                      ("shop", "checkout-b8w2q"), ("shop", "checkout-v6k3m"), ("shop", "db-2fj8s")}
 
 
-def test_kubectl_output_resolves_to_the_expected_endpoints(kubectl: Loaded) -> None:
-    got = resolve(kubectl)
+def test_get_output_resolves_to_the_expected_endpoints(cluster_dump: Loaded) -> None:
+    got = resolve(cluster_dump)
     assert got == {
         "default/kubernetes:https": ("172.18.0.2:6443",),
         "kube-system/kube-dns:dns": ("10.244.0.3:53", "10.244.1.4:53", "10.244.1.9:53"),
@@ -84,8 +84,8 @@ def test_kubectl_output_resolves_to_the_expected_endpoints(kubectl: Loaded) -> N
     }
 
 
-def test_kubectl_output_fields(kubectl: Loaded) -> None:
-    loaded = kubectl
+def test_get_output_fields(cluster_dump: Loaded) -> None:
+    loaded = cluster_dump
     (checkout,) = loaded.services[("shop", "checkout")]
     assert checkout.cluster_ips == (ip("10.96.1.40"), ip("fd00:10:96::1:40"))
     assert checkout.load_balancer_ips == (ip("198.51.100.20"),)

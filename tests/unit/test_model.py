@@ -31,7 +31,7 @@ from netproxy.model import (
 # Strings that would change the meaning of an iptables-restore line or an nft command if they reached
 # one: quotes, newlines, spaces, option injection, statement separators, block delimiters.
 INJECTIONS = [
-    'web"', "web'", "web\n", "web\n-A KUBE-SERVICES -j ACCEPT", "web -j ACCEPT", "-j", "web;drop",
+    'web"', "web'", "web\n", "web\n-A PREROUTING -j ACCEPT", "web -j ACCEPT", "-j", "web;drop",
     "web}", "web{", "web\t", " web", "web ", "web\r", "web\x00", "$(reboot)", "`id`", "web#x", "web/x",
     "web\\", "wеb",  # the last one has a Cyrillic "е"
 ]
@@ -46,7 +46,7 @@ def _rejects(check: Callable[..., Any], value: object, *args: Any) -> FieldError
 
 # -- names -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value", ["a", "web", "kube-system", "a1", "1a", "x" * 63, "a-b-c", "0"])
+@pytest.mark.parametrize("value", ["a", "web", "default-ns", "a1", "1a", "x" * 63, "a-b-c", "0"])
 def test_label_accepts_dns1123_labels(value: str) -> None:
     assert check_label(value, "metadata.name") == value
 
@@ -196,7 +196,7 @@ def _port(name: str = "http", **kw: Any) -> ServicePort:
     return ServicePort(name=ServicePortName("default", "web", name), **defaults)
 
 
-def test_service_port_defaults_follow_kubernetes() -> None:
+def test_service_port_defaults_follow_upstream() -> None:
     sp = _port()
     assert sp.affinity == "None" and not sp.client_ip_affinity
     assert sp.affinity_timeout == DEFAULT_AFFINITY_TIMEOUT == 10800
