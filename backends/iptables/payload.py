@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 from netproxy.backends.iptables.diff import TableChange
 from netproxy.backends.iptables.render import Chains, Rule
@@ -31,7 +31,17 @@ def quote_always(arg: str) -> str:
     return quoted if quoted.startswith('"') else f'"{quoted}"'
 
 
+_SAFE_WORDS = re.compile(r"[A-Za-z0-9_.:/\-\[\]!,=+@%]*")
+
+
 def rule_line(verb: str, chain: str, rule: Rule) -> str:
+    """``-A CHAIN args...`` with comments always quoted and any other odd argument quoted too."""
+    if "--comment" in rule:
+        at = rule.index("--comment") + 1
+        plain = rule[:at] + rule[at + 1:]
+        # One regex over the arguments run together (no separator: a space in any argument fails it).
+        if _SAFE_WORDS.fullmatch("".join(plain)) and "" not in plain:
+            return " ".join((verb, chain) + rule[:at] + (quote_always(rule[at]),) + rule[at + 1:])
     parts = [verb, chain]
     after_comment = False
     for arg in rule:
@@ -40,7 +50,28 @@ def rule_line(verb: str, chain: str, rule: Rule) -> str:
     return " ".join(parts)
 
 
-def table_text(change: TableChange, counters: Optional[Mapping[str, str]] = None) -> List[str]:
+class ChainTextCache:
+    """Rule text per chain, reused while the chain's rules are the same tuple (the backend caches
+    rendered services, so unchanged chains are the very same objects on the next sync)."""
+
+    def __init__(self) -> None:
+        self._texts: Dict[str, Tuple[Tuple[Rule, ...], List[str]]] = {}
+
+    def lines(self, chain: str, rules: Tuple[Rule, ...]) -> List[str]:
+        hit = self._texts.get(chain)
+        if hit is not None and (hit[0] is rules or hit[0] == rules):
+            return hit[1]
+        lines = [rule_line("-A", chain, r) for r in rules]
+        self._texts[chain] = (rules, lines)
+        return lines
+
+    def forget(self, chains: Iterable[str]) -> None:
+        for chain in chains:
+            self._texts.pop(chain, None)
+
+
+def table_text(change: TableChange, counters: Optional[Mapping[str, str]] = None,
+               cache: Optional[ChainTextCache] = None) -> List[str]:
     """One ``*table ... COMMIT`` block: declare (flush) every chain written or deleted, append rules,
     insert jump rules, then delete stale chains — in the one order that never references a chain
     that is gone."""
@@ -49,7 +80,7 @@ def table_text(change: TableChange, counters: Optional[Mapping[str, str]] = None
     for chain in list(change.write) + change.delete:
         lines.append(f":{chain} - {counters.get(chain, '[0:0]')}")
     for chain, rules in change.write.items():
-        lines.extend(rule_line("-A", chain, r) for r in rules)
+        lines.extend(cache.lines(chain, rules) if cache else [rule_line("-A", chain, r) for r in rules])
     for hook, rule in change.jumps:
         lines.append(rule_line("-I", f"{hook} 1", rule))
     lines.extend(f"-X {chain}" for chain in change.delete)
@@ -57,11 +88,13 @@ def table_text(change: TableChange, counters: Optional[Mapping[str, str]] = None
     return lines
 
 
-def restore_payload(changes: Iterable[TableChange]) -> str:
+def restore_payload(changes: Iterable[TableChange], cache: Optional[ChainTextCache] = None) -> str:
     lines: List[str] = []
     for change in changes:
         if not change.empty():
-            lines.extend(table_text(change))
+            lines.extend(table_text(change, cache=cache))
+            if cache is not None:
+                cache.forget(change.delete)
     return "\n".join(lines) + "\n" if lines else ""
 
 

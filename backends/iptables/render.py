@@ -67,14 +67,25 @@ def safe_comment(text: str) -> str:
     return raw.decode(errors="ignore")
 
 
+_probabilities: Dict[int, str] = {}
+
+
 def probability(remaining: int) -> str:
     """``1/remaining`` with 10 decimals, as kube-proxy prints it: enough that 1/n and 1/(n+1) differ in
-    text for every n up to 100,000 (their gap, ~1/n², stays above 1e-10)."""
-    return f"{1.0 / remaining:0.10f}"
+    text for every n up to 100,000 (their gap, ~1/n², stays above 1e-10).  Cached: a 10k-service
+    render asks for the same ten values 10,000 times."""
+    text = _probabilities.get(remaining)
+    if text is None:
+        text = _probabilities[remaining] = f"{1.0 / remaining:0.10f}"
+    return text
 
 
 def destination(ep: Endpoint) -> str:
-    return str(ep)  # "ip:port", or "[ip6]:port"
+    """"ip:port", or "[ip6]:port"; IPv4 formatted from the integer (ipaddress's str is the slow part)."""
+    if ep.ip.version == 4:
+        n = int(ep.ip)
+        return f"{n >> 24}.{(n >> 16) & 255}.{(n >> 8) & 255}.{n & 255}:{ep.port}"
+    return f"[{ep.ip}]:{ep.port}"
 
 
 def host_net(addr: IPAddress) -> str:

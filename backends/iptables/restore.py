@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.iptables import save
 from netproxy.backends.iptables.diff import KernelTable, TableChange
-from netproxy.backends.iptables.payload import restore_payload
+from netproxy.backends.iptables.payload import ChainTextCache, restore_payload
 from netproxy.backends.iptables.render import TABLES
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class RestoreWriter:
 
     def __init__(self, flavour: str) -> None:
         self.tools = RestoreTools(flavour)
+        self._texts: Dict[int, ChainTextCache] = {}
 
     def probe(self) -> None:
         self.tools.probe()
@@ -91,7 +92,7 @@ class RestoreWriter:
         return out
 
     def apply(self, family: int, changes: List[TableChange]) -> int:
-        payload = restore_payload(changes)
+        payload = restore_payload(changes, self._texts.setdefault(family, ChainTextCache()))
         if payload:
             self.tools.restore(family, payload)
         return len(payload)
