@@ -1,0 +1,318 @@
+"""The command line's contract: exit codes, what is printed, --help everywhere.  Always the fake backend,
+except for one guarded check that the real backends never claim success while they cannot run."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import pytest
+import yaml
+
+import netproxy.backends as backends
+from netproxy import cli
+from netproxy import detect as detect_mod
+from netproxy.backends.base import BackendUnavailable, SyncError
+from netproxy.backends.fake import FakeBackend
+from netproxy.config import ProxyConfig
+from netproxy.model import Changes, Snapshot
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "cluster.yaml"
+FAKE = ["--backend", "fake", "--iptables-flavour", "legacy", "--hostname-override", "node-a"]
+_REAL_DETECT = detect_mod.detect  # captured at import, before any test patches the module
+_REAL_FLAVOUR = detect_mod.iptables_flavour
+
+
+class Made:
+    """Every backend the CLI created during a test, and how the next fake should behave."""
+
+    def __init__(self) -> None:
+        self.backends: List[Any] = []
+        self.fail_with: Optional[str] = None
+
+    @property
+    def fake(self) -> FakeBackend:
+        (only,) = self.backends
+        assert isinstance(only, FakeBackend)
+        return only
+
+    def state(self) -> Dict[str, List[str]]:
+        return {str(n): [str(e) for e in eps] for n, (_, eps) in sorted(self.fake.state.items())}
+
+
+@pytest.fixture
+def made(monkeypatch: pytest.MonkeyPatch) -> Made:
+    record = Made()
+    real_create = backends.create
+
+    def create(name: str, config: ProxyConfig) -> Any:
+        backend = real_create(name, config)
+        if isinstance(backend, FakeBackend):
+            backend.fail_next = record.fail_with
+        record.backends.append(backend)
+        return backend
+
+    monkeypatch.setattr(backends, "create", create)
+    monkeypatch.setattr(cli, "create", create, raising=False)  # the CLI imported the name
+    return record
+
+
+@pytest.fixture(autouse=True)
+def no_real_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test here runs the node's iptables binary: the version check sees a fixed answer."""
+    monkeypatch.setattr(detect_mod, "detect", _detect_with("iptables v1.8.9 (legacy)", False))
+    monkeypatch.setattr(detect_mod, "iptables_flavour", lambda: _REAL_FLAVOUR(lambda: "iptables v1.8.9 (legacy)"))
+
+
+def service(name: str, cluster_ip: str, port: Any = 80) -> Dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "default"},
+            "spec": {"clusterIP": cluster_ip, "ports": [{"port": port, "targetPort": 8080}]}}
+
+
+def endpoint_slice(service_name: str, *addresses: str) -> Dict[str, Any]:
+    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": f"{service_name}-1", "namespace": "default",
+                         "labels": {"kubernetes.io/service-name": service_name}},
+            "addressType": "IPv4", "ports": [{"port": 8080, "protocol": "TCP"}],
+            "endpoints": [{"addresses": [a]} for a in addresses]}
+
+
+@pytest.fixture
+def clean(tmp_path: Path) -> Path:
+    path = tmp_path / "clean.yaml"
+    path.write_text(yaml.safe_dump_all([service("web", "10.96.0.1"), endpoint_slice("web", "10.0.0.1", "10.0.0.2"),
+                                        service("api", "10.96.0.2"), endpoint_slice("api", "10.0.1.1")]))
+    return path
+
+
+@pytest.fixture
+def with_rejects(tmp_path: Path) -> Path:
+    path = tmp_path / "rejects.yaml"
+    path.write_text(yaml.safe_dump_all([service("web", "10.96.0.1"), endpoint_slice("web", "10.0.0.1"),
+                                        service("bad", "10.96.0.3", port=70000),
+                                        service("api", "10.96.0.2"), endpoint_slice("api", "10.0.1.1")]))
+    return path
+
+
+# -- sync: exit codes --------------------------------------------------------------------------------
+
+def test_sync_clean_file_exits_0_and_applies_everything(made: Made, clean: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["sync", "--source", str(clean), *FAKE]) == 0
+    assert made.state() == {"default/api": ["10.0.1.1:8080"], "default/web": ["10.0.0.1:8080", "10.0.0.2:8080"]}
+    assert made.fake.syncs == [Changes(full=True)]
+    assert "rejected" not in capsys.readouterr().err
+
+
+def test_sync_with_a_rejected_object_exits_2_names_it_and_applies_the_rest(
+        made: Made, with_rejects: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["sync", "--source", str(with_rejects), *FAKE]) == 2
+    err = capsys.readouterr().err
+    assert "rejected Service default/bad: field spec.ports[0].port" in err
+    assert "70000" in err
+    assert made.state() == {"default/api": ["10.0.1.1:8080"], "default/web": ["10.0.0.1:8080"]}
+
+
+def test_sync_failing_write_exits_1(made: Made, clean: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    made.fail_with = "-A KUBE-SVC-ABC -j DROP"
+    assert cli.main(["sync", "--source", str(clean), *FAKE]) == 1
+    err = capsys.readouterr().err
+    assert "sync error" in err and "-A KUBE-SVC-ABC -j DROP" in err
+    assert made.fake.state == {}  # nothing half-applied
+
+
+def test_sync_missing_source_exits_1(made: Made, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["sync", "--source", str(tmp_path / "nope.yaml"), *FAKE]) == 1
+    assert "nope.yaml" in capsys.readouterr().err
+    assert all(not getattr(b, "syncs", None) for b in made.backends)
+
+
+@pytest.mark.parametrize("name, text", [("broken.yaml", "kind: Service\nmetadata: {name: [x\n"),
+                                        ("broken.json", "{"), ("scalar.yaml", "just a string\n")])
+def test_sync_unparsable_source_exits_1(made: Made, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                        name: str, text: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    assert cli.main(["sync", "--source", str(path), *FAKE]) == 1
+    assert "source" in capsys.readouterr().err
+    assert all(not getattr(b, "syncs", None) for b in made.backends)
+
+
+def test_sync_auto_backend_with_no_usable_dataplane_exits_1(
+        monkeypatch: pytest.MonkeyPatch, clean: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(detect_mod, "detect", lambda: (_ for _ in ()).throw(detect_mod.DetectError("no backend")))
+    assert cli.main(["sync", "--source", str(clean), "--backend", "auto"]) == 1
+    assert "no backend" in capsys.readouterr().err
+
+
+# -- plan, detect, cleanup ---------------------------------------------------------------------------
+
+def test_plan_prints_and_touches_nothing(made: Made, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["plan", "--source", str(EXAMPLE), *FAKE]) == 0
+    out = capsys.readouterr().out
+    assert "10.96.0.53 udp 53 -> 10.244.1.21:5353 10.244.2.22:5353  # kube-system/dns:dns" in out
+    assert "198.51.100.20 tcp 443 -> 10.244.1.51:8443 10.244.2.52:8443  # shop/checkout:https" in out
+    assert "10.96.2.10 tcp 3000 -> reject  # monitoring/grafana:http" in out
+    assert made.fake.syncs == [] and made.fake.state == {}
+
+
+def test_plan_with_rejects_exits_2_and_still_prints(made: Made, with_rejects: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["plan", "--source", str(with_rejects), *FAKE]) == 2
+    captured = capsys.readouterr()
+    assert "# default/web" in captured.out and "# default/api" in captured.out
+    assert "default/bad" not in captured.out
+    assert "default/bad" in captured.err
+
+
+@pytest.mark.parametrize("line, libnft, expected", [
+    ("iptables v1.8.9 (legacy)", False, ["backend: iptables", "iptables: legacy", "reason: legacy iptables 1.8.9"]),
+    ("iptables v1.8.9 (nf_tables)", True, ["backend: nftables", "reason: iptables 1.8.9 is nf_tables-based"]),
+    (None, True, ["backend: nftables", "evidence: iptables: not found", "evidence: libnftables: found"]),
+], ids=["legacy", "nf_tables", "no-binary"])
+def test_detect_prints_the_choice_and_evidence(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                               line: Optional[str], libnft: bool, expected: List[str]) -> None:
+    monkeypatch.setattr(detect_mod, "detect", _detect_with(line, libnft))
+    assert cli.main(["detect"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    for want in expected:
+        assert any(o.startswith(want) for o in out), (want, out)
+    if line is None:
+        assert not any(o.startswith("iptables:") for o in out)
+
+
+def test_detect_without_any_dataplane_exits_1(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(detect_mod, "detect", _detect_with("iptables v1.3.8", False))
+    assert cli.main(["detect"]) == 1
+    out = capsys.readouterr().out
+    assert "backend: none" in out and "1.3.8" in out
+
+
+def _detect_with(line: Optional[str], libnft: bool) -> Callable[[], Any]:
+    """The real version check, fed ``line`` as the output of `iptables --version`."""
+    return lambda: _REAL_DETECT(version_probe=lambda: line, libnft_probe=lambda: libnft)
+
+
+def test_cleanup_fake(made: Made) -> None:
+    assert cli.main(["cleanup", *FAKE[:4]]) == 0
+    assert made.fake.cleaned
+
+
+# -- flags -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv", [[], ["sync"], ["run"], ["plan"], ["detect"], ["cleanup"]],
+                         ids=["top", "sync", "run", "plan", "detect", "cleanup"])
+def test_help_on_every_command(argv: List[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main([*argv, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: netproxy")
+    assert "--log-level" in out or not argv
+    if argv and argv[0] in ("sync", "run", "plan"):
+        for flag in ("--source", "--backend", "--sync-period", "--min-sync-period", "--masquerade-all"):
+            assert flag in out
+
+
+def test_sync_requires_a_source(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["sync", "--backend", "fake"])
+    assert info.value.code != 0
+    assert "--source" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, seconds", [("30s", 30.0), ("1m", 60.0), ("500ms", 0.5), ("2", 2.0),
+                                           ("1.5h", 5400.0), (" 10s ", 10.0)])
+def test_durations(text: str, seconds: float) -> None:
+    assert cli.duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "s", "-1s", "10d", "1m30s", "ten"])
+def test_bad_durations(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.duration(text)
+
+
+def test_flags_reach_the_config(made: Made, clean: Path) -> None:
+    assert cli.main(["sync", "--source", str(clean), *FAKE, "--sync-period", "1m", "--min-sync-period", "250ms",
+                     "--masquerade-all", "--cluster-cidr", "10.244.0.0/16,fd00:244::/56"]) == 0
+    config = made.fake.config
+    assert (config.sync_period, config.min_sync_period, config.masquerade_all) == (60.0, 0.25, True)
+    assert [str(c) for c in config.cluster_cidrs] == ["10.244.0.0/16", "fd00:244::/56"]
+    assert config.hostname == "node-a"
+
+
+def test_a_bad_cidr_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str], clean: Path) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["sync", "--source", str(clean), *FAKE, "--cluster-cidr", "10.0.0.0/8,nope"])
+    assert info.value.code != 0
+    assert "'nope'" in capsys.readouterr().err
+
+
+# -- the real backends: never a false success --------------------------------------------------------
+
+class Guard:
+    """Real backends whose sync and cleanup cannot write: reaching one is recorded and fails instead."""
+
+    def __init__(self) -> None:
+        self.reached: List[str] = []
+        self.unavailable = False  # make probe raise, as on a node without the binaries or library
+
+
+@pytest.fixture
+def guarded(monkeypatch: pytest.MonkeyPatch) -> Iterator[Guard]:
+    guard = Guard()
+    reached = guard.reached
+    real_create = backends.create
+
+    def create(name: str, config: ProxyConfig) -> Any:
+        backend = real_create(name, config)
+        if guard.unavailable:
+            def probe() -> None:
+                raise BackendUnavailable(f"{name}: not on this node (simulated)")
+
+            backend.probe = probe
+
+        def refuse(snapshot: Snapshot, changes: Changes) -> Any:
+            reached.append(name)
+            raise SyncError("unit tests never write to the kernel")
+
+        backend.sync = refuse
+        backend.cleanup = lambda: reached.append(f"{name} cleanup")
+        return backend
+
+    monkeypatch.setattr(backends, "create", create)
+    monkeypatch.setattr(cli, "create", create, raising=False)
+    yield guard
+
+
+@pytest.mark.parametrize("without_binaries", [False, True], ids=["node-path", "empty-path"])
+@pytest.mark.parametrize("name", ["iptables", "nftables"])
+def test_real_backend_sync_never_succeeds_while_probe_fails(
+        name: str, without_binaries: bool, guarded: Guard, clean: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # Whatever state the real backend is in (a stub, or the real thing on a node that lacks what it
+    # needs), a probe that says "unavailable" must never end in exit 0.
+    if without_binaries:
+        monkeypatch.setenv("PATH", str(tmp_path))
+    try:
+        backends.create(name, ProxyConfig(backend=name, hostname="node-a")).probe()
+    except BackendUnavailable as err:
+        reason = str(err)
+    else:
+        pytest.skip(f"the {name} backend can run here; this test only covers it while it cannot")
+    assert cli.main(["sync", "--source", str(clean), "--backend", name, "--iptables-flavour", "legacy"]) != 0
+    assert guarded.reached == []  # probe stopped it before any write
+    err = capsys.readouterr().err
+    assert "unavailable" in err and reason.split(":")[0] in err
+
+
+@pytest.mark.parametrize("name", ["iptables", "nftables"])
+def test_real_backend_with_a_failing_probe_exits_1_before_writing(
+        name: str, guarded: Guard, clean: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    guarded.unavailable = True
+    assert cli.main(["sync", "--source", str(clean), "--backend", name, "--iptables-flavour", "legacy"]) == 1
+    assert guarded.reached == []
+    assert "not on this node (simulated)" in capsys.readouterr().err
