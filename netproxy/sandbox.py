@@ -128,6 +128,37 @@ class ConnectResult:
         return out
 
 
+class PendingConnect:
+    """A client batch still running; :meth:`result` waits for it."""
+
+    def __init__(self, proc: subprocess.Popen, budget: float) -> None:  # type: ignore[type-arg]
+        self.proc = proc
+        self.budget = budget
+
+    def result(self) -> ConnectResult:
+        try:
+            out, err = self.proc.communicate(timeout=self.budget)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            raise SandboxError(f"client took longer than {self.budget:.0f}s") from None
+        if self.proc.returncode != 0:
+            raise SandboxError(f"client failed ({self.proc.returncode}): {err.decode(errors='replace').strip()}")
+        data = json.loads(out)
+        return ConnectResult(counts=data["counts"], sources=data["sources"], errors=data["errors"],
+                             sequence=data["sequence"], elapsed=data["elapsed"])
+
+
+def has_iptables(flavour: str) -> bool:
+    """Whether every ``iptables-<flavour>*`` tool that :meth:`Sandbox.iptables_bindir` links is installed."""
+    return all(shutil.which(_flavoured(tool, flavour)) for tool in IPTABLES_TOOLS)
+
+
+def _flavoured(tool: str, flavour: str) -> str:
+    family, _, verb = tool.partition("-")
+    return f"{family}-{flavour}" + (f"-{verb}" if verb else "")
+
+
 def _iproute_ns(name: str):  # type: ignore[no-untyped-def]
     # Imported late: pyroute2 is a test/demo dependency, and `import netproxy.sandbox` for
     # addresses and names only should not need it.
@@ -375,21 +406,25 @@ class Sandbox:
         """``count`` connections to ``address:port`` from namespace ``source`` (default: the client).
 
         ``sources``: source addresses used round-robin (attempt i from ``sources[i % len]``), e.g.
-        from :meth:`client_addresses`; ``bind``: one fixed ``ADDRESS:PORT`` (or ``:PORT``) for all.
+        from :meth:`client_addresses`; ``bind``: one fixed ``ADDRESS:PORT`` (or ``:PORT``) for all;
+        ``interval``: seconds between attempt starts (attempts then run one at a time, in order).
         """
+        return self.start_connect(address, port, proto=proto, count=count, source=source, timeout=timeout,
+                                  concurrency=concurrency, interval=interval, bind=bind, sources=sources).result()
+
+    def start_connect(self, address: str, port: int, *, proto: str = "tcp", count: int = 1,
+                      source: Optional[str] = None, timeout: float = 1.0, concurrency: int = 32,
+                      interval: float = 0.0, bind: Optional[str] = None,
+                      sources: Sequence[str] = ()) -> PendingConnect:
+        """:meth:`connect` in the background (e.g. a paced UDP flow while a test changes endpoints)."""
         argv = [sys.executable, CLIENT, address, str(port), "--proto", proto, "--count", str(count),
                 "--timeout", str(timeout), "--concurrency", str(concurrency), "--interval", str(interval)]
         if bind:
             argv += ["--bind", bind]
         if sources:
             argv += ["--sources", ",".join(sources)]
-        budget = 10.0 + count * (interval + timeout)
-        proc = self.exec(source or self.client, argv, timeout=budget)
-        if proc.returncode != 0:
-            raise SandboxError(f"client failed ({proc.returncode}): {proc.stderr.strip()}")
-        data = json.loads(proc.stdout)
-        return ConnectResult(counts=data["counts"], sources=data["sources"], errors=data["errors"],
-                             sequence=data["sequence"], elapsed=data["elapsed"])
+        proc = self.popen(source or self.client, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        return PendingConnect(proc, budget=10.0 + count * (interval + timeout))
 
     # ---- netproxy -----------------------------------------------------------------------------
 
@@ -429,10 +464,10 @@ class Sandbox:
             return path
         os.makedirs(path)
         for tool in IPTABLES_TOOLS:
-            family, _, verb = tool.partition("-")
-            real = shutil.which(f"{family}-{flavour}" + (f"-{verb}" if verb else ""))
+            real = shutil.which(_flavoured(tool, flavour))
             if real is None:
-                raise SandboxError(f"{family}-{flavour}{'-' + verb if verb else ''} is not installed")
+                shutil.rmtree(path)
+                raise SandboxError(f"{_flavoured(tool, flavour)} is not installed")
             os.symlink(real, os.path.join(path, tool))
         return path
 

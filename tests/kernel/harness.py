@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import pytest
 
-from netproxy.sandbox import NODE_NAME, ConnectResult, Pod, Sandbox, SandboxError
+from netproxy.sandbox import NODE_NAME, ConnectResult, Pod, Sandbox, SandboxError, has_iptables
 
 Manifest = Dict[str, Any]
 
@@ -60,16 +60,19 @@ class Combo:
     """The iptables the node has ("legacy"/"nft"): first in PATH for netproxy, and what the tests read back."""
 
     @property
+    def path_flavour(self) -> Optional[str]:
+        """The iptables put first in PATH: the combination's, if installed (a pure nftables node has none)."""
+        return self.flavour if has_iptables(self.flavour) else None
+
+    @property
     def flags(self) -> List[str]:
         return ["--backend", self.backend, "--iptables-writer", self.writer, "--iptables-flavour", self.flavour]
 
     def missing(self) -> Optional[str]:
         """Why this combination cannot run here, or None."""
         if self.backend == "iptables":
-            for verb in ("-restore", "-save", ""):
-                tool = f"iptables-{self.flavour}{verb}"
-                if shutil.which(tool) is None:
-                    return f"{tool} is not installed"
+            if not has_iptables(self.flavour):
+                return f"iptables-{self.flavour} (and its -save/-restore, ip6tables-{self.flavour}*) is not installed"
             if self.writer == "libiptc" and importlib.util.find_spec("iptc") is None:
                 return "python-iptables (iptc) is not importable"
         else:
@@ -167,7 +170,7 @@ class Proxy:
 
     def command(self, verb: str, *extra: str, combo_flags: bool = True) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
         args = [verb, *extra, *(self.combo.flags if combo_flags else [])]
-        return self.sandbox.netproxy(args, flavour=self.combo.flavour)
+        return self.sandbox.netproxy(args, flavour=self.combo.path_flavour)
 
     def sync(self, objects: Sequence[Manifest], *, expect: int = 0) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
         """Write ``objects`` as the source and run ``netproxy sync``; asserts the exit status."""
@@ -185,9 +188,8 @@ class Proxy:
         """``netproxy run --source FILE`` in the background; stopped after the test."""
         write_manifests(self.source, objects)
         self.run_log = os.path.join(self.workdir, f"run-{len(self._runs)}.log")
-        proc = self.sandbox.start_netproxy(["run", "--source", self.source, "--metrics-bind-address", "",
-                                            *self.base_flags, *self.combo.flags, *extra], flavour=self.combo.flavour,
-                                           log_path=self.run_log)
+        args = ["run", "--source", self.source, "--metrics-bind-address", "", *self.base_flags, *self.combo.flags]
+        proc = self.sandbox.start_netproxy([*args, *extra], flavour=self.combo.path_flavour, log_path=self.run_log)
         self._runs.append(proc)
         return proc
 
@@ -221,7 +223,7 @@ class Proxy:
     def ruleset(self) -> str:
         """What an operator would read: ``iptables-<flavour>-save`` (v4 and v6) and ``nft list ruleset``."""
         parts = []
-        if shutil.which(f"iptables-{self.combo.flavour}-save"):
+        if has_iptables(self.combo.flavour):
             for tool in (f"iptables-{self.combo.flavour}-save", f"ip6tables-{self.combo.flavour}-save"):
                 parts.append(self.sandbox.exec(self.sandbox.node, [tool], check=True).stdout)
         if shutil.which("nft"):
