@@ -1,0 +1,132 @@
+"""IptablesBackend's sync logic (full vs partial, failure → full) against a recording writer."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Dict, List, Tuple
+
+import pytest
+
+from netproxy.backends.base import SyncError
+from netproxy.backends.iptables import IptablesBackend, names
+from netproxy.backends.iptables.diff import KernelTable, TableChange
+from netproxy.config import ProxyConfig
+from netproxy.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
+
+ip = ipaddress.ip_address
+
+
+class RecordingWriter:
+    """Applies changes to an in-memory kernel (chains → rules), all or nothing, like the real writers."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.kernel: Dict[Tuple[int, str], Dict[str, tuple]] = {}
+        self.applied: List[Tuple[int, List[TableChange]]] = []
+        self.reads = 0
+        self.fail = False
+
+    def probe(self) -> None:
+        return None
+
+    def read(self, family: int) -> Dict[str, KernelTable]:
+        self.reads += 1
+        return {t: KernelTable(frozenset(self.kernel.get((family, t), {}))) for t in ("nat", "filter")}
+
+    def apply(self, family: int, changes: List[TableChange]) -> int:
+        if self.fail:
+            raise SyncError("refused", line="-A X")
+        for change in changes:
+            table = dict(self.kernel.get((family, change.table), {}))
+            table.update(change.write)
+            for chain in change.delete:
+                del table[chain]
+            self.kernel[(family, change.table)] = table
+        self.applied.append((family, changes))
+        return 1
+
+
+def snapshot(n: int, moved: int = -1) -> Snapshot:
+    services, endpoints = [], {}
+    for i in range(n):
+        name = ServicePortName("default", f"s{i}", "")
+        services.append(ServicePort(name, "TCP", 80, 80, (ip(f"10.96.0.{i + 1}"),)))
+        last = 200 if i == moved else 1
+        endpoints[name] = [Endpoint(ip(f"10.1.{i}.1"), 80), Endpoint(ip(f"10.1.{i}.{last + 1}"), 80)]
+    return Snapshot.build(services, endpoints)
+
+
+@pytest.fixture()
+def backend() -> IptablesBackend:
+    b = IptablesBackend(ProxyConfig(hostname="node"))
+    b.writer = RecordingWriter()
+    return b
+
+
+def svc_chain(i: int) -> str:
+    return names.service_chain(ServicePortName("default", f"s{i}", ""), "TCP")
+
+
+def test_first_sync_is_full_then_partial_writes_only_what_changed(backend: IptablesBackend) -> None:
+    writer = backend.writer
+    assert isinstance(writer, RecordingWriter)
+    result = backend.sync(snapshot(5), Changes(full=False))  # start: full whatever the hint
+    assert result.full and writer.reads == 2
+    result = backend.sync(snapshot(5, moved=3), Changes(full=False, services=frozenset()))
+    assert not result.full and result.services_written == 1
+    (_, changes), = [a for a in writer.applied[-1:]]
+    nat = [c for c in changes if c.table == "nat"][0]
+    assert list(nat.write) == [svc_chain(3)] and nat.delete == [] and nat.jumps == []
+    # Nothing changed: nothing written.
+    applied = len(writer.applied)
+    backend.sync(snapshot(5, moved=3), Changes(full=False))
+    assert len(writer.applied) == applied
+
+
+def test_removed_service_chain_is_deleted(backend: IptablesBackend) -> None:
+    writer = backend.writer
+    assert isinstance(writer, RecordingWriter)
+    backend.sync(snapshot(3), Changes(full=True))
+    backend.sync(snapshot(2), Changes(full=False))
+    assert svc_chain(2) not in writer.kernel[(4, "nat")]
+    assert svc_chain(1) in writer.kernel[(4, "nat")]
+
+
+def test_failure_forces_a_full_resync(backend: IptablesBackend) -> None:
+    writer = backend.writer
+    assert isinstance(writer, RecordingWriter)
+    backend.sync(snapshot(2), Changes(full=True))
+    writer.fail = True
+    with pytest.raises(SyncError) as err:
+        backend.sync(snapshot(2, moved=0), Changes(full=False))
+    assert err.value.line == "-A X"
+    writer.fail = False
+    reads = writer.reads
+    assert backend.sync(snapshot(2, moved=0), Changes(full=False)).full
+    assert writer.reads == reads + 2
+
+
+def test_full_sync_removes_stale_owned_chains_left_by_a_previous_run(backend: IptablesBackend) -> None:
+    writer = backend.writer
+    assert isinstance(writer, RecordingWriter)
+    writer.kernel[(4, "nat")] = {"KUBE-SVC-STALE": (), "KUBE-SEP-STALE": (), "DOCKER": (("-j", "RETURN"),)}
+    backend.sync(snapshot(1), Changes(full=True))
+    nat = writer.kernel[(4, "nat")]
+    assert "KUBE-SVC-STALE" not in nat and "KUBE-SEP-STALE" not in nat and nat["DOCKER"] == (("-j", "RETURN"),)
+
+
+def test_plan_has_both_families_with_headers(backend: IptablesBackend) -> None:
+    text = backend.plan(snapshot(1))
+    v4, v6 = text.split("# IPv6")
+    assert v4.startswith("# IPv4") and "-A KUBE-SERVICES -d 10.96.0.1/32" in v4
+    assert "*nat" in v6 and "10.96.0.1" not in v6
+    assert text.count("-j KUBE-SERVICES") == 2 * 2 + 2 * 3  # nat PREROUTING/OUTPUT, filter INPUT/FORWARD/OUTPUT
+
+
+def test_libiptc_writer_refuses_nf_tables_nodes() -> None:
+    from netproxy.backends.base import BackendUnavailable
+    from netproxy.backends.iptables.libiptc import LibiptcWriter
+
+    with pytest.raises(BackendUnavailable, match="nf_tables"):
+        LibiptcWriter("nft").probe()
