@@ -46,8 +46,12 @@ class TableChange:
 
 
 def full_change(table: str, desired: Chains, kernel: KernelTable) -> TableChange:
-    """Rewrite every chain we own, delete our stale ones, add missing jump rules."""
-    stale = sorted(c for c in kernel.chains if names.is_owned(c) and c not in desired)
+    """Rewrite every chain we own, delete our stale per-service chains, add missing jump rules.
+
+    Only per-service prefixes (KUBE-SVC-, KUBE-SEP-, ...) count as stale here: the seed's userspace
+    chains are still jumped to from built-in chains until ``cleanup`` removes them with those jumps.
+    """
+    stale = sorted(c for c in kernel.chains if c.startswith(names.OWNED_PREFIXES) and c not in desired)
     jumps = [(hook, rule) for hook, target, rule in JUMPS[table] if (hook, target) not in kernel.jumps]
     return TableChange(table, dict(desired), stale, jumps, kernel.chains)
 

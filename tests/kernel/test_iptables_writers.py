@@ -1,0 +1,200 @@
+"""The iptables backend's two writers in a real kernel (root, inside namespaces these tests create).
+
+- Equivalence: over a matrix of snapshots, the restore writer and the libiptc writer leave
+  byte-identical ``iptables-legacy-save`` output (the generated-by header and counters aside).
+- Cleanup removes netproxy's chains and the seed's userspace-proxy chains, and nothing else.
+- A refused restore keeps the previous rules, and the error names the failing payload line.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from typing import Dict, Iterator, List
+
+import pytest
+from harness import require
+
+pytestmark = pytest.mark.kernel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PY = sys.executable
+
+
+def snapshot_steps() -> List[object]:
+    """The matrix: each step is a whole snapshot, applied in order (so later steps are updates)."""
+    from netproxy.model import Endpoint, ServicePort, ServicePortName, Snapshot
+
+    ip = ipaddress.ip_address
+
+    def port(ns: str, name: str, pname: str, cip: str, number: int, **kw: object) -> ServicePort:
+        return ServicePort(ServicePortName(ns, name, pname), str(kw.pop("protocol", "TCP")), number, number,
+                           (ip(cip),), **kw)  # type: ignore[arg-type]
+
+    def eps(prefix: str, n: int, number: int = 8080) -> List[Endpoint]:
+        return [Endpoint(ip(f"{prefix}.{i + 1}"), number) for i in range(n)]
+
+    web = port("default", "web", "http", "10.96.0.10", 80)
+    multi = [port("default", "multi", "http", "10.96.0.11", 80), port("default", "multi", "dns", "10.96.0.11", 53,
+                                                                         protocol="UDP")]
+    sticky = port("default", "sticky", "", "10.96.0.12", 443, affinity="ClientIP", affinity_timeout=60,
+                  external_ips=(ip("203.0.113.10"),), load_balancer_ips=(ip("198.51.100.10"),))
+    dual = port("default", "v6", "", "fd00::10", 80)
+    fifty = [port(f"ns{i % 5}", f"svc-{i}", "", f"10.97.{i // 200}.{i % 200 + 1}", 80) for i in range(50)]
+    empty = port("default", "empty", "", "10.96.0.13", 80)
+    steps = [Snapshot.build([])]
+    steps.append(Snapshot.build([web], {web.name: eps("10.1.0", 3)}))
+    steps.append(Snapshot.build([web] + multi, {web.name: eps("10.1.0", 3), multi[0].name: eps("10.1.1", 2),
+                                                multi[1].name: eps("10.1.1", 2, 53)}))
+    steps.append(Snapshot.build([web, sticky, dual, empty], {web.name: eps("10.1.0", 3),
+                                                             sticky.name: eps("10.1.2", 4),
+                                                             dual.name: [Endpoint(ip("fd01::1"), 80)]}))
+    big = {s.name: eps(f"10.2.{i}", (i % 7) + 1) for i, s in enumerate(fifty)}
+    steps.append(Snapshot.build(fifty + [web, sticky], {**big, web.name: eps("10.1.0", 3),
+                                                        sticky.name: eps("10.1.2", 4)}))
+    moved = dict(big)
+    moved[fifty[7].name] = eps("10.3.7", 5)  # an endpoint change
+    del moved[fifty[9].name]  # endpoints gone: reject
+    steps.append(Snapshot.build(fifty[:40] + [web], {**moved, web.name: eps("10.1.0", 2)}))  # 10 services deleted
+    steps.append(Snapshot.build([]))
+    return steps
+
+
+def run_steps(writer: str, out: str) -> None:
+    """Runs inside the namespace (see :func:`apply_matrix`): every step as a full sync, then as a
+    partial one from the previous step, saving the tables after each."""
+    from netproxy.backends import create
+    from netproxy.config import ProxyConfig
+    from netproxy.model import Changes
+
+    results: Dict[str, str] = {}
+    backend = create("iptables", ProxyConfig(iptables_writer=writer, iptables_flavour="legacy"))
+    for i, snap in enumerate(snapshot_steps()):
+        backend.sync(snap, Changes(full=(i % 2 == 0), services=frozenset(snap.services)))  # type: ignore[attr-defined]
+        results[str(i)] = saved_tables()
+    with open(out, "w") as fh:
+        json.dump(results, fh)
+
+
+def saved_tables() -> str:
+    text = ""
+    for tool in ("iptables-legacy-save", "ip6tables-legacy-save"):
+        for table in ("nat", "filter"):
+            text += subprocess.run([tool, "-t", table], capture_output=True, text=True, check=True).stdout
+    return normalise(text)
+
+
+def normalise(text: str) -> str:
+    """Drop the generated-by/completed comments and chain counters (the writers differ only there)."""
+    lines = [re.sub(r"\[\d+:\d+\]$", "[0:0]", line) for line in text.splitlines() if not line.startswith("#")]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture()
+def netns(kernel_env: None) -> Iterator[str]:
+    require(shutil.which("iptables-legacy-restore") is not None, "iptables-legacy is not installed")
+    name = f"np-iptw-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def in_ns(ns: str, *cmd: str, input: str = "", check: bool = True) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
+    return subprocess.run(["ip", "netns", "exec", ns, *cmd], input=input, capture_output=True, text=True,
+                          check=check)
+
+
+def python_in_ns(ns: str, code: str, check: bool = True) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
+    return in_ns(ns, PY, "-c", f"import sys; sys.path.insert(0, {HERE!r}); " + code, check=check)
+
+
+def test_restore_and_libiptc_writers_leave_identical_tables(kernel_env: None, tmp_path: object) -> None:
+    require(shutil.which("iptables-legacy-restore") is not None, "iptables-legacy is not installed")
+    try:
+        import iptc  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        require(False, f"python-iptables is not usable: {exc}")
+    results: Dict[str, Dict[str, str]] = {}
+    for writer in ("restore", "libiptc"):
+        ns = f"np-iptw-{os.getpid()}-{writer}"
+        out = os.path.join(str(tmp_path), f"{writer}.json")
+        subprocess.run(["ip", "netns", "add", ns], check=True)
+        try:
+            proc = python_in_ns(ns, f"from test_iptables_writers import run_steps; run_steps({writer!r}, {out!r})",
+                                check=False)
+            assert proc.returncode == 0, proc.stderr
+        finally:
+            subprocess.run(["ip", "netns", "del", ns], check=False)
+        with open(out) as fh:
+            results[writer] = json.load(fh)
+    assert len(results["restore"]) == len(snapshot_steps())
+    for step, text in results["restore"].items():
+        assert results["libiptc"][step] == text, f"step {step} differs"
+    # The matrix is not vacuous: the busy step has many service chains, the last is empty again.
+    assert results["restore"]["4"].count(":KUBE-SVC-") >= 50
+    assert ":KUBE-SVC-" not in results["restore"]["6"]
+
+
+SEED = """*nat
+:KUBE-PORTALS-CONTAINER - [0:0]
+:KUBE-PORTALS-HOST - [0:0]
+:KUBE-NODEPORT-CONTAINER - [0:0]
+:KUBE-NODEPORT-HOST - [0:0]
+:KUBE-SVC-FROMSEED - [0:0]
+:OPERATOR - [0:0]
+:KUBE-FIREWALL - [0:0]
+-A PREROUTING -m comment --comment "handle ClusterIPs; NOTE: before the NodePort rules" -j KUBE-PORTALS-CONTAINER
+-A PREROUTING -m addrtype --dst-type LOCAL -m comment --comment "handle service NodePorts" -j KUBE-NODEPORT-CONTAINER
+-A OUTPUT -m comment --comment "handle ClusterIPs" -j KUBE-PORTALS-HOST
+-A OUTPUT -m addrtype --dst-type LOCAL -j KUBE-NODEPORT-HOST
+-A PREROUTING -j OPERATOR
+-A OPERATOR -d 192.0.2.1/32 -m comment --comment "-j KUBE-SERVICES" -j RETURN
+-A KUBE-PORTALS-HOST -d 10.0.0.1/32 -p tcp -m tcp --dport 80 -j DNAT --to-destination 127.0.0.1:1234
+COMMIT
+"""
+
+
+def test_cleanup_removes_ours_and_the_seeds_chains_only(netns: str) -> None:
+    in_ns(netns, "iptables-legacy-restore", "--noflush", input=SEED)
+    code = ("from test_iptables_writers import snapshot_steps; from netproxy.backends import create; "
+            "from netproxy.config import ProxyConfig; from netproxy.model import Changes; "
+            "b = create('iptables', ProxyConfig()); b.sync(snapshot_steps()[3], Changes(full=True)); b.cleanup()")
+    python_in_ns(netns, code)
+    nat = in_ns(netns, "iptables-legacy-save", "-t", "nat").stdout
+    assert "KUBE-PORTALS" not in nat and "KUBE-NODEPORT-" not in nat and "KUBE-SVC-" not in nat
+    assert "KUBE-SERVICES" not in nat.replace('"-j KUBE-SERVICES"', "")
+    # Other programs' chains and rules stay, including kubelet's KUBE-FIREWALL.
+    assert ":OPERATOR" in nat and "-A PREROUTING -j OPERATOR" in nat and ":KUBE-FIREWALL" in nat
+    assert '-A OPERATOR -d 192.0.2.1/32 -m comment --comment "-j KUBE-SERVICES" -j RETURN' in nat
+    assert "KUBE-" not in in_ns(netns, "iptables-legacy-save", "-t", "filter").stdout
+
+
+@pytest.mark.parametrize("writer", ["restore", "libiptc"])
+def test_refused_write_keeps_old_rules_and_names_the_line(netns: str, writer: str) -> None:
+    # A foreign rule that jumps to a stale KUBE-SVC- chain: deleting that chain must fail.
+    code = ("from test_iptables_writers import snapshot_steps; from netproxy.backends import create; "
+            "from netproxy.config import ProxyConfig; from netproxy.model import Changes; "
+            f"b = create('iptables', ProxyConfig(iptables_writer={writer!r})); "
+            "b.sync(snapshot_steps()[2], Changes(full=True))")
+    python_in_ns(netns, code)
+    in_ns(netns, "iptables-legacy-restore", "--noflush",
+          input="*nat\n:KUBE-SVC-STALE - [0:0]\n:OPERATOR - [0:0]\n-A OPERATOR -j KUBE-SVC-STALE\nCOMMIT\n")
+    before = in_ns(netns, "iptables-legacy-save", "-t", "nat").stdout
+    code = ("from test_iptables_writers import snapshot_steps; from netproxy.backends import create; "
+            "from netproxy.backends.base import SyncError; "
+            "from netproxy.config import ProxyConfig; from netproxy.model import Changes; "
+            f"b = create('iptables', ProxyConfig(iptables_writer={writer!r}))\n"
+            "try:\n    b.sync(snapshot_steps()[4], Changes(full=True))\n"
+            "except SyncError as e:\n    print('LINE', e.line)\nelse:\n    print('NO ERROR')")
+    out = python_in_ns(netns, code).stdout
+    assert "LINE -X KUBE-SVC-STALE" in out, out
+    after = in_ns(netns, "iptables-legacy-save", "-t", "nat").stdout
+    assert normalise(after) == normalise(before)
