@@ -29,7 +29,6 @@ SERVICES = "services"
 REJECT = "reject-packet"
 SERVICE_IPS = "service-ips"
 NO_ENDPOINTS = "no-endpoint-services"
-ENDPOINTS = "endpoints"
 
 # What an unquoted nft identifier may contain (nft's scanner: a letter first, then letters, digits,
 # '/', '-', '_' and '.').
@@ -88,3 +87,8 @@ def affinity_set(name: ServicePortName, ep: Endpoint) -> str:
 def pick_chain(kind: str, count: int) -> str:
     """The shared chain that picks one of ``count`` endpoints for traffic of ``kind``."""
     return f"{kind}-pick-{count}"
+
+
+def endpoints_map(kind: str, count: int) -> str:
+    """The map that ``pick_chain(kind, count)`` looks endpoints up in."""
+    return f"{kind}-endpoints-{count}"

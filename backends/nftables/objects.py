@@ -69,6 +69,8 @@ class Element(NamedTuple):
     key: str
     value: Optional[str] = None
     comment: Optional[str] = None
+    expires: Optional[int] = None
+    """Seconds left, for an element of a timeout set carried over a table rebuild (affinity)."""
 
 
 Object = Union[Table, Chain, Rule, Set, Element]

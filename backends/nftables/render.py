@@ -6,8 +6,12 @@ Layout (PERF-NOTES.md's compact layout; README.md has the picture):
   verdict map, ``address . protocol . port`` -> ``goto <kind>-pick-<N>``, whatever the number of
   services;
 - ``<kind>-pick-<N>`` is shared by every service address with N endpoints: it marks for masquerade
-  when ``kind`` needs it and DNATs through the ``endpoints`` map, keyed by
-  ``address . protocol . port . numgen random mod N`` -- equal odds, one lookup;
+  when ``kind`` needs it and DNATs through its own ``<kind>-endpoints-<N>`` map, keyed by
+  ``address . protocol . port . numgen random mod N`` -- equal odds, one lookup.  One map per pick
+  chain (rather than one for all) because nft 1.0.x cannot add a rule that refers to a ``typeof``
+  map holding ``th dport`` once that map is in the kernel ("conflicting protocols specified: ip vs.
+  th" when it rebuilds the type from the kernel), so a pick chain's rule is only ever added in the
+  transaction that creates its map;
 - ClientIP affinity: the address goes to a per-service chain instead, which checks one dynamic
   timeout set per endpoint (as iptables ``recent --rcheck --seconds T``) before the random choice,
   and each endpoint chain refreshes its set (``recent --set``) before the DNAT;
@@ -19,6 +23,7 @@ Few chains and few rules bound to each map keep the kernel's transaction cost li
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
@@ -30,7 +35,7 @@ from netproxy.model import Endpoint, IPAddress, NodeInfo, ServicePort
 
 FAMILIES = ("ip", "ip6")
 _ADDR_TYPE = {"ip": "ipv4_addr", "ip6": "ipv6_addr"}
-_VERSION = {"ip": 4, "ip6": 6}
+VERSIONS = {"ip": 4, "ip6": 6}
 
 CLUSTER, EXTERNAL, LOCAL = "cluster", "external", "local"
 """Kinds of service address: a ClusterIP; an external/LB IP with externalTrafficPolicy Cluster
@@ -104,9 +109,14 @@ def base_sets(family: str) -> List[Set]:
     return [
         Set(names.SERVICE_IPS, dispatch, "verdict", comment="service address . protocol . port"),
         Set(names.NO_ENDPOINTS, dispatch, "verdict", comment="service ports without endpoints"),
-        Set(names.ENDPOINTS, f"{family} daddr . meta l4proto . th dport . numgen random mod 1",
-            f"{family} daddr . th dport", typeof=True, comment="service address . protocol . port . index: endpoint"),
     ]
+
+
+def endpoints_map(kind: str, count: int, family: str) -> Set:
+    """The map a pick chain DNATs through: ``address . protocol . port . index`` -> endpoint."""
+    return Set(names.endpoints_map(kind, count),
+               f"{family} daddr . meta l4proto . th dport . numgen random mod 1", f"{family} daddr . th dport",
+               typeof=True, comment=f"{kind} service address . protocol . port . index: endpoint")
 
 
 def _masquerade_rule(chain: str, kind: str, family: str, config: ProxyConfig) -> Optional[Rule]:
@@ -114,22 +124,23 @@ def _masquerade_rule(chain: str, kind: str, family: str, config: ProxyConfig) ->
     if kind == EXTERNAL or (kind == CLUSTER and config.masquerade_all):
         return Rule(chain, mark)
     if kind == CLUSTER:
-        cidrs = [str(c) for c in config.cluster_cidrs if c.version == _VERSION[family]]
+        cidrs = [str(c) for c in config.cluster_cidrs if c.version == VERSIONS[family]]
         if cidrs:
             return Rule(chain, f"{family} saddr != {{ {', '.join(cidrs)} }} {mark}")
     return None
 
 
-def pick_chain(kind: str, count: int, family: str, config: ProxyConfig) -> Tuple[Chain, Tuple[Rule, ...]]:
-    """The shared chain for ``kind`` addresses with ``count`` endpoints (no affinity)."""
+def pick_chain(kind: str, count: int, family: str, config: ProxyConfig) -> Tuple[Chain, Tuple[Rule, ...], Set]:
+    """The shared chain (with its rules and its map) for ``kind`` addresses with ``count`` endpoints."""
     name = names.pick_chain(kind, count)
     rules: List[Rule] = []
     masq = _masquerade_rule(name, kind, family, config)
     if masq is not None:
         rules.append(masq)
+    emap = endpoints_map(kind, count, family)
     rules.append(Rule(name, f"dnat {family} to {family} daddr . meta l4proto . th dport . "
-                            f"numgen random mod {count} map @{names.ENDPOINTS}"))
-    return Chain(name), tuple(rules)
+                            f"numgen random mod {count} map @{emap.name}"))
+    return Chain(name), tuple(rules), emap
 
 
 def parse_pick_chain(name: str) -> Optional[Tuple[str, int]]:
@@ -140,12 +151,29 @@ def parse_pick_chain(name: str) -> Optional[Tuple[str, int]]:
     return None
 
 
-def _ep_value(ep: Endpoint) -> str:
-    return f"{ep.ip} . {ep.port}"
+def ip_text(ip: IPAddress) -> str:
+    """``str(ip)``, several times faster for IPv4: ipaddress formats in pure Python, and a
+    10k-service render formats 110k addresses."""
+    if ip.version == 4:
+        return socket.inet_ntoa(int(ip).to_bytes(4, "big"))
+    return str(ip)
+
+
+_Choice = Tuple[str, Endpoint]
+"""An endpoint and its ``address . port`` text; lists of these are sorted on the text (a C string
+sort: Endpoint's generated ``__lt__`` compares ipaddress objects in Python and cost 0.2 s at 10k)."""
+
+
+def _choices(eps: Sequence[Endpoint]) -> Tuple[_Choice, ...]:
+    return tuple(sorted(((f"{ip_text(e.ip)} . {e.port}", e) for e in eps), key=_first))
+
+
+def _first(choice: _Choice) -> str:
+    return choice[0]
 
 
 def _dnat_target(ep: Endpoint) -> str:
-    return f"[{ep.ip}]:{ep.port}" if ep.ip.version == 6 else f"{ep.ip}:{ep.port}"
+    return f"[{ep.ip}]:{ep.port}" if ep.ip.version == 6 else f"{ip_text(ep.ip)}:{ep.port}"
 
 
 def _affinity_objects(svc: ServicePort, kind: str, eps: Sequence[Endpoint], family: str,
@@ -181,44 +209,51 @@ def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeIn
                    config: ProxyConfig) -> ServiceObjects:
     """The objects one service port owns in ``family``'s table (empty if it has no such address)."""
     out = ServiceObjects()
-    version = _VERSION[family]
+    version = VERSIONS[family]
     addrs = [(ip, CLUSTER) for ip in svc.cluster_ips if ip.version == version]
     ext_kind = LOCAL if svc.external_traffic_policy == "Local" else EXTERNAL
-    addrs += [(ip, ext_kind) for ip in svc.external_ips + svc.load_balancer_ips if ip.version == version]
+    if svc.external_ips or svc.load_balancer_ips:
+        addrs += [(ip, ext_kind) for ip in svc.external_ips + svc.load_balancer_ips if ip.version == version]
     if not addrs:
         return out
     family_eps = [e for e in endpoints if e.ip.version == version]
-    by_kind: Dict[str, Tuple[Endpoint, ...]] = {}
+    by_kind: Dict[str, Tuple[_Choice, ...]] = {}
     if any(k == CLUSTER for _, k in addrs):
-        by_kind[CLUSTER] = tuple(sorted(cluster_endpoints(svc, family_eps, node)))
+        by_kind[CLUSTER] = _choices(cluster_endpoints(svc, family_eps, node))
     if any(k != CLUSTER for _, k in addrs):
-        by_kind[ext_kind] = tuple(sorted(external_endpoints(svc, family_eps, node)))
+        by_kind[ext_kind] = _choices(external_endpoints(svc, family_eps, node))
     note = names.service_comment(svc.name)
     proto = svc.protocol.lower()
     shared = set()
-    keys = []
+    keys: List[str] = []
     verdicts: Dict[str, str] = {}
+    elements = out.elements
+    # Elements are built with tuple.__new__: NamedTuple's Python-level __new__ was a third of the
+    # render time for 110k elements.
+    new = tuple.__new__
     for ip, kind in addrs:
-        key = f"{ip} . {proto} . {svc.port}"
+        key = f"{ip_text(ip)} . {proto} . {svc.port}"
         if key in keys:
             continue  # the same address listed twice (e.g. as external and LB IP): first wins
         keys.append(key)
-        eps = by_kind[kind]
-        if not eps:
+        choices = by_kind[kind]
+        if not choices:
             verdict = "drop" if kind == LOCAL else f"goto {names.REJECT}"
-            out.elements[(names.NO_ENDPOINTS, key)] = Element(names.NO_ENDPOINTS, key, verdict, note)
+            elements[(names.NO_ENDPOINTS, key)] = Element(names.NO_ENDPOINTS, key, verdict, note)
             continue
         if svc.client_ip_affinity:
             if kind not in verdicts:
+                eps = [ep for _, ep in choices]
                 verdicts[kind] = f"goto {_affinity_objects(svc, kind, eps, family, config, out)}"
         else:
-            chain = names.pick_chain(kind, len(eps))
+            chain = names.pick_chain(kind, len(choices))
+            emap = names.endpoints_map(kind, len(choices))
             shared.add(chain)
             verdicts[kind] = f"goto {chain}"
-            for i, ep in enumerate(eps):
+            for i, (value, _) in enumerate(choices):
                 ekey = f"{key} . {i}"
-                out.elements[(names.ENDPOINTS, ekey)] = Element(names.ENDPOINTS, ekey, _ep_value(ep))
-        out.elements[(names.SERVICE_IPS, key)] = Element(names.SERVICE_IPS, key, verdicts[kind], note)
+                elements[(emap, ekey)] = new(Element, (emap, ekey, value, None, None))
+        elements[(names.SERVICE_IPS, key)] = Element(names.SERVICE_IPS, key, verdicts[kind], note)
     out.shared = frozenset(shared)
     out.dispatch_keys = tuple(keys)
     return out

@@ -14,7 +14,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 try:  # Python 3.8+
     from typing import Protocol
@@ -23,26 +23,21 @@ except ImportError:  # pragma: no cover
 
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.nftables import names, serialise
-from netproxy.backends.nftables.objects import Chain, Element, Hook, Rule, Set, Table
+from netproxy.backends.nftables.objects import Chain, Element, Rule, Set, Table
 from netproxy.backends.nftables.serialise import Op
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TableInfo:
-    """What a full sync needs to know of a table in the kernel: names and shapes, no elements."""
-
-    chains: Dict[str, Optional[Hook]] = field(default_factory=dict)
-    sets: Dict[str, Set] = field(default_factory=dict)
 
 
 class Runner(Protocol):
     def apply(self, ops: Sequence[Op]) -> int:
         """Apply ``ops`` as one transaction; return the payload size; raise SyncError on refusal."""
 
-    def read_table(self, family: str) -> Optional[TableInfo]:
-        """The shape of ``family netproxy`` (chains, sets; terse), or None when it does not exist."""
+    def existing_tables(self) -> FrozenSet[str]:
+        """The families ("ip", "ip6") in which a ``netproxy`` table exists."""
+
+    def read_sets(self, family: str) -> List[Tuple[Set, List[Element]]]:
+        """The named sets (not maps) of ``family netproxy`` with their elements: the affinity state."""
 
     def delete_tables(self) -> List[str]:
         """Delete netproxy's tables (and only them); return which were deleted."""
@@ -92,47 +87,52 @@ class LibNftRunner:
         items: List[Dict[str, Any]] = json.loads(out).get("nftables", [])
         return items
 
-    def read_table(self, family: str) -> Optional[TableInfo]:
-        items = self._list(f"list table {family} {names.TABLE}")
-        if items is None:
-            return None
-        return table_info_from_json(items)
+    def existing_tables(self) -> FrozenSet[str]:
+        items = self._list("list tables") or []
+        return frozenset(str(t["table"]["family"]) for t in items
+                         if "table" in t and t["table"].get("name") == names.TABLE
+                         and t["table"].get("family") in ("ip", "ip6"))
+
+    def read_sets(self, family: str) -> List[Tuple[Set, List[Element]]]:
+        # "list sets" leaves the maps out: the 100k-element endpoint maps are not read back.
+        items = self._list(f"list sets table {family} {names.TABLE}")
+        return sets_from_json(items or [])
 
     def probe(self) -> None:
         if self._list("list tables") is None:
             raise BackendUnavailable("libnftables cannot list tables")
 
     def delete_tables(self) -> List[str]:
-        items = self._list("list tables") or []
-        ours = [f"{t['table']['family']} {t['table']['name']}" for t in items
-                if "table" in t and t["table"].get("name") == names.TABLE
-                and t["table"].get("family") in ("ip", "ip6")]
+        ours = sorted(self.existing_tables())
         if ours:
-            text = "".join(f"delete table {t}\n" for t in ours)
+            text = "".join(f"delete table {fam} {names.TABLE}\n" for fam in ours)
             rc, _, err = self._cmd(text)
             if rc != 0:
                 raise SyncError("cannot delete netproxy's tables", line=failing_command(err), detail=err.strip())
-        return ours
+        return [f"{fam} {names.TABLE}" for fam in ours]
 
 
-def table_info_from_json(items: Sequence[Dict[str, Any]]) -> TableInfo:
-    info = TableInfo()
+def sets_from_json(items: Sequence[Dict[str, Any]]) -> List[Tuple[Set, List[Element]]]:
+    """Sets and their elements (with the seconds they have left) from ``nft -j list sets``."""
+    out = []
     for item in items:
-        if "chain" in item:
-            c = item["chain"]
-            hook = None
-            if "hook" in c:
-                hook = Hook(str(c.get("type")), str(c["hook"]), int(c.get("prio", 0)), str(c.get("policy", "accept")))
-            info.chains[str(c["name"])] = hook
-        for kind in ("set", "map"):
-            if kind in item:
-                s = item[kind]
-                timeout = s.get("timeout")
-                value = str(s["map"]) if kind == "map" else None
-                info.sets[str(s["name"])] = Set(str(s["name"]), json.dumps(s.get("type")), value,
-                                                flags=tuple(s.get("flags", ())),
-                                                timeout=int(timeout) if timeout is not None else None)
-    return info
+        s = item.get("set")
+        if s is None:
+            continue
+        timeout = s.get("timeout")
+        key_type = s.get("type")
+        spec = Set(str(s["name"]), key_type if isinstance(key_type, str) else " . ".join(key_type),
+                   flags=tuple(s.get("flags", ())), timeout=int(timeout) if timeout is not None else None)
+        elements = []
+        for raw in s.get("elem", ()):
+            if isinstance(raw, dict) and "elem" in raw:
+                val, expires = raw["elem"].get("val"), raw["elem"].get("expires")
+            else:
+                val, expires = raw, None
+            if isinstance(val, str):  # a plain address; anything else is not netproxy's
+                elements.append(Element(spec.name, val, expires=int(expires) if expires is not None else None))
+        out.append((spec, elements))
+    return out
 
 
 # --- the fake ---------------------------------------------------------------------------------------
@@ -174,12 +174,20 @@ class FakeNft:
         self.tables = work
         return len(serialise.ops_text(ops))
 
-    def read_table(self, family: str) -> Optional[TableInfo]:
+    def existing_tables(self) -> FrozenSet[str]:
+        self.reads += 1
+        return frozenset(self.tables)
+
+    def read_sets(self, family: str) -> List[Tuple[Set, List[Element]]]:
         self.reads += 1
         t = self.tables.get(family)
         if t is None:
-            return None
-        return TableInfo({n: c.hook for n, c in t.chains.items()}, dict(t.sets))
+            return []
+        return [(s, list(t.elements[n].values())) for n, s in t.sets.items() if not s.is_map]
+
+    def touch(self, family: str, set_name: str, key: str, expires: int) -> None:
+        """What the packet path does to an affinity set (``update @set { ip saddr }``)."""
+        self.tables[family].elements[set_name][key] = Element(set_name, key, expires=expires)
 
     def delete_tables(self) -> List[str]:
         gone = [f"{f} {names.TABLE}" for f in sorted(self.tables)]

@@ -49,7 +49,7 @@ def set_spec(s: Set) -> str:
 
 
 def element_text(e: Element, with_value: bool = True) -> str:
-    text: str = e.key + _comment(e.comment)
+    text: str = e.key + ("" if e.expires is None else f" expires {e.expires}s") + _comment(e.comment)
     if with_value and e.value is not None:
         text += f" : {e.value}"
     return text
@@ -94,7 +94,9 @@ def ops_lines(ops: Sequence[Op], table: str = names.TABLE) -> List[str]:
             v2, f2, o2 = ops[j]
             if v2 != verb or f2 != family or not isinstance(o2, Element) or o2.set != obj.set:
                 break
-            batch.append(element_text(o2, with_value))
+            # element_text(), inlined: this loop runs once per element (110k at 10k services).
+            text = o2.key if o2.comment is None and o2.expires is None else element_text(o2, False)
+            batch.append(text if not with_value or o2.value is None else f"{text} : {o2.value}")
             j += 1
         lines.append(f"{verb} element {family} {table} {names.identifier(obj.set)} {{ {', '.join(batch)} }}")
         i = j

@@ -15,15 +15,13 @@ from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence,
 from typing import Set as PySet
 
 from netproxy.backends.nftables import names, render
-from netproxy.backends.nftables.objects import Chain, Object, Rule, Set
-from netproxy.backends.nftables.runner import TableInfo
+from netproxy.backends.nftables.objects import Chain, Element, Object, Rule
 from netproxy.backends.nftables.serialise import Op, ops_text
 from netproxy.config import ProxyConfig
 from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName
 
 log = logging.getLogger(__name__)
 
-_STATIC_SETS = (names.SERVICE_IPS, names.NO_ENDPOINTS, names.ENDPOINTS)
 
 
 class Transaction:
@@ -93,19 +91,28 @@ def render_entry(svc: ServicePort, eps: Tuple[Endpoint, ...], node: NodeInfo, co
     if previous is not None and previous.service == svc and previous.endpoints == eps and previous.node == node:
         return Entry(svc, eps, node, previous.rendered)
     rendered = {}
+    versions = {ip.version for ip in svc.addresses()}
     for fam in render.FAMILIES:
+        if render.VERSIONS[fam] not in versions:
+            continue
         objs = render.render_service(svc, eps, node, fam, config)
         if not objs.is_empty():
             rendered[fam] = objs
     return Entry(svc, eps, node, rendered)
 
 
+def _dispatch_key(e: Element) -> str:
+    key: str = e.key
+    if e.set in (names.SERVICE_IPS, names.NO_ENDPOINTS):
+        return key
+    return key.rsplit(" . ", 1)[0]  # an endpoints map: the key ends in the index
+
+
 def _drop_keys(objs: render.ServiceObjects, taken: PySet[str]) -> render.ServiceObjects:
     """``objs`` without the dispatch keys another service owns (a duplicate address . port)."""
-    keep = {k: e for k, e in objs.elements.items()
-            if (e.key if k[0] != names.ENDPOINTS else e.key.rsplit(" . ", 1)[0]) not in taken}
-    shared = frozenset(str(e.value)[5:] for e in keep.values()
-                       if e.set == names.SERVICE_IPS and str(e.value)[5:] in objs.shared)
+    keep = {k: e for k, e in objs.elements.items() if _dispatch_key(e) not in taken}
+    shared = frozenset(str(e.value)[len("goto "):] for e in keep.values()
+                       if e.set == names.SERVICE_IPS and str(e.value)[len("goto "):] in objs.shared)
     return render.ServiceObjects(keep, objs.chains, objs.sets, shared,
                                  tuple(k for k in objs.dispatch_keys if k not in taken))
 
@@ -138,76 +145,66 @@ def _add_chain(tx: Transaction, fam: str, chain: Chain, rules: Iterable[Rule]) -
 
 # --- full sync ------------------------------------------------------------------------------------
 
-def full_transaction(state: State, kernel: Mapping[str, Optional[TableInfo]], config: ProxyConfig,
-                     rebuild: bool = False) -> Transaction:
-    """Everything in ``state``, written over whatever ``kernel`` says the tables hold.
+def full_transaction(state: State, existing: Iterable[str], config: ProxyConfig,
+                     affinity: Optional[Mapping[str, Sequence[Element]]] = None) -> Transaction:
+    """Delete netproxy's tables (those in ``existing``) and create them again with everything in ``state``.
 
-    Existing chains and the static maps are flushed and refilled; chains and sets netproxy no longer
-    wants are deleted; affinity sets that stay are kept, so clients keep their endpoint.  With
-    ``rebuild`` the tables are deleted and created again (the fallback when the kernel refuses the
-    normal full sync, e.g. because a map was replaced by one of another type).
+    One transaction, so packets see the old table or the new one, never a mix, and anything changed
+    behind our back is gone.  ``affinity`` carries the clients that the affinity sets held, with
+    the time they have left, so a full sync does not reset ClientIP affinity.  Recreating rather
+    than flushing in place also sidesteps nft 1.0.x's failure to add a rule that refers to a
+    ``typeof`` map already in the kernel (render.py).
     """
     tx = Transaction()
+    existing = set(existing)
     for fam in render.FAMILIES:
-        have = kernel.get(fam)
-        objs = [e.objects[fam] for _, e in sorted(state.entries.items()) if fam in e.objects]
-        if have is None and not objs and fam != "ip":
+        # Entries are in the order the backend rendered them (sorted by name): no sort here.
+        objs = [e.objects[fam] for e in state.entries.values() if fam in e.objects]
+        if fam not in existing and not objs and fam != "ip":
             continue  # no IPv6 service and no ip6 table: do not create one
-        if rebuild and have is not None:
+        if fam in existing:
             tx.put("tables", "delete", fam, render.table(fam))
-            have = None
-        _full_family(tx, fam, have, objs, state.family(fam), config)
+        _create_family(tx, fam, objs, state.family(fam), config)
+        for e in (affinity or {}).get(fam, ()):
+            tx.put("elements", "add", fam, e)
     return tx
 
 
-def _full_family(tx: Transaction, fam: str, have: Optional[TableInfo], objs: Sequence[render.ServiceObjects],
-                 fstate: FamilyState, config: ProxyConfig) -> None:
+def _create_family(tx: Transaction, fam: str, objs: Sequence[render.ServiceObjects], fstate: FamilyState,
+                   config: ProxyConfig) -> None:
     tx.put("tables", "add", fam, render.table(fam))
-    chains: Dict[str, Tuple[Chain, Tuple[Rule, ...]]] = {}
+    for s in render.base_sets(fam):
+        tx.put("containers", "add", fam, s)
     for chain, rules in render.base_chains(fam):
         if chain.name == names.NAT_POSTROUTING:
             rules = render.postrouting_rules(config)
-        chains[chain.name] = (chain, rules)
+        _add_chain(tx, fam, chain, rules)
     for name in sorted(fstate.shared):
-        kind_count = render.parse_pick_chain(name)
-        if kind_count is not None:
-            chains[name] = render.pick_chain(kind_count[0], kind_count[1], fam, config)
-    sets: Dict[str, Set] = {s.name: s for s in render.base_sets(fam)}
+        _add_shared(tx, fam, name, config)
     for o in objs:
+        for s in o.sets.values():
+            tx.put("containers", "add", fam, s)
         for cname, rules in o.chains.items():
-            chains[cname] = (Chain(cname), rules)
-        sets.update(o.sets)
-    if have is not None:
-        for cname in sorted(have.chains):
-            tx.put("flush", "flush", fam, Chain(cname))
-            want = chains.get(cname)
-            if want is None or want[0].hook != have.chains[cname]:
-                tx.put("delete", "delete", fam, Chain(cname, have.chains[cname]))
-        for sname in sorted(have.sets):
-            old, want_set = have.sets[sname], sets.get(sname)
-            keep = (want_set is not None and sname not in _STATIC_SETS and old.timeout == want_set.timeout
-                    and not old.is_map)
-            if sname in _STATIC_SETS and want_set is not None:
-                tx.put("flush", "flush", fam, want_set)
-            elif not keep:
-                tx.put("flush", "flush", fam, old)
-                tx.put("replace", "delete", fam, old)
-    # Deleting a base chain whose hook changed must happen before it is added again: move those.
-    readd = [op for op in tx.phases["delete"] if isinstance(op[2], Chain) and op[2].name in chains]
-    for op in readd:
-        tx.phases["delete"].remove(op)
-        tx.phases["replace"].insert(0, op)
-    for s in sets.values():
-        tx.put("replace" if have is not None else "containers", "add", fam, s)
-    for chain, rules in chains.values():
-        tx.put("replace" if have is not None else "containers", "add", fam, chain)
-        for r in rules:
-            tx.put("rules", "add", fam, r)
-    for set_name in _STATIC_SETS:
-        for o in objs:
-            for e in o.elements.values():
-                if e.set == set_name:
-                    tx.put("elements", "add", fam, e)
+            _add_chain(tx, fam, Chain(cname), rules)
+    # Grouped per map so that the serialiser writes one command per map.
+    buckets: Dict[str, List[Op]] = {}
+    for o in objs:
+        for e in o.elements.values():
+            bucket = buckets.get(e.set)
+            if bucket is None:
+                bucket = buckets[e.set] = []
+            bucket.append(("add", fam, e))
+    for bucket in buckets.values():
+        tx.phases["elements"].extend(bucket)
+
+
+def _add_shared(tx: Transaction, fam: str, name: str, config: ProxyConfig) -> None:
+    kind_count = render.parse_pick_chain(name)
+    if kind_count is None:
+        raise ValueError(f"not a shared chain: {name}")
+    chain, rules, emap = render.pick_chain(kind_count[0], kind_count[1], fam, config)
+    tx.put("containers", "add", fam, emap)
+    _add_chain(tx, fam, chain, rules)
 
 
 # --- incremental sync -----------------------------------------------------------------------------
@@ -247,21 +244,20 @@ def incremental_transaction(tx: Transaction, fam: str, old: render.ServiceObject
 
 def shared_changes(tx: Transaction, fam: str, fstate: FamilyState, old: Iterable[str], new: Iterable[str],
                    config: ProxyConfig) -> None:
-    """Reference-count the shared pick chains; add the first use, delete after the last."""
+    """Reference-count the shared pick chains (and their maps); add on first use, delete after the last."""
     for name in old:
         fstate.shared[name] -= 1
     for name in new:
-        count = fstate.shared.get(name, 0)
-        if count == 0 and name not in fstate.shared:
-            kc = render.parse_pick_chain(name)
-            if kc is not None:
-                chain, rules = render.pick_chain(kc[0], kc[1], fam, config)
-                _add_chain(tx, fam, chain, rules)
-        fstate.shared[name] = count + 1
+        if name not in fstate.shared:
+            _add_shared(tx, fam, name, config)
+        fstate.shared[name] = fstate.shared.get(name, 0) + 1
 
 
 def drop_unused_shared(tx: Transaction, fam: str, fstate: FamilyState) -> None:
     for name in sorted(n for n, c in fstate.shared.items() if c <= 0):
+        kind_count = render.parse_pick_chain(name)
         tx.put("flush", "flush", fam, Chain(name))
         tx.put("delete", "delete", fam, Chain(name))
+        if kind_count is not None:
+            tx.put("delete", "delete", fam, render.endpoints_map(kind_count[0], kind_count[1], fam))
         del fstate.shared[name]
