@@ -18,7 +18,7 @@ import re
 import signal
 import sys
 import threading
-from typing import List, Optional, Protocol, Sequence, Tuple
+from typing import List, NoReturn, Optional, Protocol, Sequence, Tuple
 
 from netproxy import detect as detect_mod
 from netproxy.backends import BackendError, create
@@ -78,8 +78,17 @@ def _add_proxy(p: argparse.ArgumentParser) -> None:
                    help="CIDRs of node addresses that accept NodePorts (default: all local addresses)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse exits 2 on a usage error; 2 means "some objects rejected, the rest applied" here,
+    which would be a lie: nothing was applied, so a usage error exits 1."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_FAILED, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="netproxy", description="Node service proxy: Kubernetes Services "
+    parser = _Parser(prog="netproxy", description="Node service proxy: Kubernetes Services "
                                      "to iptables or nftables rules.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("sync", help="load the source, sync once, exit (0 ok, 1 write failed, 2 rejected)")
@@ -132,7 +141,8 @@ def choose_backend(args: argparse.Namespace) -> Tuple[str, str]:
     else:
         backend = args.backend
     if flavour == "auto":
-        flavour = detect_mod.iptables_flavour()
+        # Only the iptables backend cares which iptables the node has; don't probe for the others.
+        flavour = detect_mod.iptables_flavour() if backend == "iptables" else "legacy"
     return backend, flavour
 
 
@@ -166,9 +176,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
     backend, config = make_backend(args)
     snapshot, errors = _snapshot(args, config)
     backend.probe()
+    _report_rejections(errors)  # before the write, so that they are named even when it fails
     result = backend.sync(snapshot, Changes(full=True))
     log.info("synced %d service ports with the %s backend", result.services_written, backend.name)
-    _report_rejections(errors)
     return EXIT_REJECTED if errors else EXIT_OK
 
 

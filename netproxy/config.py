@@ -41,6 +41,8 @@ def parse_cidrs(text: str) -> Tuple[IPNetwork, ...]:
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
+        if "%" in part:  # an IPv6 zone would be carried into rule text verbatim
+            raise ValueError(f"{part!r} is not a CIDR (no %zone allowed)")
         try:
             out.append(ipaddress.ip_network(part, strict=False))
         except ValueError:

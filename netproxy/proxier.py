@@ -11,7 +11,7 @@ import time
 from typing import Callable, List, Optional
 
 from netproxy import metrics
-from netproxy.backends.base import Backend, SyncError, SyncResult
+from netproxy.backends.base import Backend, BackendError, SyncResult
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, Snapshot
 from netproxy.tracker import ChangeTracker
@@ -32,7 +32,7 @@ class Proxier:
         self._last_full: Optional[float] = None
         self._need_full = True  # at start: re-read the kernel and write everything
         self._failures = 0
-        self.last_error: Optional[SyncError] = None
+        self.last_error: Optional[BackendError] = None
         self.last_result: Optional[SyncResult] = None
         self.retry: Callable[[float], None] = lambda delay: None
         self.after_sync: List[AfterSync] = []
@@ -54,7 +54,7 @@ class Proxier:
         start = time.perf_counter()
         try:
             self.last_result = self.backend.sync(snapshot, Changes(full=full, services=changes.services))
-        except SyncError as err:
+        except BackendError as err:  # a refused write, or e.g. a binary gone: retry either way
             self._failed(err)
             return
         elapsed = time.perf_counter() - start
@@ -76,7 +76,7 @@ class Proxier:
                 log.exception("post-sync step %r failed", hook)
         self._previous = snapshot
 
-    def _failed(self, err: SyncError) -> None:
+    def _failed(self, err: BackendError) -> None:
         # The backend left the previous ruleset in place; the changes taken from the tracker are not
         # lost because the next sync is full.
         self._need_full = True

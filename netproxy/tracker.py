@@ -161,7 +161,11 @@ class ChangeTracker:
             return
         if old is not None:
             service = (old.namespace, old.service)
-            self._slices_by_service.get(service, set()).discard(key)
+            keys = self._slices_by_service.get(service)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._slices_by_service[service]
             self._dirty.add(service)
             del self._slices[key]
         if eps is not None:

@@ -316,3 +316,10 @@ def test_real_backend_with_a_failing_probe_exits_1_before_writing(
     assert cli.main(["sync", "--source", str(clean), "--backend", name, "--iptables-flavour", "legacy"]) == 1
     assert guarded.reached == []
     assert "not on this node (simulated)" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_1_not_2() -> None:
+    # 2 promises "the valid rest was applied": a usage error applied nothing.
+    with pytest.raises(SystemExit) as info:
+        cli.main(["sync", "--source", "x", "--backend", "nope"])
+    assert info.value.code == 1
