@@ -288,27 +288,6 @@ def guarded(monkeypatch: pytest.MonkeyPatch) -> Iterator[Guard]:
     yield guard
 
 
-@pytest.mark.parametrize("without_binaries", [False, True], ids=["node-path", "empty-path"])
-@pytest.mark.parametrize("name", ["iptables", "nftables"])
-def test_real_backend_sync_never_succeeds_while_probe_fails(
-        name: str, without_binaries: bool, guarded: Guard, clean: Path, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    # Whatever state the real backend is in (a stub, or the real thing on a node that lacks what it
-    # needs), a probe that says "unavailable" must never end in exit 0.
-    if without_binaries:
-        monkeypatch.setenv("PATH", str(tmp_path))
-    try:
-        backends.create(name, ProxyConfig(backend=name, hostname="node-a")).probe()
-    except BackendUnavailable as err:
-        reason = str(err)
-    else:
-        pytest.skip(f"the {name} backend can run here; this test only covers it while it cannot")
-    assert cli.main(["sync", "--source", str(clean), "--backend", name, "--iptables-flavour", "legacy"]) != 0
-    assert guarded.reached == []  # probe stopped it before any write
-    err = capsys.readouterr().err
-    assert "unavailable" in err and reason.split(":")[0] in err
-
-
 @pytest.mark.parametrize("name", ["iptables", "nftables"])
 def test_real_backend_with_a_failing_probe_exits_1_before_writing(
         name: str, guarded: Guard, clean: Path, capsys: pytest.CaptureFixture[str]) -> None:
