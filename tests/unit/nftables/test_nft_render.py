@@ -1,0 +1,172 @@
+"""Rendering: snapshot -> nftables objects (pure), checked through plan() text and the fake's tables."""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import re
+
+from nft_helpers import backend, eps, snap, svc
+
+from netproxy.backends.nftables import names, render
+from netproxy.config import ProxyConfig, parse_cidrs
+from netproxy.model import Changes, Endpoint, NodeInfo
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+
+
+def _golden(name: str, text: str) -> None:
+    path = os.path.join(GOLDEN, name)
+    if os.environ.get("NETPROXY_UPDATE_GOLDEN") == "1":
+        with open(path, "w") as f:
+            f.write(text)
+    with open(path) as f:
+        want = f.read()
+    diff = "".join(difflib.unified_diff(want.splitlines(True), text.splitlines(True), "golden", "rendered"))
+    assert text == want, f"rendered plan differs from {path}:\n{diff}"
+
+
+def _mixed_snapshot():  # type: ignore[no-untyped-def]
+    return snap(
+        (svc("web", "10.96.0.10", external=["192.0.2.10"], lb=["198.51.100.10"]),
+         eps("10.1.0.2", "10.1.0.1", "10.1.0.3")),
+        (svc("dns", "10.96.0.53", 53, proto="UDP", port_name="dns"), eps("10.1.0.7", port=53)),
+        (svc("sticky", "10.96.0.20", affinity=True, timeout=60), eps("10.1.0.4", "10.1.0.5")),
+        (svc("empty", "10.96.0.30"), ()),
+        (svc("v6", "fd00::10"), eps("fd01::1", "fd01::2")),
+    )
+
+
+def test_plan_matches_golden() -> None:
+    b, _ = backend(ProxyConfig(hostname="node-a", cluster_cidrs=parse_cidrs("10.0.0.0/8")))
+    _golden("mixed.nft", b.plan(_mixed_snapshot()))
+
+
+def test_plan_is_a_pure_function_of_the_snapshot() -> None:
+    b, fake = backend()
+    first = b.plan(_mixed_snapshot())
+    assert b.plan(_mixed_snapshot()) == first
+    assert fake.transactions == [] and fake.tables == {}, "plan must not touch the kernel"
+
+
+def test_equal_odds_each_endpoint_once_under_one_random_choice() -> None:
+    b, fake = backend()
+    endpoints = eps(*(f"10.1.0.{i}" for i in range(1, 8)))
+    b.sync(snap((svc("web", "10.96.0.10"), endpoints)), Changes())
+    assert fake.elements("ip", names.SERVICE_IPS) == {"10.96.0.10 . tcp . 80": "goto cluster-pick-7"}
+    assert fake.chain_rules("ip", "cluster-pick-7") == [
+        "dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 7 map @cluster-endpoints-7"]
+    picked = fake.elements("ip", "cluster-endpoints-7")
+    assert sorted(picked) == [f"10.96.0.10 . tcp . 80 . {i}" for i in range(7)]
+    assert sorted(picked.values()) == sorted(f"{e.ip} . 8080" for e in endpoints)
+
+
+def test_affinity_checks_every_endpoint_before_the_random_choice_and_refreshes() -> None:
+    b, fake = backend()
+    b.sync(snap((svc("s", "10.96.0.20", affinity=True, timeout=42), eps("10.1.0.4", "10.1.0.5"))), Changes())
+    rules = fake.chain_rules("ip", "svc-ns/s/http")
+    checks = [r for r in rules if r.startswith("ip saddr @aff-")]
+    assert len(checks) == 2 and rules[-1].startswith("numgen random mod 2 vmap")
+    assert rules.index(checks[-1]) < len(rules) - 1
+    for ep in ("10.1.0.4", "10.1.0.5"):
+        chain = f"ep-ns/s/http__{ep}/8080"
+        aff = f"aff-ns/s/http__{ep}/8080"
+        assert fake.chain_rules("ip", chain) == [f"update @{aff} {{ ip saddr }}",
+                                                  f"meta l4proto tcp dnat ip to {ep}:8080"]
+        s = fake.tables["ip"].sets[aff]
+        assert s.timeout == 42 and set(s.flags) == {"dynamic", "timeout"}
+    assert fake.elements("ip", names.SERVICE_IPS) == {"10.96.0.20 . tcp . 80": "goto svc-ns/s/http"}
+
+
+def test_no_endpoints_rejects_and_local_policy_without_local_endpoints_drops() -> None:
+    b, fake = backend()
+    s1 = svc("empty", "10.96.0.30")
+    s2 = svc("local", "10.96.0.31", external=["192.0.2.31"], ext_policy="Local")
+    b.sync(snap((s1, ()), (s2, eps("10.1.0.9", node="node-b")), node="node-a"), Changes())
+    assert fake.elements("ip", names.NO_ENDPOINTS) == {
+        "10.96.0.30 . tcp . 80": f"goto {names.REJECT}",
+        "192.0.2.31 . tcp . 80": "drop",
+    }
+    assert fake.elements("ip", names.SERVICE_IPS) == {"10.96.0.31 . tcp . 80": "goto cluster-pick-1"}
+    assert fake.chain_rules("ip", names.REJECT) == ["reject"]
+
+
+def test_local_policy_uses_local_endpoints_without_masquerade() -> None:
+    b, fake = backend()
+    s = svc("local", "10.96.0.31", external=["192.0.2.31"], ext_policy="Local")
+    endpoints = eps("10.1.0.8", node="node-a") + eps("10.1.0.9", node="node-b")
+    b.sync(snap((s, endpoints), node="node-a"), Changes())
+    assert fake.elements("ip", "local-endpoints-1") == {"192.0.2.31 . tcp . 80 . 0": "10.1.0.8 . 8080"}
+    assert not any("meta mark" in r for r in fake.chain_rules("ip", "local-pick-1"))
+    assert len(fake.elements("ip", "cluster-endpoints-2")) == 2
+
+
+def test_external_addresses_are_marked_for_masquerade_cluster_ones_only_from_outside_cluster_cidr() -> None:
+    config = ProxyConfig(hostname="n", cluster_cidrs=parse_cidrs("10.0.0.0/8,fd00::/8"))
+    b, fake = backend(config)
+    b.sync(snap((svc("web", "10.96.0.10", external=["192.0.2.10"]), eps("10.1.0.1"))), Changes())
+    mark = f"meta mark set meta mark | {config.masquerade_mark:#010x}"
+    assert fake.chain_rules("ip", "external-pick-1")[0] == mark
+    assert fake.chain_rules("ip", "cluster-pick-1")[0] == f"ip saddr != {{ 10.0.0.0/8 }} {mark}"
+    post = fake.chain_rules("ip", names.NAT_POSTROUTING)
+    assert post and "masquerade" in post[0] and f"{config.masquerade_mark:#010x}" in post[0]
+
+
+def test_masquerade_all_marks_cluster_traffic() -> None:
+    b, fake = backend(ProxyConfig(hostname="n", masquerade_all=True))
+    b.sync(snap((svc("web", "10.96.0.10"), eps("10.1.0.1"))), Changes())
+    assert fake.chain_rules("ip", "cluster-pick-1")[0].startswith("meta mark set meta mark |")
+
+
+def test_ipv6_service_goes_to_the_ip6_table_only() -> None:
+    b, fake = backend()
+    b.sync(snap((svc("v6", "fd00::10"), eps("fd01::1", "fd01::2"))), Changes())
+    assert fake.elements("ip6", names.SERVICE_IPS) == {"fd00::10 . tcp . 80": "goto cluster-pick-2"}
+    assert fake.elements("ip6", "cluster-endpoints-2") == {
+        "fd00::10 . tcp . 80 . 0": "fd01::1 . 8080", "fd00::10 . tcp . 80 . 1": "fd01::2 . 8080"}
+    assert fake.elements("ip", names.SERVICE_IPS) == {}
+    assert "ip6 daddr" in fake.chain_rules("ip6", "cluster-pick-2")[0]
+
+
+def test_ipv4_only_cluster_creates_no_ip6_table() -> None:
+    b, fake = backend()
+    b.sync(snap((svc("web", "10.96.0.10"), eps("10.1.0.1"))), Changes())
+    assert set(fake.tables) == {"ip"}
+
+
+def test_terminating_endpoints_used_only_when_none_ready() -> None:
+    ready = Endpoint(ipaddress.ip_address("10.1.0.1"), 8080)
+    terminating = Endpoint(ipaddress.ip_address("10.1.0.2"), 8080, ready=False, serving=True, terminating=True)
+    b, fake = backend()
+    b.sync(snap((svc("web", "10.96.0.10"), (ready, terminating))), Changes())
+    assert list(fake.elements("ip", "cluster-endpoints-1").values()) == ["10.1.0.1 . 8080"]
+    b.sync(snap((svc("web", "10.96.0.10"), (terminating,))), Changes())
+    assert list(fake.elements("ip", "cluster-endpoints-1").values()) == ["10.1.0.2 . 8080"]
+
+
+def test_names_are_readable_and_safe() -> None:
+    s = svc("my-svc", "10.96.0.1", namespace="team-a", port_name="https")
+    assert names.affinity_chain(s.name, external=False) == "svc-team-a/my-svc/https"
+    assert names.identifier('bad name"; drop') == "bad_name___drop"
+    assert re.fullmatch(r"[A-Za-z][A-Za-z0-9/_.\-]*", names.identifier("9" + "x" * 400))
+    assert len(names.identifier("a" * 400)) <= names.MAX_NAME
+    long_comment = names.comment("n" * 63 + "/" + "s" * 63 + ":" + "p" * 63)
+    assert len(long_comment) <= names.MAX_COMMENT
+    assert names.comment('x"y\nz\\') == "x_y_z_"
+    assert names.comment("n" * 300) != names.comment("n" * 299 + "m"), "truncated comments stay distinct"
+
+
+def test_two_services_claiming_one_address_port_first_wins_and_sync_succeeds() -> None:
+    b, fake = backend()
+    a = svc("a", "10.96.0.10")
+    z = svc("z", "10.96.0.10")
+    b.sync(snap((a, eps("10.1.0.1")), (z, eps("10.1.0.2", "10.1.0.3"))), Changes())
+    assert fake.elements("ip", names.SERVICE_IPS) == {"10.96.0.10 . tcp . 80": "goto cluster-pick-1"}
+    assert list(fake.elements("ip", "cluster-endpoints-1").values()) == ["10.1.0.1 . 8080"]
+    assert "cluster-pick-2" not in fake.tables["ip"].chains
+
+
+def test_render_service_without_family_addresses_is_empty() -> None:
+    objs = render.render_service(svc("web", "10.96.0.10"), eps("10.1.0.1"), NodeInfo(), "ip6", ProxyConfig())
+    assert objs.is_empty()

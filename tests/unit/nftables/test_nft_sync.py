@@ -1,0 +1,203 @@
+"""Full and incremental syncs against the fake: the incremental result must equal a fresh full sync,
+touch only the changed service's objects, and never read the table."""
+
+from __future__ import annotations
+
+import pytest
+from nft_helpers import backend, dumps, eps, fresh_dumps, snap, svc
+
+from netproxy.backends.base import SyncError
+from netproxy.backends.nftables import names
+from netproxy.backends.nftables.objects import Chain, Element, Set
+from netproxy.model import Changes, Snapshot
+
+WEB = svc("web", "10.96.0.10", external=["192.0.2.10"])
+API = svc("api", "10.96.0.11")
+DNS = svc("dns", "10.96.0.53", 53, proto="UDP", port_name="dns")
+STICKY = svc("sticky", "10.96.0.20", affinity=True, timeout=60)
+
+
+def _base() -> Snapshot:
+    return snap((WEB, eps("10.1.0.1", "10.1.0.2", "10.1.0.3")), (API, eps("10.1.1.1", "10.1.1.2", "10.1.1.3")),
+                (DNS, eps("10.1.2.1", port=53)), (STICKY, eps("10.1.3.1", "10.1.3.2")))
+
+
+def _incremental(b, snapshot: Snapshot, *changed) -> None:  # type: ignore[no-untyped-def]
+    b.sync(snapshot, Changes(full=False, services=frozenset(s.name for s in changed)))
+
+
+def _touched_text(fake) -> str:  # type: ignore[no-untyped-def]
+    from netproxy.backends.nftables import serialise
+    return serialise.ops_text(fake.transactions[-1])
+
+
+def test_one_endpoint_change_names_only_that_service_and_equals_a_fresh_sync() -> None:
+    b, fake = backend()
+    b.sync(_base(), Changes())
+    reads = fake.reads
+    after = _base()
+    after.endpoints[API.name] = eps("10.1.1.1", "10.1.1.9", "10.1.1.3")  # type: ignore[index]
+    _incremental(b, after, API)
+    text = _touched_text(fake)
+    assert "10.1.1.9" in text and "10.96.0.11" in text
+    for other in ("10.96.0.10", "10.96.0.53", "10.96.0.20", "192.0.2.10"):
+        assert other not in text, f"incremental transaction touched another service:\n{text}"
+    assert "table" not in text and "flush" not in text
+    assert len(fake.transactions[-1]) <= 4
+    assert fake.reads == reads, "the incremental path must not read the kernel"
+    assert dumps(fake) == fresh_dumps(after)
+
+
+@pytest.mark.parametrize("change", ["grow", "shrink", "to-empty", "from-empty", "delete", "add", "affinity-on",
+                                    "affinity-off", "timeout", "port", "external-ip", "local-policy"])
+def test_every_kind_of_change_converges_to_what_a_full_sync_writes(change: str) -> None:
+    b, fake = backend()
+    before = _base()
+    b.sync(before, Changes())
+    services = dict(before.services)
+    endpoints = dict(before.endpoints)
+    target = API
+    if change == "grow":
+        endpoints[API.name] = eps("10.1.1.1", "10.1.1.2", "10.1.1.3", "10.1.1.4")
+    elif change == "shrink":
+        endpoints[API.name] = eps("10.1.1.1")
+    elif change == "to-empty":
+        endpoints[API.name] = ()
+    elif change == "from-empty":
+        endpoints[API.name] = ()
+        b.sync(Snapshot(dict(services), dict(endpoints)), Changes())
+        endpoints[API.name] = eps("10.1.1.7", "10.1.1.8")
+    elif change == "delete":
+        del services[API.name]
+        del endpoints[API.name]
+    elif change == "add":
+        target = svc("new", "10.96.0.99")
+        services[target.name] = target
+        endpoints[target.name] = eps("10.1.9.1", "10.1.9.2")
+    elif change == "affinity-on":
+        services[API.name] = svc("api", "10.96.0.11", affinity=True)
+    elif change == "affinity-off":
+        target = STICKY
+        services[STICKY.name] = svc("sticky", "10.96.0.20")
+    elif change == "timeout":
+        target = STICKY
+        services[STICKY.name] = svc("sticky", "10.96.0.20", affinity=True, timeout=5)
+    elif change == "port":
+        services[API.name] = svc("api", "10.96.0.11", 8443)
+    elif change == "external-ip":
+        services[API.name] = svc("api", "10.96.0.11", external=["192.0.2.11"], lb=["198.51.100.11"])
+    elif change == "local-policy":
+        target = WEB
+        services[WEB.name] = svc("web", "10.96.0.10", external=["192.0.2.10"], ext_policy="Local")
+    after = Snapshot(services, endpoints)
+    _incremental(b, after, target)
+    assert dumps(fake) == fresh_dumps(after)
+
+
+def test_shared_pick_chain_and_its_map_go_when_the_last_user_goes() -> None:
+    b, fake = backend()
+    b.sync(_base(), Changes())
+    assert "cluster-pick-1" in fake.tables["ip"].chains  # dns has one endpoint
+    services = dict(_base().services)
+    endpoints = dict(_base().endpoints)
+    endpoints[DNS.name] = eps("10.1.2.1", "10.1.2.2", port=53)
+    _incremental(b, Snapshot(services, endpoints), DNS)
+    assert "cluster-pick-1" not in fake.tables["ip"].chains
+    assert "cluster-endpoints-1" not in fake.tables["ip"].sets
+    # web and api still share the 3-endpoint chain and map
+    assert len(fake.elements("ip", "cluster-endpoints-3")) == 6
+
+
+def test_nothing_changed_writes_nothing() -> None:
+    b, fake = backend()
+    b.sync(_base(), Changes())
+    n = len(fake.transactions)
+    _incremental(b, _base(), API, WEB)
+    assert len(fake.transactions) == n
+
+
+def test_refused_write_raises_with_the_line_keeps_state_and_next_sync_is_full() -> None:
+    b, fake = backend()
+    b.sync(_base(), Changes())
+    good = dumps(fake)
+    after = _base()
+    after.endpoints[API.name] = eps("10.1.1.5")  # type: ignore[index]
+    fake.fail_next = "add element ip netproxy cluster-endpoints-1 { ... }"
+    with pytest.raises(SyncError) as err:
+        _incremental(b, after, API)
+    assert err.value.line == "add element ip netproxy cluster-endpoints-1 { ... }"
+    assert dumps(fake) == good
+    reads = fake.reads
+    _incremental(b, after, API)  # asked for incremental, but after a failure it must re-read and rewrite
+    assert fake.reads > reads
+    assert dumps(fake) == fresh_dumps(after)
+
+
+def test_full_sync_repairs_a_table_changed_behind_our_back() -> None:
+    b, fake = backend()
+    b.sync(_base(), Changes())
+    t = fake.tables["ip"]
+    del t.elements[names.SERVICE_IPS]["10.96.0.11 . tcp . 80"]
+    t.elements[names.SERVICE_IPS]["10.96.9.9 . tcp . 80"] = Element(names.SERVICE_IPS, "10.96.9.9 . tcp . 80", "drop")
+    t.chains["intruder"] = Chain("intruder")
+    t.rules["intruder"] = []
+    t.rules[names.SERVICES] = []
+    b.sync(_base(), Changes())
+    assert dumps(fake) == fresh_dumps(_base())
+
+
+def test_full_sync_keeps_affinity_clients_with_their_time_left() -> None:
+    b, fake = backend()
+    b.sync(_base(), Changes())
+    aff = "aff-ns/sticky/http__10.1.3.2/8080"
+    fake.touch("ip", aff, "172.16.0.5", expires=37)
+    fake.touch("ip", aff, "172.16.0.6", expires=600)  # longer than the (new) timeout: capped
+    b.sync(_base(), Changes())
+    kept = fake.tables["ip"].elements[aff]
+    assert {k: e.expires for k, e in kept.items()} == {"172.16.0.5": 37, "172.16.0.6": 60}
+
+
+def test_incremental_change_of_another_service_leaves_affinity_clients_alone() -> None:
+    b, fake = backend()
+    b.sync(_base(), Changes())
+    aff = "aff-ns/sticky/http__10.1.3.1/8080"
+    fake.touch("ip", aff, "172.16.0.5", expires=30)
+    after = _base()
+    after.endpoints[API.name] = eps("10.1.1.4")  # type: ignore[index]
+    _incremental(b, after, API)
+    assert "172.16.0.5" in fake.tables["ip"].elements[aff]
+
+
+def test_first_ipv6_service_creates_the_ip6_table_and_cleanup_removes_both() -> None:
+    b, fake = backend()
+    b.sync(_base(), Changes())
+    assert set(fake.tables) == {"ip"}
+    v6 = svc("v6", "fd00::10")
+    services = dict(_base().services)
+    endpoints = dict(_base().endpoints)
+    services[v6.name] = v6
+    endpoints[v6.name] = eps("fd01::1")
+    after = Snapshot(services, endpoints)
+    _incremental(b, after, v6)
+    assert set(fake.tables) == {"ip", "ip6"}
+    assert dumps(fake) == fresh_dumps(after)
+    b.cleanup()
+    assert fake.tables == {}
+
+
+def test_fake_refuses_like_the_kernel() -> None:
+    _, fake = backend()
+    with pytest.raises(SyncError, match="No such file"):
+        fake.apply([("add", "ip", Chain("x"))])
+    b, fake = backend()
+    b.sync(_base(), Changes())
+    before = dumps(fake)
+    with pytest.raises(SyncError, match="busy"):
+        fake.apply([("delete", "ip", Chain("cluster-pick-3"))])  # still has its rule and map users
+    with pytest.raises(SyncError, match="File exists"):
+        fake.apply([("add", "ip", Element(names.SERVICE_IPS, "10.96.0.11 . tcp . 80", "drop"))])
+    with pytest.raises(SyncError, match="No such file"):
+        fake.apply([("add", "ip", Element(names.SERVICE_IPS, "10.9.9.9 . tcp . 80", "goto nowhere"))])
+    with pytest.raises(SyncError, match="busy"):
+        fake.apply([("delete", "ip", Set("aff-ns/sticky/http__10.1.3.1/8080", "ipv4_addr"))])
+    assert dumps(fake) == before, "a refused transaction must change nothing"
