@@ -1,0 +1,108 @@
+"""`netproxy run --kubeconfig` against the API stand-in, in the node namespace: traffic follows an
+endpoint change made through the API.
+
+The stand-in (tests/unit/kube/apiserver.py) runs inside the node namespace on 127.0.0.1, so netproxy
+reaches it over the node's loopback and nothing listens in the host namespace.  The change is made with
+the official client from inside the node namespace too, as a controller would make it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Any, Dict, List, Sequence
+
+import pytest
+from harness import Combo, Proxy, assert_only_and_all, endpoint_slice, port, service, wait_for
+
+from netproxy.sandbox import NODE_NAME, Pod, Sandbox
+
+pytestmark = pytest.mark.kernel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+UNIT_KUBE = os.path.join(os.path.dirname(HERE), "unit", "kube")
+sys.path.insert(0, UNIT_KUBE)
+
+from kube_process import StandInProcess  # noqa: E402
+
+WEB_IP = "10.96.0.10"
+
+UPDATE_SLICE = """
+import json, sys
+from kubernetes import client
+cfg = client.Configuration(); cfg.host = sys.argv[1]
+discovery = client.DiscoveryV1Api(client.ApiClient(cfg))
+body = json.loads(sys.argv[2])
+discovery.replace_namespaced_endpoint_slice(body["metadata"]["name"], "default", body)
+print("replaced")
+"""
+
+
+def kubeconfig(path: str, url: str) -> str:
+    doc = {"apiVersion": "v1", "kind": "Config", "current-context": "standin",
+           "clusters": [{"name": "standin", "cluster": {"server": url}}],
+           "users": [{"name": "proxy", "user": {}}],
+           "contexts": [{"name": "standin", "context": {"cluster": "standin", "user": "proxy"}}]}
+    with open(path, "w") as f:
+        json.dump(doc, f)  # JSON is YAML: the client's loader reads it as is
+    return path
+
+
+def web_slice(pods: Sequence[Pod]) -> Dict[str, Any]:
+    # Slice ports have no targetPort (a strict client refuses one).
+    out = endpoint_slice("web", pods, [{"name": "http", "port": 8080, "protocol": "TCP"}])
+    for key in ("apiVersion", "kind"):
+        out.pop(key)
+    return out
+
+
+def answered_by(sandbox: Sandbox, pods: Sequence[Pod]) -> Any:
+    def check() -> Any:
+        res = sandbox.connect(WEB_IP, 80, count=30, timeout=0.5)
+        got = sorted(res.counts)
+        want = sorted(p.name for p in pods)
+        return None if got == want and not res.errors else f"answered by {res.counts}, errors {res.errors}"
+    return check
+
+
+def test_traffic_follows_an_endpoint_change_made_through_the_api(proxy: Proxy, sandbox: Sandbox, combo: Combo,
+                                                                 tmp_path: Any) -> None:
+    first, second = sandbox.pods[:2], sandbox.pods[2:3]
+    svc = service("web", WEB_IP, [port(80, 8080, name="http")])
+    for key in ("apiVersion", "kind"):
+        svc.pop(key)
+    objects: Dict[str, List[Dict[str, Any]]] = {
+        "services": [svc], "endpointslices": [web_slice(first)],
+        "nodes": [{"metadata": {"name": NODE_NAME, "labels": {"topology.kubernetes.io/zone": "zone-a"}}}],
+    }
+    with StandInProcess(objects, prefix=["ip", "netns", "exec", sandbox.node]) as url:
+        config = kubeconfig(str(tmp_path / "kubeconfig"), url)
+        log_path = str(tmp_path / "run.log")
+        run = sandbox.start_netproxy(["run", "--kubeconfig", config, "--hostname-override", NODE_NAME,
+                                      "--metrics-bind-address", "", *combo.flags],
+                                     flavour=combo.path_flavour, log_path=log_path)
+        try:
+            wait_for(answered_by(sandbox, first), timeout=60)
+            assert_only_and_all(sandbox.connect(WEB_IP, 80, count=200), first, total=200, at_least=40)
+            change = sandbox.exec(sandbox.node, [sys.executable, "-c", UPDATE_SLICE, url,
+                                                 json.dumps(web_slice(second))], timeout=60)
+            assert change.returncode == 0, change.stderr
+            took = wait_for(answered_by(sandbox, second), timeout=30)
+            print(f"\n{combo.name}: traffic moved {took:.2f}s after the API change")
+            assert_only_and_all(sandbox.connect(WEB_IP, 80, count=100), second, total=100)
+            assert run.poll() is None, "netproxy run exited"
+        finally:
+            if run.poll() is None:
+                run.send_signal(signal.SIGTERM)
+                try:
+                    run.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    run.kill()
+                    run.wait()
+            with open(log_path, errors="replace") as f:
+                log = f.read()
+            print(log[-4000:])
+    assert run.returncode == 0, f"netproxy run exited {run.returncode}:\n{log[-3000:]}"
