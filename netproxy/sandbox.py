@@ -39,7 +39,7 @@ import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +131,11 @@ class ConnectResult:
 class PendingConnect:
     """A client batch still running; :meth:`result` waits for it."""
 
-    def __init__(self, proc: subprocess.Popen, budget: float) -> None:  # type: ignore[type-arg]
+    def __init__(self, proc: subprocess.Popen, budget: float,  # type: ignore[type-arg]
+                 on_done: Callable[[subprocess.Popen], None]) -> None:  # type: ignore[type-arg]
         self.proc = proc
         self.budget = budget
+        self._on_done = on_done
 
     def result(self) -> ConnectResult:
         try:
@@ -142,6 +144,9 @@ class PendingConnect:
             self.proc.kill()
             self.proc.communicate()
             raise SandboxError(f"client took longer than {self.budget:.0f}s") from None
+        finally:
+            if self.proc.returncode is not None:
+                self._on_done(self.proc)
         if self.proc.returncode != 0:
             raise SandboxError(f"client failed ({self.proc.returncode}): {err.decode(errors='replace').strip()}")
         data = json.loads(out)
@@ -186,6 +191,9 @@ class Sandbox:
         self.node = f"np-node-{self.id}"
         self.client = f"np-client-{self.id}"
         self.ext = f"np-ext-{self.id}"
+        self.client_ip, self.ext_ip = CLIENT4, EXT4
+        self.node_ips = (NODE_EXT4, GATEWAY4)
+        """The node's own IPv4 addresses (where NodePorts answer): its ext-side one first."""
         self.tcp_ports = tuple(tcp_ports)
         self.udp_ports = tuple(udp_ports)
         self.ipv6 = ipv6
@@ -424,7 +432,11 @@ class Sandbox:
         if sources:
             argv += ["--sources", ",".join(sources)]
         proc = self.popen(source or self.client, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        return PendingConnect(proc, budget=10.0 + count * (interval + timeout))
+        return PendingConnect(proc, budget=10.0 + count * (interval + timeout), on_done=self._untrack)
+
+    def _untrack(self, proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
+        if proc in self._procs:
+            self._procs.remove(proc)
 
     # ---- netproxy -----------------------------------------------------------------------------
 
@@ -530,3 +542,33 @@ _LIVE: weakref.WeakSet[Sandbox] = weakref.WeakSet()
 def _close_leftovers() -> None:
     for sandbox in list(_LIVE):
         sandbox.close()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m netproxy.sandbox [--pods N]``: build a sandbox, print it as JSON, hold it until a signal."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="hold a netproxy sandbox open for manual work (root)")
+    parser.add_argument("--pods", type=int, default=3)
+    parser.add_argument("--remote-pods", type=int, default=0, help="how many of the pods are on another node")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    stop: List[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: stop.append(signum))
+    with Sandbox(args.pods, remote_pods=args.remote_pods) as sb:
+        info = {"node": sb.node, "client": sb.client, "ext": sb.ext, "node_ips": list(sb.node_ips),
+                "pods": [{"name": p.name, "netns": p.netns, "ip": p.ip, "ip6": p.ip6, "node": p.node_name}
+                         for p in sb.pods]}
+        print(json.dumps(info, indent=1), flush=True)
+        print(f"try: ip netns exec {sb.client} {sys.executable} {CLIENT} {sb.pods[0].ip} {DEFAULT_PORTS[0]}"
+              " --count 10\nCtrl-C (or SIGTERM) removes everything.", flush=True)
+        try:
+            while not stop:
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
