@@ -1,0 +1,142 @@
+"""``python -m bench`` — netproxy's benchmark (``make bench``; ``--smoke`` runs in ``make test``).
+
+Measures sync speed, update latency, data-plane cost and memory per backend/writer, next to
+kube-proxy's own layout and the raw tools, in network namespaces it creates and removes.  See
+bench/README.md for what each figure means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from typing import List, Optional, Sequence
+
+from bench import combos as combos_mod
+from bench import netns, report, targets
+from bench.run import Bench, new_workdir
+
+DEFAULT_SIZES = (100, 1000, 10000)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def sizes_for(max_services: int, smoke: bool) -> List[int]:
+    if smoke:
+        return [100]
+    sizes = [n for n in DEFAULT_SIZES if n <= max_services]
+    if max_services not in sizes:
+        sizes.append(max_services)
+    return sizes
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--max-services", type=int, default=10000,
+                   help="largest N (default 10000; 30000 for a longer run); sizes are 100, 1000, 10000 up to it")
+    p.add_argument("--backends", default="",
+                   help="comma-separated: " + ", ".join(combos_mod.BY_KEY) + " (or nft, legacy, libiptc, "
+                   "iptables-nft); default all")
+    p.add_argument("--smoke", action="store_true",
+                   help="N=100, one backend (nftables if available, else iptables-legacy/restore), seconds; "
+                   "fails if any measure cannot be taken")
+    p.add_argument("--budget", type=float, default=0.0,
+                   help="wall-clock budget in seconds (default 1140 = 19 min; scaled up for --max-services > 10000)")
+    p.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for JSON, markdown and PNG")
+    p.add_argument("--keep-workdir", action="store_true", help="keep payloads and logs (kept anyway on errors)")
+    args = p.parse_args(argv)
+    if args.max_services < 100:
+        p.error("--max-services must be at least 100")
+    return args
+
+
+def choose(args: argparse.Namespace) -> List[combos_mod.Combo]:
+    if args.smoke and not args.backends:
+        return [combos_mod.BY_KEY["nftables"], combos_mod.BY_KEY["iptables-legacy/restore"]]
+    return combos_mod.parse(args.backends)
+
+
+def preflight() -> Optional[str]:
+    if os.geteuid() != 0:
+        return "the benchmark needs root (it creates network namespaces)"
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` is not installed"
+    return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    problem = preflight()
+    if problem:
+        print(f"bench: FAILED: {problem}", file=sys.stderr)
+        return 1
+    try:
+        wanted = choose(args)
+    except ValueError as err:
+        print(f"bench: {err}", file=sys.stderr)
+        return 2
+    netns.install_handlers()
+    sizes = sizes_for(args.max_services, args.smoke)
+    budget = args.budget or (1140.0 * max(1.0, args.max_services / 10000) if not args.smoke else 300.0)
+    workdir = new_workdir()
+    bench = Bench(wanted, sizes, args.smoke, budget, workdir)
+    if args.smoke:
+        bench.progress("smoke run: N=100, the first available of nftables, iptables-legacy/restore")
+    else:
+        bench.progress(f"full run: N in {sizes}, backends {', '.join(c.key for c in wanted)}, budget {budget:.0f} s")
+    try:
+        if args.smoke:
+            bench.meta()
+            bench.probe()
+            chosen = bench.available()[:1]
+            if not chosen:
+                print("bench: FAILED: neither nftables nor iptables-legacy/restore can run here: "
+                      f"{bench.results['unavailable']}", file=sys.stderr)
+                return 1
+            bench.combos = chosen
+            bench.results["unavailable"] = {}
+            bench.results["meta"]["combos"] = [c.__dict__ for c in chosen]
+        results = bench.run()
+    finally:
+        netns.cleanup_all()
+    results["meta"]["duration"] = bench.budget_used()
+    results["targets"] = targets.check(results)
+    stem = "smoke" if args.smoke else "latest"
+    json_path, md_path, png_path = report.write(results, args.out, stem)
+    print(report.markdown(results))
+    print(f"results: {json_path}, {md_path}" + (f", {png_path}" if png_path else ""))
+    failures = smoke_failures(results) if args.smoke else results["errors"]
+    keep = args.keep_workdir or bool(failures)
+    if keep:
+        print(f"payloads and logs kept in {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if failures:
+        print("bench: FAILED: " + "; ".join(str(f) for f in failures)[:3000], file=sys.stderr)
+        return 1
+    return 0
+
+
+def smoke_failures(results: report.Results) -> List[str]:
+    """In a smoke run every measure must have a figure: an error, timeout or skip fails it."""
+    out = list(results["errors"])
+    combo = results["meta"]["combos"][0]["key"] if results["meta"]["combos"] else "?"
+    checks = [("control", results["control"].get(combo, {}).get("uniform", {}).get("100", {}),
+               ("cold", "resync", "endpoint", "add", "remove", "raw")),
+              ("dataplane", results["dataplane"].get(combo, {}), ("1", "100")),
+              ("latency", results["latency"].get(combo, {}), ("100",)),
+              ("rss", results["rss"].get(combo, {}), ("1", "100"))]
+    for section, cells, keys in checks:
+        for key in keys:
+            cell = cells.get(key)
+            if not cell or not any(k in cell for k in ("seconds", "p50_us", "median")):
+                out.append(f"{section} {key}: no figure ({cell})")
+    for ref in ("kube-proxy iptables-legacy", "kube-proxy nft"):
+        cell = results["reference"].get(ref, {}).get("100", {}).get("cold")
+        if not cell or "seconds" not in cell:
+            out.append(f"{ref} N=100: no figure ({cell})")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Control-plane measures: netproxy's sync steps, the raw apply of its own payload, kube-proxy's layout.
+
+Each function runs inside namespaces it is handed or creates, bounded by a timeout; a step that does
+not finish in time is reported as ``{"timeout": seconds}``, a failing one as ``{"error": "..."}``,
+never silently dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from bench import gen, kubeproxy_layout, netns
+from bench.combos import Combo
+
+Step = Dict[str, Any]
+WORKER_STEPS = ("source", "cold", "resync", "endpoint", "add", "remove", "plan")
+
+
+def _python() -> str:
+    return sys.executable
+
+
+def _bench_env() -> Dict[str, str]:
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def run_worker(ns: str, combo: Combo, n: int, variant: str, pods: Sequence[Tuple[str, int]], plan_path: str,
+               timeout: float, log_path: str, steps: Sequence[str] = WORKER_STEPS) -> Dict[str, Step]:
+    """``bench.worker`` inside ``ns``; every step's JSON, and ``timeout``/``error`` for the missing ones."""
+    args = [_python(), "-m", "bench.worker", "--backend", combo.backend, "--writer", combo.writer,
+            "--flavour", combo.flavour, "--n", str(n), "--variant", variant, "--plan-out", plan_path,
+            "--pods", ",".join(f"{ip}:{port}" for ip, port in pods), "--steps", ",".join(steps)]
+    out: Dict[str, Step] = {}
+    with open(log_path, "ab") as log:
+        proc = netns.spawn(ns, args, stdout=subprocess.PIPE, stderr=log, env=_bench_env())
+        lines: List[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(ln.decode() for ln in proc.stdout), daemon=True)
+        reader.start()
+        t0 = time.monotonic()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout)
+        timed_out = proc.poll() is None
+        netns.stop(proc)
+        reader.join(2)
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        out[rec.pop("step")] = rec
+    for step in steps:
+        if step not in out:
+            if timed_out:
+                out[step] = {"timeout": round(time.monotonic() - t0, 1)}
+            else:
+                out[step] = {"error": f"worker exited {proc.returncode} before this step (see {log_path})"}
+    return out
+
+
+def raw_apply(spec: Sequence[Dict[str, Any]], ns: str, timeout: float) -> Step:
+    """Time ``spec`` (bench.rawapply commands) inside ``ns``."""
+    try:
+        proc = netns.run_in_timeout(ns, [_python(), "-m", "bench.rawapply", json.dumps(list(spec))],
+                                    timeout=timeout, env=_bench_env())
+    except subprocess.TimeoutExpired:
+        return {"timeout": timeout}
+    try:
+        result: Dict[str, Any] = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"error": f"rawapply: {proc.stderr.decode(errors='replace')[-500:]}"}
+    if result["rc"] != 0:
+        return {"error": f"{spec[-1]['argv'][0]} exited {result['rc']}: {result['stderr'].strip()[-600:]}"}
+    return {"seconds": result["seconds"]}
+
+
+def split_plan(combo: Combo, text: str, workdir: str) -> List[Dict[str, Any]]:
+    """netproxy's ``plan()`` text → the raw tool commands that apply it to an empty namespace."""
+    if combo.backend == "nftables":
+        path = os.path.join(workdir, "plan.nft")
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        return [{"argv": ["nft", "-f", path]}]
+    sections: Dict[int, List[str]] = {4: [], 6: []}
+    family = 4
+    for line in text.splitlines():
+        if line.startswith("# IPv6"):
+            family = 6
+        elif line.startswith("# IPv4"):
+            family = 4
+        sections[family].append(line)
+    spec = []
+    for family, lines in sections.items():
+        if not any(ln.startswith("*") for ln in lines):
+            continue
+        path = os.path.join(workdir, f"plan.v{family}")
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write("\n".join(lines) + "\n")
+        tool = f"{'iptables' if family == 4 else 'ip6tables'}-{combo.flavour}-restore"
+        spec.append({"argv": [tool, "--noflush"], "stdin": path})
+    return spec
+
+
+def raw_own_payload(combo: Combo, plan_path: str, workdir: str, timeout: float, *, ns: str,
+                    reset: Callable[[], None], budget: float = 6.0) -> Step:
+    """netproxy's own full payload applied with the raw tool into ``ns`` after ``reset()``: min of up to 3."""
+    try:
+        with open(plan_path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError:
+        return {"error": "no plan payload (the plan step did not run)"}
+    spec = split_plan(combo, text, workdir)
+    runs: List[float] = []
+    while len(runs) < 3 and sum(runs) + (runs[-1] if runs else 0) <= budget:
+        reset()
+        res = raw_apply(spec, ns, timeout)
+        if "seconds" not in res:
+            return res
+        runs.append(res["seconds"])
+    return {"seconds": min(runs), "runs": runs, "bytes": len(text)}
+
+
+# -- kube-proxy's layout -----------------------------------------------------------------------------
+
+def _moved(svcs: Sequence[kubeproxy_layout.Svc]) -> Tuple[int, kubeproxy_layout.Svc, kubeproxy_layout.Svc]:
+    """(index, before, after) of the service whose first endpoint the "endpoint" step moves."""
+    mid = len(svcs) // 2 if len(svcs) > 1 else 0
+    if len(svcs) > 1 and mid == len(svcs) - 1:
+        mid = 0
+    old = svcs[mid]
+    moved = (str(gen.REPLACED_NET + 1 + mid % 4096), old.endpoints[0][1])
+    new = kubeproxy_layout.Svc(old.namespace, old.name, old.port_name, old.protocol, old.ip, old.port, old.affinity,
+                               (moved,) + old.endpoints[1:])
+    return mid, old, new
+
+
+def _write(path: str, text: str) -> str:
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    return path
+
+
+def kubeproxy_files(objects: Sequence[gen.Obj], family: str, workdir: str
+                    ) -> Tuple[List[Dict[str, Any]], List[List[Dict[str, Any]]]]:
+    """(full apply spec, [change there, change back]) for kube-proxy's ``family`` ("iptables"/"nft") layout."""
+    svcs = kubeproxy_layout.services(objects)
+    mid, old, new = _moved(svcs)
+    after = list(svcs)
+    after[mid] = new
+    base = os.path.join(workdir, f"kube-proxy.{family}")
+    if family == "iptables":
+        full = _write(base, kubeproxy_layout.iptables_full(svcs))
+        there = _write(base + ".there", kubeproxy_layout.iptables_change(after, old, new))
+        back = _write(base + ".back", kubeproxy_layout.iptables_change(svcs, new, old))
+        # kube-proxy reads the table (iptables-save) and writes the change (restore --noflush).
+        return ([{"argv": ["iptables-legacy-restore"], "stdin": full}],
+                [[{"argv": ["iptables-legacy-save", "-t", "nat"]},
+                  {"argv": ["iptables-legacy-restore", "--noflush"], "stdin": path}] for path in (there, back)])
+    full = _write(base, kubeproxy_layout.nft_full(svcs))
+    there = _write(base + ".there", kubeproxy_layout.nft_change(old, new))
+    back = _write(base + ".back", kubeproxy_layout.nft_change(new, old))
+    return [{"argv": ["nft", "-f", full]}], [[{"argv": ["nft", "-f", path]}] for path in (there, back)]
+
+
+def kubeproxy_reference(ns: str, objects: Sequence[gen.Obj], family: str, workdir: str,
+                        timeout: float) -> Dict[str, Step]:
+    """kube-proxy's layout applied into ``ns`` (full), then one endpoint moved there and back (change)."""
+    full_spec, changes = kubeproxy_files(objects, family, workdir)
+    out: Dict[str, Step] = {"cold": raw_apply(full_spec, ns, timeout)}
+    if "seconds" not in out["cold"]:
+        out["endpoint"] = {"error": "the full apply did not complete"}
+        return out
+    runs: List[float] = []
+    for k in range(4):  # there and back twice: the table ends as the full apply wrote it
+        res = raw_apply(changes[k % 2], ns, timeout)
+        if "seconds" not in res:
+            out["endpoint"] = res
+            return out
+        runs.append(res["seconds"])
+    out["endpoint"] = {"seconds": statistics.median(runs), "runs": runs}
+    return out
+
+
+def pods_of(sandbox: Any) -> List[Tuple[str, int]]:
+    return [(p.ip, 8080) for p in sandbox.pods]
+
+
+def last_service(n: int) -> Tuple[str, int]:
+    return gen.cluster_ip(n - 1), gen.PORT
+
+
+def describe(step: Optional[Step]) -> str:
+    if not step:
+        return "-"
+    if "seconds" in step:
+        return f"{step['seconds']:.3f}s"
+    if "timeout" in step:
+        return f"timeout after {step['timeout']}s"
+    return f"error: {str(step.get('error'))[:120]}"

@@ -1,0 +1,314 @@
+"""The benchmark's plan: which measure runs where, in what order, within what time budget.
+
+One :class:`netproxy.sandbox.Sandbox` (client, node, 10 pods) serves every measure; the node's
+netfilter state is reset between measures.  Phases, most important first, so that a run that hits
+its time budget loses the least important figures: (A) control plane + data plane + RSS per
+backend/writer and N, (B) kube-proxy's layout, (C) event → kernel, (D) the mixed variant.
+Every step prints a progress line; every step is bounded by its own timeout and by what is left of
+the run's budget.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+from bench import client as client_mod
+from bench import control, dataplane, gen, latency, netns, report, rss
+from bench.combos import Combo
+
+DP_EXTRA = 1  # the data plane also runs at N=1
+
+
+class Budget:
+    """Wall-clock budget: each step gets min(its own timeout, what is left minus a reserve)."""
+
+    def __init__(self, seconds: float, reserve: float = 15.0) -> None:
+        self.end = time.monotonic() + seconds
+        self.reserve = reserve
+
+    def left(self) -> float:
+        return self.end - self.reserve - time.monotonic()
+
+    def timeout(self, wanted: float) -> float:
+        return max(0.0, min(wanted, self.left()))
+
+
+class Bench:
+    def __init__(self, combos: List[Combo], sizes: List[int], smoke: bool, budget: float, workdir: str,
+                 out: Any = sys.stdout) -> None:
+        self.combos = combos
+        self.sizes = sizes
+        self.smoke = smoke
+        self.dp_sizes = sorted({DP_EXTRA} | {n for n in sizes if n >= 1000 or smoke})
+        self.latency_sizes = sizes[-1:] if smoke else sorted({n for n in sizes if n == 1000} | {sizes[-1]})
+        self.budget = Budget(budget)
+        self.workdir = workdir
+        self.out = out
+        self.t0 = time.monotonic()
+        self.client: List[str] = []
+        self.sandbox: Any = None
+        self._probed = False
+        self.min_sync = 0.2 if smoke else 1.0
+        self.changes = 3 if smoke else latency.CHANGES
+        self.results: Dict[str, Any] = {
+            "meta": {}, "control": {}, "reference": {}, "dataplane": {}, "latency": {}, "rss": {},
+            "unavailable": {}, "errors": [], "targets": []}
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+
+    def progress(self, text: str) -> None:
+        print(f"[{time.monotonic() - self.t0:6.1f}s] {text}", file=self.out, flush=True)
+
+    def _cell(self, section: str, key: str, n: int, variant: Optional[str] = None) -> Dict[str, Any]:
+        top = self.results[section].setdefault(key, {})
+        if variant is not None:
+            top = top.setdefault(variant, {})
+        return top.setdefault(str(n), {})  # type: ignore[no-any-return]
+
+    def _note_errors(self, what: str, steps: Dict[str, Any]) -> None:
+        for step, cell in steps.items():
+            if isinstance(cell, dict) and "error" in cell:
+                self.results["errors"].append(f"{what} {step}: {cell['error']}")
+
+    def _skip(self, why: str) -> Dict[str, Any]:
+        return {"skipped": why}
+
+    def _out_of_time(self, need: float) -> bool:
+        return self.budget.left() < need
+
+    # -- set-up -------------------------------------------------------------------------------------
+
+    def meta(self) -> None:
+        def tool(args: List[str]) -> str:
+            try:
+                return subprocess.run(args, capture_output=True, text=True, check=False).stdout.strip().splitlines()[0]
+            except (OSError, IndexError):
+                return f"{args[0]}: missing"
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip() or "?"
+        self.results["meta"] = {
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "cpus": os.cpu_count(),
+            "kernel": platform.release(), "python": platform.python_version(), "commit": commit,
+            "iptables": tool(["iptables-legacy", "--version"]), "nft": tool(["nft", "--version"]),
+            "sizes": self.sizes, "dp_sizes": self.dp_sizes, "combos": [c.__dict__ for c in self.combos],
+            "smoke": self.smoke, "min_sync_period": self.min_sync, "latency_changes": self.changes,
+            "dp_count": dataplane.SMOKE_COUNT if self.smoke else dataplane.COUNT, "dp_seconds": dataplane.SECONDS,
+        }
+
+    def budget_used(self) -> float:
+        return time.monotonic() - self.t0
+
+    def probe(self) -> None:
+        """Which combos can run here (the backend's own probe, inside a throwaway namespace)."""
+        self._probed = True
+        for combo in self.combos:
+            with netns.namespace("probe") as ns:
+                steps = control.run_worker(ns, combo, 1, "uniform", [("10.244.1.10", 8080)], "", 60,
+                                           os.path.join(self.workdir, "probe.log"), steps=("probe",))
+            cell = steps["probe"]
+            if not cell.get("ok"):
+                why = str(cell.get("error") or cell)[:300]
+                self.results["unavailable"][combo.key] = why
+                self.progress(f"{combo.key}: unavailable — {why}")
+            else:
+                self.progress(f"{combo.key}: available")
+
+    def available(self) -> List[Combo]:
+        return [c for c in self.combos if c.key not in self.results["unavailable"]]
+
+    # -- phase A ------------------------------------------------------------------------------------
+
+    def worker_timeout(self, n: int) -> float:
+        return max(60.0, 0.024 * n)
+
+    def phase_control(self, combo: Combo, n: int) -> None:
+        sb = self.sandbox
+        cell = self._cell("control", combo.key, n, "uniform")
+        timeout = self.budget.timeout(self.worker_timeout(n))
+        if timeout < 10:
+            cell["cold"] = self._skip("out of time budget")
+            return
+        sb.reset_netfilter()
+        plan = os.path.join(self.workdir, f"plan-{combo.key.replace('/', '-')}-{n}")
+        steps = control.run_worker(sb.node, combo, n, "uniform", control.pods_of(sb), plan, timeout,
+                                   os.path.join(self.workdir, "worker.log"))
+        cell.update(steps)
+        self._note_errors(f"{combo.key} N={n}", steps)
+        self.progress(f"{combo.key} N={n:,}: cold {control.describe(steps.get('cold'))}, resync "
+                      f"{control.describe(steps.get('resync'))}, endpoint {control.describe(steps.get('endpoint'))}, "
+                      f"add {control.describe(steps.get('add'))}, remove {control.describe(steps.get('remove'))}")
+        if "seconds" not in steps.get("cold", {}):
+            return
+        if n in self.dp_sizes:
+            self.measure_dataplane(combo.key, n)
+        self.measure_rss(combo, n, steps)
+        sb.reset_netfilter()
+        raw = control.raw_own_payload(combo, plan, self.workdir, self.budget.timeout(timeout),
+                                      reset=sb.reset_netfilter, ns=sb.node)
+        cell["raw"] = raw
+        self._note_errors(f"{combo.key} N={n}", {"raw": raw})
+        self.progress(f"{combo.key} N={n:,}: raw apply of its own payload {control.describe(raw)}")
+
+    def measure_dataplane(self, key: str, n: int) -> None:
+        if self._out_of_time(20):
+            self._cell("dataplane", key, n).update(self._skip("out of time budget"))
+            return
+        res = dataplane.measure(self.sandbox, self.client, *control.last_service(n), smoke=self.smoke)
+        self._cell("dataplane", key, n).update(res)
+        if "p50_us" in res:
+            self.progress(f"{key} N={n:,}: data plane p50 {res['p50_us']:.0f} µs, p99 {res['p99_us']:.0f} µs, "
+                          f"{res['rate']:.0f} conn/s")
+        else:
+            self.results["errors"].append(f"data plane {key} N={n}: {res}")
+            self.progress(f"{key} N={n:,}: data plane {res}")
+
+    def measure_rss(self, combo: Combo, n: int, steps: Dict[str, Any]) -> None:
+        cold = steps["cold"]["seconds"]
+        cell = self._cell("rss", combo.key, n)
+        if cold > 30 and n > 1000:
+            cell.update(self._skip(f"cold sync took {cold:.0f} s"))
+            return
+        source = os.path.join(self.workdir, f"cluster-{n}.json")
+        if not os.path.exists(source):
+            gen.write_json(source, gen.cluster(n, "uniform", control.pods_of(self.sandbox)))
+        res = rss.measure_sync(self.sandbox, combo, source, self.budget.timeout(self.worker_timeout(n)),
+                               os.path.join(self.workdir, "rss.log"))
+        cell.update(res)
+        self._note_errors(f"{combo.key} N={n} netproxy sync", {"rss": res})
+        if "maxrss_mib" in res and "seconds" in res:
+            self.progress(f"{combo.key} N={n:,}: `netproxy sync` peak RSS {res['maxrss_mib']:.0f} MiB "
+                          f"({res['seconds']:.1f} s)")
+
+    def phase_one_service(self, combo: Combo) -> None:
+        """N=1: a `netproxy sync` of one service (its RSS too), then the data plane."""
+        self.sandbox.reset_netfilter()
+        source = os.path.join(self.workdir, "cluster-1.json")
+        gen.write_json(source, gen.cluster(1, "uniform", control.pods_of(self.sandbox)))
+        res = rss.measure_sync(self.sandbox, combo, source, self.budget.timeout(60),
+                               os.path.join(self.workdir, "rss.log"))
+        self._cell("rss", combo.key, 1).update(res)
+        if "seconds" not in res:
+            self.results["errors"].append(f"{combo.key} N=1 netproxy sync: {res}")
+            self._cell("dataplane", combo.key, 1).update({"error": "netproxy sync of one service failed"})
+            return
+        self.measure_dataplane(combo.key, 1)
+
+    # -- phase B ------------------------------------------------------------------------------------
+
+    def phase_reference(self, ref: str, family: str, n: int, timeout: float) -> None:
+        cell = self._cell("reference", ref, n)
+        timeout = self.budget.timeout(timeout)
+        if timeout < 5:
+            cell["cold"] = self._skip("out of time budget")
+            return
+        sb = self.sandbox
+        sb.reset_netfilter()
+        objects = gen.cluster(n, "uniform", control.pods_of(sb))
+        steps = control.kubeproxy_reference(sb.node, objects, family, self.workdir, timeout)
+        cell.update(steps)
+        self._note_errors(f"{ref} N={n}", steps)
+        self.progress(f"{ref} N={n:,}: full {control.describe(steps.get('cold'))}, one endpoint "
+                      f"{control.describe(steps.get('endpoint'))}")
+        if "seconds" in steps.get("cold", {}) and n in self.dp_sizes:
+            self.measure_dataplane(ref, n)
+
+    # -- the whole run ------------------------------------------------------------------------------
+
+    def run(self) -> Dict[str, Any]:
+        from netproxy.sandbox import Sandbox
+
+        if not self.results["meta"]:
+            self.meta()
+        netns.remove_stale()
+        self.client = client_mod.build(self.workdir)
+        self.results["meta"]["client"] = "C" if not self.client[0].endswith("python3") and len(self.client) == 1 \
+            else "Python"
+        self.progress(f"client: {' '.join(self.client)}")
+        if not self._probed:
+            self.probe()
+        pods = 3 if self.smoke else 10
+        self.progress(f"sandbox: client, node and {pods} pod namespaces")
+        with Sandbox(pods=pods, udp_ports=(), ipv6=True) as sb:
+            self.sandbox = sb
+            self.progress(f"sandbox up: node {sb.node}")
+            for combo in self.available():
+                for n in self.sizes:
+                    self.phase_control(combo, n)
+                if DP_EXTRA in self.dp_sizes and not self._out_of_time(30):
+                    self.phase_one_service(combo)
+            self.phase_references()
+            self.phase_latency()
+            self.phase_mixed()
+            sb.reset_netfilter()
+        return self.results
+
+    def phase_references(self) -> None:
+        refs = [("kube-proxy iptables-legacy", "iptables", 1e9), ("kube-proxy nft", "nft", 1e9)]
+        for ref, family, limit in refs:
+            tool = "iptables-legacy-restore" if family == "iptables" else "nft"
+            if subprocess.run(["sh", "-c", f"command -v {tool}"], capture_output=True, check=False).returncode:
+                self.results["errors"].append(f"{ref}: {tool} is not installed")
+                continue
+            for n in [n for n in self.dp_sizes if n not in self.sizes] + self.sizes:
+                if n > limit:
+                    continue
+                # kube-proxy's nft layout at 10k is the slow reference (85 s measured): run once, bounded.
+                self.phase_reference(ref, family, n, 240.0 if n >= 10000 else 120.0)
+
+    def phase_latency(self) -> None:
+        for n in self.latency_sizes:
+            for combo in self.available():
+                if n > 1000 and combo.key != "nftables" and not self.smoke:
+                    continue  # at 10k only the backend the target is about (each change re-reads 10k services)
+                cell = self._cell("latency", combo.key, n)
+                ep = report.seconds(report.control_cell(self.results, combo.key, n, "endpoint"))
+                if ep is None or ep > 5:
+                    cell.update(self._skip("no partial sync figure under 5 s at this N"))
+                    continue
+                need = self.changes * (self.min_sync * 0.75 + 2 * ep) + 30
+                if self._out_of_time(need):
+                    cell.update(self._skip("out of time budget"))
+                    continue
+                self.sandbox.reset_netfilter()
+                self.progress(f"{combo.key} N={n:,}: event → kernel, {self.changes} changes …")
+                res = latency.measure(self.sandbox, combo, n, self.client, self.workdir, changes=self.changes,
+                                      min_sync=self.min_sync, start_timeout=min(300.0, self.budget.timeout(300)))
+                cell.update(res)
+                if "median" in res:
+                    self.progress(f"{combo.key} N={n:,}: event → kernel median {res['median'] * 1000:.0f} ms, "
+                                  f"p95 {res['p95'] * 1000:.0f} ms")
+                else:
+                    self.results["errors"].append(f"latency {combo.key} N={n}: {res}")
+                    self.progress(f"{combo.key} N={n:,}: event → kernel {res}")
+
+    def phase_mixed(self) -> None:
+        if self.smoke:
+            return
+        for combo in self.available():
+            for n in self.sizes:
+                cold = report.seconds(report.control_cell(self.results, combo.key, n, "cold"))
+                if cold is None or (cold > 20 and n > 1000) or self._out_of_time(3 * cold + 20):
+                    self._cell("control", combo.key, n, "mixed")["cold"] = self._skip(
+                        "out of time budget" if cold is not None and cold <= 20 else "uniform cold sync slow/missing")
+                    continue
+                self.sandbox.reset_netfilter()
+                steps = control.run_worker(self.sandbox.node, combo, n, "mixed", control.pods_of(self.sandbox), "",
+                                           self.budget.timeout(self.worker_timeout(n)),
+                                           os.path.join(self.workdir, "worker.log"),
+                                           steps=("source", "cold", "endpoint"))
+                self._cell("control", combo.key, n, "mixed").update(steps)
+                self._note_errors(f"{combo.key} mixed N={n}", steps)
+                self.progress(f"{combo.key} mixed N={n:,}: cold {control.describe(steps.get('cold'))}, endpoint "
+                              f"{control.describe(steps.get('endpoint'))}")
+
+
+def new_workdir() -> str:
+    return tempfile.mkdtemp(prefix=f"np-bench-{os.getpid()}-")

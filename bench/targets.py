@@ -1,0 +1,180 @@
+"""The issue's targets, checked against this run's figures (at N=10,000, or the largest N measured)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+from bench.report import MB, control_cell, ref_cell, seconds
+
+Results = Dict[str, Any]
+Target = Dict[str, Any]
+NFT, LEGACY, LIBIPTC = "nftables", "iptables-legacy/restore", "iptables-legacy/libiptc"
+
+
+def _at(results: Results) -> int:
+    sizes = [int(n) for n in results["meta"]["sizes"]]
+    return 10000 if 10000 in sizes else max(sizes)
+
+
+def _where(n: int) -> str:
+    return "" if n == 10000 else f"; at N={n:,}, not 10,000"
+
+
+def _ms(x: Optional[float]) -> str:
+    return "not measured" if x is None else f"{x * 1000:.1f} ms"
+
+
+def _s(x: Optional[float]) -> str:
+    return "not measured" if x is None else f"{x:.3f} s"
+
+
+def _t(name: str, target: str, ok: Optional[bool], figure: str) -> Target:
+    return {"name": name, "target": target, "met": ok, "figure": figure}
+
+
+def _step(results: Results, key: str, n: int, step: str) -> Optional[float]:
+    return seconds(control_cell(results, key, n, step))
+
+
+def _why(results: Results, key: str, n: int, step: str) -> str:
+    cell = control_cell(results, key, n, step)
+    if key in results.get("unavailable", {}):
+        return f"{key} unavailable: {results['unavailable'][key]}"
+    if not cell:
+        return "not measured"
+    if "timeout" in cell:
+        return f"timed out after {cell['timeout']} s"
+    return f"error: {str(cell.get('error'))[:160]}"
+
+
+def nft_full(results: Results) -> Target:
+    n = _at(results)
+    x = _step(results, NFT, n, "cold")
+    ref = seconds(ref_cell(results, "kube-proxy nft", n, "cold"))
+    fig = (f"{_s(x)}; kube-proxy layout {_s(ref)}" if x is not None else _why(results, NFT, n, "cold")) + _where(n)
+    return _t("nftables full atomic sync", "≤ 1.0 s", None if x is None else x <= 1.0, fig)
+
+
+def nft_endpoint(results: Results) -> Target:
+    n = _at(results)
+    cell = control_cell(results, NFT, n, "endpoint")
+    x = seconds(cell)
+    ref = seconds(ref_cell(results, "kube-proxy nft", n, "endpoint"))
+    if x is None:
+        return _t("nftables one-endpoint change", "≤ 15 ms", None, _why(results, NFT, n, "endpoint") + _where(n))
+    fig = (f"{_ms(x)} through parse → tracker → sync, of which backend {_ms(cell.get('backend_seconds'))}; "  # type: ignore[union-attr]
+           f"kube-proxy layout {_ms(ref)}{_where(n)}")
+    return _t("nftables one-endpoint change", "≤ 15 ms", x <= 0.015, fig)
+
+
+def legacy_full(results: Results) -> Target:
+    n = _at(results)
+    x = _step(results, LEGACY, n, "cold")
+    raw = _step(results, LEGACY, n, "raw")
+    ref = seconds(ref_cell(results, "kube-proxy iptables-legacy", n, "cold"))
+    if x is None:
+        return _t("iptables-legacy restore writer, full sync", "≤ 2.5 s and ≤ 1.15× raw restore of its payload",
+                  None, _why(results, LEGACY, n, "cold") + _where(n))
+    ratio = x / raw if raw else None
+    ok = x <= 2.5 and ratio is not None and ratio <= 1.15
+    fig = (f"{_s(x)}, {ratio:.2f}× the raw restore ({_s(raw)})" if ratio is not None else f"{_s(x)}, raw not measured")
+    return _t("iptables-legacy restore writer, full sync", "≤ 2.5 s and ≤ 1.15× raw restore of its payload",
+              ok, f"{fig}; kube-proxy layout {_s(ref)}{_where(n)}")
+
+
+def legacy_change(results: Results) -> Target:
+    n = _at(results)
+    figs = {s: _step(results, LEGACY, n, s) for s in ("endpoint", "add", "remove")}
+    ref = seconds(ref_cell(results, "kube-proxy iptables-legacy", n, "endpoint"))
+    known = [v for v in figs.values() if v is not None]
+    if not known:
+        return _t("iptables-legacy one-service change", "≤ 1.0 s", None, _why(results, LEGACY, n, "endpoint"))
+    worst = max(known)
+    fig = ", ".join(f"{k} {_s(v)}" for k, v in figs.items())
+    return _t("iptables-legacy one-service change", "≤ 1.0 s", worst <= 1.0 and len(known) == 3,
+              f"worst of {fig}; kube-proxy layout {_s(ref)}{_where(n)}")
+
+
+def libiptc(results: Results) -> List[Target]:
+    out = []
+    n1 = 1000 if 1000 in [int(n) for n in results["meta"]["sizes"]] else _at(results)
+    full, restore = _step(results, LIBIPTC, n1, "cold"), _step(results, LEGACY, n1, "cold")
+    if full is None or restore is None:
+        out.append(_t("libiptc writer full sync", "≤ 5× the restore writer at 1k", None,
+                      _why(results, LIBIPTC if full is None else LEGACY, n1, "cold")))
+    else:
+        out.append(_t("libiptc writer full sync", "≤ 5× the restore writer at 1k", full <= 5 * restore,
+                      f"{_s(full)} vs {_s(restore)} = {full / restore:.2f}× at N={n1:,}"))
+    n = _at(results)
+    ch, ch_restore = _step(results, LIBIPTC, n, "endpoint"), _step(results, LEGACY, n, "endpoint")
+    if ch is None or ch_restore is None:
+        out.append(_t("libiptc writer one-service change", "≤ 1.5× the restore writer", None,
+                      _why(results, LIBIPTC if ch is None else LEGACY, n, "endpoint")))
+    else:
+        out.append(_t("libiptc writer one-service change", "≤ 1.5× the restore writer", ch <= 1.5 * ch_restore,
+                      f"{_s(ch)} vs {_s(ch_restore)} = {ch / ch_restore:.2f}×{_where(n)}"))
+    return out
+
+
+def event_to_kernel(results: Results) -> Target:
+    per = results["latency"].get(NFT, {})
+    sizes = sorted((int(n) for n in per), reverse=True)
+    target = "≤ min-sync-period + 50 ms (p95)"
+    for n in sizes:
+        cell = per[str(n)]
+        if "p95" in cell:
+            limit = cell["min_sync_period"] + 0.05
+            return _t("event → kernel in `run` (nftables)", target, cell["p95"] <= limit,
+                      f"median {_ms(cell['median'])}, p95 {_ms(cell['p95'])} with --min-sync-period "
+                      f"{cell['min_sync_period']}s (limit {_ms(limit)}); backend sync median "
+                      f"{_ms(cell.get('sync_median'))}{_where(n)}")
+    why = next((str(per[str(n)]) for n in sizes), "not measured")
+    return _t("event → kernel in `run` (nftables)", target, None, why[:200])
+
+
+def _connect_ratio(results: Results, key: str, name: str, limit: float) -> Target:
+    per = results["dataplane"].get(key, {})
+    hi = max((int(n) for n in per if "p50_us" in per[n]), default=None)
+    lo, top = per.get("1", {}), per.get(str(hi), {}) if hi else {}
+    if hi is None or hi == 1 or "p50_us" not in lo:
+        return _t(name, f"≤ {limit}×", None, f"{key}: not measured" if key not in results.get("unavailable", {})
+                  else f"{key} unavailable")
+    ratio = top["p50_us"] / lo["p50_us"]
+    ref = results["dataplane"].get("kube-proxy nft" if key == NFT else "kube-proxy iptables-legacy", {})
+    ref_txt = ""
+    if "p50_us" in ref.get("1", {}) and "p50_us" in ref.get(str(hi), {}):
+        ref_txt = f"; kube-proxy layout {ref[str(hi)]['p50_us'] / ref['1']['p50_us']:.2f}×"
+    return _t(name, f"≤ {limit}×", ratio <= limit,
+              f"{top['p50_us']:.0f} µs at N={hi:,} vs {lo['p50_us']:.0f} µs at N=1 = {ratio:.2f}×{ref_txt}"
+              + ("" if hi == 10000 else f"; at N={hi:,}, not 10,000"))
+
+
+def rss(results: Results) -> Target:
+    worst, where = None, ""
+    for key, per in results["rss"].items():
+        for n, cell in per.items():
+            if cell.get("maxrss_mib") is not None and (worst is None or cell["maxrss_mib"] > worst):
+                worst, where = cell["maxrss_mib"], f"{key} `sync` at N={int(n):,}"
+    for key, per in results["latency"].items():
+        for n, cell in per.items():
+            if cell.get("run_vmhwm_mib") is not None and (worst is None or cell["run_vmhwm_mib"] > worst):
+                worst, where = cell["run_vmhwm_mib"], f"{key} `run` at N={int(n):,}"
+    if worst is None:
+        return _t("peak RSS", "≤ 250 MB", None, "not measured")
+    return _t("peak RSS", "≤ 250 MB", worst <= 250 * MB, f"worst {worst:.0f} MiB = {worst / MB:.0f} MB ({where})")
+
+
+CHECKS: List[Callable[[Results], Any]] = [
+    nft_full, nft_endpoint, legacy_full, legacy_change, libiptc, event_to_kernel,
+    lambda r: _connect_ratio(r, NFT, "nftables connect p50, N=10k vs N=1", 1.2),
+    lambda r: _connect_ratio(r, LEGACY, "iptables connect p50, N=10k vs N=1", 3.0),
+    rss,
+]
+
+
+def check(results: Results) -> List[Target]:
+    out: List[Target] = []
+    for fn in CHECKS:
+        got = fn(results)
+        out.extend(got if isinstance(got, list) else [got])
+    return out

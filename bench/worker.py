@@ -1,0 +1,201 @@
+"""The control-plane worker: runs INSIDE a node namespace and times netproxy's real code path.
+
+    python -m bench.worker --backend B --writer W --flavour F --n N --variant V [--pods IP:PORT,...]
+                           [--plan-out FILE]
+
+Kubernetes objects (``bench.gen``) → ``parse_objects`` → :class:`ChangeTracker` → ``backend.sync``,
+step by step, one JSON line per step on stdout (so that a step that times out loses only itself):
+
+- ``source``: parse every object and fill the tracker (what a (re)list costs);
+- ``cold``: the first full sync into an empty kernel (repeated after ``cleanup()`` while cheap; min);
+- ``resync``: a full sync with nothing changed (what every ``--sync-period`` costs);
+- ``endpoint``: one endpoint of one service moved: parse the slice, tracker, partial sync;
+- ``add`` / ``remove``: one service (and its slice) added, then removed again;
+- ``plan``: the full payload as text, written to ``--plan-out`` for the raw-tool reference.
+
+Change steps are repeated and reported as the median, with every run listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from bench import gen
+from netproxy.backends import create
+from netproxy.config import ProxyConfig
+from netproxy.model import Changes
+from netproxy.source.files import parse_objects
+from netproxy.tracker import ChangeTracker
+
+NODE_NAME = "np-node"
+COLD_BUDGET = 8.0  # seconds of cold syncs worth repeating for a min-of
+CHANGE_REPEATS = 5
+
+
+def emit(step: str, **fields: Any) -> None:
+    sys.stdout.write(json.dumps({"step": step, **fields}) + "\n")
+    sys.stdout.flush()
+
+
+def _feed(tracker: ChangeTracker, objects: Sequence[Dict[str, Any]]) -> None:
+    """Objects → parse_objects → tracker events (what the file and API sources do per event)."""
+    loaded = parse_objects(iter(objects), NODE_NAME)
+    if loaded.errors:
+        raise SystemExit(f"bench: generated objects rejected: {loaded.errors[0]}")
+    for (ns, name), ports in loaded.services.items():
+        tracker.update_service(ns, name, ports)
+    for (ns, name), eps in loaded.endpoints.items():
+        tracker.update_endpoints(ns, name, eps)
+
+
+class Run:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.config = ProxyConfig(backend=args.backend, iptables_writer=args.writer, iptables_flavour=args.flavour,
+                                  hostname=NODE_NAME)
+        pods = [_pod(p) for p in args.pods.split(",") if p] if args.pods else None
+        self.pods = pods or [("10.244.1.10", 8080)]
+        self.objects = gen.cluster(args.n, args.variant, pods)
+        self.n = args.n
+        self.backend = create(args.backend, self.config)
+        self.tracker = ChangeTracker()
+
+    def probe(self) -> None:
+        self.backend.probe()
+        emit("probe", ok=True)
+
+    def source(self) -> None:
+        t0 = time.perf_counter()
+        loaded = parse_objects(iter(self.objects), NODE_NAME)
+        self.tracker.replace_services(loaded.services)
+        self.tracker.replace_endpoints(loaded.endpoints)
+        self.tracker.services_synced()
+        self.tracker.endpoints_synced()
+        self.snapshot, _ = self.tracker.take()
+        emit("source", seconds=time.perf_counter() - t0, services=len(self.snapshot.services),
+             endpoints=sum(len(v) for v in self.snapshot.endpoints.values()))
+
+    def cold(self) -> None:
+        self.backend.probe()
+        runs: List[float] = []
+        while True:
+            t0 = time.perf_counter()
+            result = self.backend.sync(self.snapshot, Changes(full=True))
+            runs.append(time.perf_counter() - t0)
+            if sum(runs) + runs[-1] > COLD_BUDGET or len(runs) >= 3:
+                break
+            self.backend.cleanup()
+            self.backend = create(self.config.backend, self.config)  # a fresh process's backend
+        emit("cold", seconds=min(runs), runs=runs, bytes=result.bytes_written)
+
+    def resync(self) -> None:
+        runs = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            self.backend.sync(self.snapshot, Changes(full=True))
+            runs.append(time.perf_counter() - t0)
+            if runs[-1] > COLD_BUDGET / 2:
+                break
+        emit("resync", seconds=statistics.median(runs), runs=runs)
+
+    def _change(self, objects: Sequence[Dict[str, Any]],
+                removals: Sequence[Tuple[str, str, str]] = ()) -> Dict[str, float]:
+        """One event through the whole path; seconds for the whole and for the backend alone."""
+        t0 = time.perf_counter()
+        _feed(self.tracker, objects)
+        for kind, ns, name in removals:
+            if kind == "Service":
+                self.tracker.update_service(ns, name, None)
+            else:
+                self.tracker.update_endpoints(ns, name, None)
+        snapshot, changes = self.tracker.take()
+        t1 = time.perf_counter()
+        result = self.backend.sync(snapshot, changes)
+        t2 = time.perf_counter()
+        self.snapshot = snapshot
+        return {"total": t2 - t0, "backend": t2 - t1, "written": result.services_written}
+
+    def _repeat(self, step: str, fn: Callable[[int], Dict[str, float]]) -> None:
+        runs = []
+        for k in range(CHANGE_REPEATS):
+            runs.append(fn(k))
+            if runs[-1]["total"] > COLD_BUDGET / 4:
+                break
+        emit(step, seconds=statistics.median(r["total"] for r in runs),
+             backend_seconds=statistics.median(r["backend"] for r in runs), runs=[r["total"] for r in runs],
+             written=runs[-1]["written"])
+
+    def endpoint(self) -> None:
+        mid = self.n // 2 if self.n > 1 else 0
+        if self.n > 1 and mid == self.n - 1:
+            mid = 0
+        self._repeat("endpoint", lambda k: self._change([gen.replaced_endpoint(self.objects, mid, k)]))
+
+    def add_remove(self) -> None:
+        adds: List[Dict[str, float]] = []
+        removes: List[Dict[str, float]] = []
+        for k in range(CHANGE_REPEATS):
+            svc, eps = gen.extra_service(k, self.pods)
+            adds.append(self._change([svc, eps]))
+            removes.append(self._change([], [("Service", gen.NAMESPACE, svc["metadata"]["name"]),
+                                             ("EndpointSlice", gen.NAMESPACE, eps["metadata"]["name"])]))
+            if adds[-1]["total"] + removes[-1]["total"] > COLD_BUDGET / 2:
+                break
+        for step, runs in (("add", adds), ("remove", removes)):
+            emit(step, seconds=statistics.median(r["total"] for r in runs),
+                 backend_seconds=statistics.median(r["backend"] for r in runs), runs=[r["total"] for r in runs],
+                 written=runs[-1]["written"])
+
+    def plan(self, path: Optional[str]) -> None:
+        t0 = time.perf_counter()
+        text = self.backend.plan(self.snapshot)
+        elapsed = time.perf_counter() - t0
+        if path:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(text)
+        emit("plan", seconds=elapsed, bytes=len(text))
+
+
+def _pod(text: str) -> Tuple[str, int]:
+    ip, _, port = text.rpartition(":")
+    return ip, int(port)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.worker", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", required=True)
+    p.add_argument("--writer", default="restore")
+    p.add_argument("--flavour", default="legacy")
+    p.add_argument("--n", type=int, required=True)
+    p.add_argument("--variant", default="uniform", choices=gen.VARIANTS)
+    p.add_argument("--pods", default="", help="IP:PORT,... the last service's endpoints (real pods)")
+    p.add_argument("--plan-out", default="")
+    p.add_argument("--steps", default="source,cold,resync,endpoint,add,plan", help="probe,source,cold,...")
+    args = p.parse_args(argv)
+    run = Run(args)
+    wanted = args.steps.split(",")
+    steps: List[Tuple[str, Callable[[], None]]] = [
+        ("probe", run.probe), ("source", run.source), ("cold", run.cold), ("resync", run.resync),
+        ("endpoint", run.endpoint), ("add", run.add_remove), ("plan", lambda: run.plan(args.plan_out))]
+    status = 0
+    for name, fn in steps:
+        if name not in wanted:
+            continue
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001 - reported as the step's figure, loudly
+            emit(name, error=f"{type(err).__name__}: {err}"[:2000])
+            status = 1
+            if name in ("probe", "source", "cold"):
+                break  # nothing after this means anything without a first sync
+    emit("done", maxrss_kib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
