@@ -132,15 +132,19 @@ def port(number: int, target: Any = 8080, *, name: str = "", protocol: str = "TC
 
 
 def endpoint_slice(service_name: str, pods: Sequence[Pod], ports: Sequence[Manifest], *,
-                   namespace: str = "default", suffix: str = "a", ready: bool = True) -> Manifest:
-    """A discovery.k8s.io/v1 EndpointSlice for ``service_name`` with ``pods`` as endpoints."""
+                   namespace: str = "default", suffix: str = "a", ready: bool = True,
+                   address_type: str = "IPv4") -> Manifest:
+    """A discovery.k8s.io/v1 EndpointSlice for ``service_name`` with ``pods`` as endpoints.
+
+    ``address_type="IPv6"`` lists the pods' IPv6 addresses (one slice per family, as Kubernetes does).
+    """
     return {
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": {"name": f"{service_name}-{suffix}", "namespace": namespace,
                      "labels": {"kubernetes.io/service-name": service_name}},
-        "addressType": "IPv4",
+        "addressType": address_type,
         "ports": list(ports),
-        "endpoints": [{"addresses": [p.ip], "nodeName": p.node_name,
+        "endpoints": [{"addresses": [p.ip6 if address_type == "IPv6" else p.ip], "nodeName": p.node_name,
                        "conditions": {"ready": ready, "serving": ready, "terminating": False},
                        "targetRef": {"kind": "Pod", "name": p.name, "namespace": namespace}} for p in pods],
     }
