@@ -10,6 +10,7 @@ object still in use) so that unit tests can assert on the resulting state.
 from __future__ import annotations
 
 import copy
+import ctypes
 import json
 import logging
 import re
@@ -43,6 +44,17 @@ class Runner(Protocol):
         """Delete netproxy's tables (and only them); return which were deleted."""
 
 
+_LOCATE_MAX_BYTES = 1 << 20
+_LINE_MAX = 400
+
+
+def _shorten(line: Optional[str]) -> Optional[str]:
+    """A failing line fit for a log: a full sync's element command can hold 100k elements."""
+    if line is None or len(line) <= _LINE_MAX:
+        return line
+    return f"{line[:_LINE_MAX]}... ({len(line)} characters)"
+
+
 def failing_command(error: str) -> Optional[str]:
     """The command libnftables echoes after its first ``Error:`` line."""
     lines = error.splitlines()
@@ -63,10 +75,10 @@ class LibNftRunner:
         except OSError as exc:
             raise BackendUnavailable("libnftables cannot be loaded", detail=str(exc)) from exc
         self._nft.set_handle_output(False)
+        self._check: Optional[Any] = None
 
     def _cmd(self, text: str, json_output: bool = False) -> Tuple[int, str, str]:
         self._nft.set_json_output(json_output)
-        self._nft.set_terse_output(json_output)
         rc, out, err = self._nft.cmd(text)
         return int(rc), str(out or ""), str(err or "")
 
@@ -74,9 +86,62 @@ class LibNftRunner:
         text = serialise.ops_text(ops)
         rc, _, err = self._cmd(text)
         if rc != 0:
-            line = failing_command(err)
-            raise SyncError("libnftables refused the transaction", line=line, detail=err.strip(), payload=text)
+            line = self.locate_failure(text) or failing_command(err)
+            raise SyncError("libnftables refused the transaction", line=_shorten(line), detail=err.strip(),
+                            payload=text)
         return len(text)
+
+    def locate_failure(self, text: str) -> Optional[str]:
+        """The first command of ``text`` that the kernel refuses, found by dry runs of its prefixes.
+
+        libnftables names the wrong command when the kernel refuses an element in a batch (it
+        blamed an earlier ``add map`` for an element's EEXIST), and the failing line is what an
+        operator needs.  A prefix of a batch fails iff it contains the first refused command, so a
+        binary search over prefixes finds it.  Only for small payloads (incremental syncs): a
+        dry run costs what the real transaction costs.
+        """
+        lines = text.splitlines()
+        if len(text) > _LOCATE_MAX_BYTES or not lines:
+            return None
+        check = self._dry_run_context()
+        if check is None:
+            return None
+
+        def ok(n: int) -> bool:
+            return int(check.cmd("\n".join(lines[:n]) + "\n")[0]) == 0
+
+        lo, hi = 0, len(lines)
+        if ok(hi):
+            return None  # the refusal did not reproduce (someone else changed the table meanwhile)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lines[hi - 1]
+
+    def _dry_run_context(self) -> Optional[Any]:
+        """A second libnftables context in dry-run mode (the kernel checks the batch, then aborts it).
+
+        The Python binding does not wrap ``nft_ctx_set_dry_run``; it is called on the binding's
+        context through ctypes, here only.
+        """
+        if self._check is not None:
+            return self._check
+        try:
+            import nftables
+
+            check = nftables.Nftables()
+            ctx = check._Nftables__ctx  # name-mangled private attribute of the binding
+            set_dry_run = ctypes.CDLL("libnftables.so.1").nft_ctx_set_dry_run
+            set_dry_run.argtypes = [ctypes.c_void_p, ctypes.c_bool]
+            set_dry_run(ctx, True)
+        except (ImportError, OSError, AttributeError) as exc:
+            log.debug("no dry-run context to locate a refused command: %s", exc)
+            return None
+        self._check = check
+        return check
 
     def _list(self, what: str) -> Optional[List[Dict[str, Any]]]:
         rc, out, err = self._cmd(what, json_output=True)

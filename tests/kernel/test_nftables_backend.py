@@ -1,0 +1,218 @@
+"""The nftables backend in a real kernel, beyond the shared behaviour suite: what it writes and how.
+
+Each test gets its own network namespace (``np-nftk-<pid>-<n>``, deleted afterwards even on failure)
+and drives an :class:`NftablesBackend` living in that namespace through ``nft_driver.py``.  Nothing
+here touches the host's ruleset: every ``nft`` runs under ``ip netns exec``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any, Dict, Iterator, List, Optional
+
+import pytest
+from harness import require
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_counter = itertools.count()
+
+A = {"name": "alpha", "ip": "10.96.0.11", "eps": ["10.1.0.1", "10.1.0.2", "10.1.0.3"]}
+B = {"name": "bravo", "ip": "10.96.0.12", "eps": ["10.1.1.1", "10.1.1.2", "10.1.1.3"]}
+C = {"name": "charlie", "ip": "10.96.0.13", "eps": ["10.1.2.1"]}
+S = {"name": "sticky", "ip": "10.96.0.14", "eps": ["10.1.3.1", "10.1.3.2"], "affinity": 60}
+U = {"name": "dns", "ip": "10.96.0.53", "port": 53, "proto": "UDP", "eps": ["10.1.4.1"], "external": ["192.0.2.53"]}
+
+
+@pytest.fixture(scope="module")
+def nft_env(kernel_env: None) -> None:
+    require(shutil.which("nft") is not None, "nft is not installed")
+    require(importlib.util.find_spec("nftables") is not None, "the nftables Python binding is not importable")
+
+
+@pytest.fixture()
+def ns(nft_env: None) -> Iterator[str]:
+    name = f"np-nftk-{os.getpid()}-{next(_counter)}"
+    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+class Driver:
+    def __init__(self, ns: str) -> None:
+        self.proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, os.path.join(HERE, "nft_driver.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def call(self, **req: Any) -> Dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"driver exited with {self.proc.wait()}"
+        reply: Dict[str, Any] = json.loads(line)
+        return reply
+
+    def sync(self, services: List[Dict[str, Any]], full: bool = True,
+             changed: Optional[List[str]] = None) -> Dict[str, Any]:
+        return self.call(op="sync", services=services, full=full, changed=changed or [])
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture()
+def driver(ns: str) -> Iterator[Driver]:
+    d = Driver(ns)
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+def nft(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
+    proc = subprocess.run(["ip", "netns", "exec", ns, "nft", *args], capture_output=True, text=True)
+    if check:
+        assert proc.returncode == 0, f"nft {' '.join(args)}: {proc.stderr}"
+    return proc
+
+
+def canonical(ns: str, *what: str) -> List[str]:
+    """``nft -j list <what>`` as sorted JSON lines, without handles and with element lists sorted:
+    two listings compare equal when the tables hold the same objects."""
+    proc = nft(ns, "-j", "list", *what, check=False)
+    if proc.returncode != 0:
+        return []
+    out = []
+    for item in json.loads(proc.stdout)["nftables"]:
+        if "metainfo" in item:
+            continue
+        for body in item.values():
+            if isinstance(body, dict):
+                body.pop("handle", None)
+                if isinstance(body.get("elem"), list):
+                    body["elem"] = sorted(json.dumps(e, sort_keys=True) for e in body["elem"])
+        out.append(json.dumps(item, sort_keys=True))
+    return sorted(out)
+
+
+def test_one_endpoint_change_touches_only_that_service(ns: str, driver: Driver) -> None:
+    assert driver.sync([A, B, C, S])["ok"]
+    monitor = subprocess.Popen(["ip", "netns", "exec", ns, "nft", "monitor"], stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True)
+    try:
+        time.sleep(0.5)  # let the monitor subscribe before the change
+        b2 = dict(B, eps=["10.1.1.1", "10.1.1.9", "10.1.1.3"])
+        reply = driver.sync([A, b2, C, S], full=False, changed=["bravo"])
+        assert reply["ok"] and reply["result"]["full"] is False, reply
+        time.sleep(0.5)
+    finally:
+        monitor.terminate()
+        events, _ = monitor.communicate(timeout=10)
+    lines = [ln for ln in events.splitlines() if ln.strip() and not ln.startswith("#")]
+    assert any("10.1.1.9" in ln for ln in lines), f"the new endpoint was not written:\n{events}"
+    for ln in lines:
+        assert "10.96.0.12" in ln, f"an event outside bravo's objects:\n{ln}\nall events:\n{events}"
+    assert len(lines) <= 4, f"more than the changed endpoint was rewritten:\n{events}"
+    listed = nft(ns, "list", "table", "ip", "netproxy").stdout
+    assert "10.1.1.9 . 8080" in listed and "10.1.1.2 . 8080" not in listed
+
+
+def test_table_changed_behind_our_back_is_repaired_on_full_sync(ns: str, driver: Driver) -> None:
+    assert driver.sync([A, B, C, S, U])["ok"]
+    want = canonical(ns, "table", "ip", "netproxy")
+    nft(ns, "delete", "element", "ip", "netproxy", "service-ips", "{ 10.96.0.11 . tcp . 80 }")
+    nft(ns, "add", "element", "ip", "netproxy", "service-ips", "{ 10.96.9.9 . tcp . 80 : drop }")
+    nft(ns, "add", "chain", "ip", "netproxy", "intruder")
+    nft(ns, "flush", "chain", "ip", "netproxy", "services")
+    nft(ns, "delete", "chain", "ip", "netproxy", "filter-input")
+    assert canonical(ns, "table", "ip", "netproxy") != want
+    assert driver.sync([A, B, C, S, U], full=True)["ok"]
+    assert canonical(ns, "table", "ip", "netproxy") == want
+
+
+def test_foreign_tables_untouched_by_sync_and_cleanup(ns: str, driver: Driver) -> None:
+    foreign = ("table inet firewall {\n set allowed { type ipv4_addr; elements = { 192.0.2.1, 192.0.2.2 } }\n"
+               " chain input { type filter hook input priority 0; policy accept;\n"
+               "  ip saddr @allowed tcp dport 22 accept\n }\n}\n"
+               "table ip nat {\n chain PREROUTING { type nat hook prerouting priority -100; policy accept;\n"
+               "  tcp dport 2222 dnat to 10.9.9.9:22\n }\n}\n"
+               "table ip6 netproxy-other {\n chain c {\n  counter\n }\n}\n")
+    path = f"/tmp/np-nftk-foreign-{os.getpid()}.nft"
+    with open(path, "w") as f:
+        f.write(foreign)
+    try:
+        nft(ns, "-f", path)
+    finally:
+        os.unlink(path)
+    before = {t: canonical(ns, "table", *t.split()) for t in ("inet firewall", "ip nat", "ip6 netproxy-other")}
+    assert all(before.values())
+    assert driver.sync([A, B])["ok"]
+    assert driver.sync([A, C], full=False, changed=["bravo", "charlie"])["ok"]
+    assert driver.sync([A, C], full=True)["ok"]
+    assert {t: canonical(ns, "table", *t.split()) for t in before} == before
+    assert driver.call(op="cleanup")["ok"]
+    assert {t: canonical(ns, "table", *t.split()) for t in before} == before
+    tables = nft(ns, "list", "tables").stdout
+    assert "table ip netproxy\n" not in tables + "\n" and "ip6 netproxy-other" in tables
+
+
+def test_refused_transaction_raises_with_the_command_and_keeps_the_old_ruleset(ns: str, driver: Driver) -> None:
+    assert driver.sync([A, B])["ok"]
+    # Someone else claims charlie's address behind our back: adding charlie must now be refused.
+    nft(ns, "add", "element", "ip", "netproxy", "service-ips", "{ 10.96.0.13 . tcp . 80 : drop }")
+    before = canonical(ns, "ruleset")
+    b2 = dict(B, eps=["10.1.1.7"])
+    reply = driver.sync([A, b2, C], full=False, changed=["bravo", "charlie"])
+    assert not reply["ok"], reply
+    assert reply["line"] and reply["line"].startswith("add element ip netproxy service-ips"), reply
+    assert "10.96.0.13" in reply["line"], reply
+    assert canonical(ns, "ruleset") == before, "a refused transaction must leave the old ruleset"
+    # The next sync re-reads and rewrites everything: the intruding element is gone, charlie works.
+    reply = driver.sync([A, b2, C], full=False, changed=["charlie"])
+    assert reply["ok"] and reply["result"]["full"] is True, reply
+    listed = nft(ns, "list", "map", "ip", "netproxy", "service-ips").stdout
+    assert "10.96.0.13 . tcp . 80" in listed and "drop" not in listed
+
+
+def test_full_sync_keeps_affinity_clients(ns: str, driver: Driver) -> None:
+    assert driver.sync([S])["ok"]
+    aff = "aff-default/sticky/p__10.1.3.2/8080"
+    nft(ns, "add", "element", "ip", "netproxy", aff, "{ 172.16.0.5 }")
+    assert driver.sync([S, A], full=True)["ok"]
+    listed = nft(ns, "-j", "list", "set", "ip", "netproxy", aff).stdout
+    elems = json.loads(listed)["nftables"][1]["set"].get("elem", [])
+    kept = {e["elem"]["val"]: e["elem"].get("expires") for e in elems if isinstance(e, dict)}
+    assert "172.16.0.5" in kept and 0 < kept["172.16.0.5"] <= 60, listed
+
+
+def test_plan_is_what_sync_writes(ns: str, driver: Driver) -> None:
+    services = [A, B, C, S, U, {"name": "empty", "ip": "10.96.0.99", "eps": []}]
+    plan = driver.call(op="plan", services=services)
+    assert plan["ok"]
+    other = f"np-nftk-{os.getpid()}-{next(_counter)}"
+    subprocess.run(["ip", "netns", "add", other], check=True, capture_output=True)
+    path = f"/tmp/{other}.nft"
+    try:
+        with open(path, "w") as f:
+            f.write(plan["result"])
+        nft(other, "-f", path)
+        assert driver.sync(services)["ok"]
+        assert canonical(other, "table", "ip", "netproxy") == canonical(ns, "table", "ip", "netproxy")
+    finally:
+        subprocess.run(["ip", "netns", "del", other], capture_output=True)
+        if os.path.exists(path):
+            os.unlink(path)
