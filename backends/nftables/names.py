@@ -84,11 +84,11 @@ def affinity_set(name: ServicePortName, ep: Endpoint) -> str:
     return identifier(f"aff-{service_id(name)}__{endpoint_id(ep)}")
 
 
-def pick_chain(kind: str, count: int) -> str:
-    """The shared chain that picks one of ``count`` endpoints for traffic of ``kind``."""
-    return f"{kind}-pick-{count}"
+def pick_chain(kind: str, proto: str, count: int) -> str:
+    """The shared chain that picks one of ``count`` endpoints for ``proto`` traffic of ``kind``."""
+    return f"{kind}-{proto}-pick-{count}"
 
 
-def endpoints_map(kind: str, count: int) -> str:
-    """The map that ``pick_chain(kind, count)`` looks endpoints up in."""
-    return f"{kind}-endpoints-{count}"
+def endpoints_map(kind: str, proto: str, count: int) -> str:
+    """The map that ``pick_chain(kind, proto, count)`` looks endpoints up in."""
+    return f"{kind}-{proto}-endpoints-{count}"

@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover
 
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.nftables import names, serialise
-from netproxy.backends.nftables.objects import Chain, Element, Rule, Set, Table
+from netproxy.backends.nftables.objects import Chain, Element, ElementRun, Rule, Set, Table
 from netproxy.backends.nftables.serialise import Op
 
 log = logging.getLogger(__name__)
@@ -215,6 +215,16 @@ class _FakeTable:
     elements: Dict[str, Dict[str, Element]] = field(default_factory=dict)
 
 
+def _expand_runs(ops: Sequence[Op]) -> List[Op]:
+    out: List[Op] = []
+    for verb, family, obj in ops:
+        if isinstance(obj, ElementRun):
+            out.extend((verb, family, e) for e in obj.elements())
+        else:
+            out.append((verb, family, obj))
+    return out
+
+
 class FakeNft:
     """An in-memory nftables with the kernel's all-or-nothing transactions and its refusals."""
 
@@ -231,7 +241,7 @@ class FakeNft:
             line, self.fail_next = self.fail_next, None
             raise SyncError("fake kernel refused the transaction", line=line)
         work = copy.deepcopy(self.tables)
-        for op in ops:
+        for op in _expand_runs(ops):
             err = self._apply_one(work, op)
             if err is not None:
                 line = serialise.op_text(op[0], op[1], op[2])

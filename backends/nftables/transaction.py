@@ -9,13 +9,14 @@ never elements) and rewrites everything, which also repairs a table changed behi
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
 from typing import Set as PySet
 
 from netproxy.backends.nftables import names, render
-from netproxy.backends.nftables.objects import Chain, Element, Object, Rule
+from netproxy.backends.nftables.objects import Chain, Element, ElementRun, Object, Rule
 from netproxy.backends.nftables.serialise import Op, ops_text
 from netproxy.config import ProxyConfig
 from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName
@@ -101,19 +102,13 @@ def render_entry(svc: ServicePort, eps: Tuple[Endpoint, ...], node: NodeInfo, co
     return Entry(svc, eps, node, rendered)
 
 
-def _dispatch_key(e: Element) -> str:
-    key: str = e.key
-    if e.set in (names.SERVICE_IPS, names.NO_ENDPOINTS):
-        return key
-    return key.rsplit(" . ", 1)[0]  # an endpoints map: the key ends in the index
-
-
 def _drop_keys(objs: render.ServiceObjects, taken: PySet[str]) -> render.ServiceObjects:
     """``objs`` without the dispatch keys another service owns (a duplicate address . port)."""
-    keep = {k: e for k, e in objs.elements.items() if _dispatch_key(e) not in taken}
+    keep = {k: e for k, e in objs.elements.items() if e.key not in taken}
+    runs = {k: r for k, r in objs.runs.items() if k not in taken}
     shared = frozenset(str(e.value)[len("goto "):] for e in keep.values()
                        if e.set == names.SERVICE_IPS and str(e.value)[len("goto "):] in objs.shared)
-    return render.ServiceObjects(keep, objs.chains, objs.sets, shared,
+    return render.ServiceObjects(keep, runs, objs.chains, objs.sets, shared,
                                  tuple(k for k in objs.dispatch_keys if k not in taken))
 
 
@@ -189,20 +184,20 @@ def _create_family(tx: Transaction, fam: str, objs: Sequence[render.ServiceObjec
     # Grouped per map so that the serialiser writes one command per map.
     buckets: Dict[str, List[Op]] = {}
     for o in objs:
-        for e in o.elements.values():
-            bucket = buckets.get(e.set)
+        for item in itertools.chain(o.elements.values(), o.runs.values()):
+            bucket = buckets.get(item.set)
             if bucket is None:
-                bucket = buckets[e.set] = []
-            bucket.append(("add", fam, e))
+                bucket = buckets[item.set] = []
+            bucket.append(("add", fam, item))
     for bucket in buckets.values():
         tx.phases["elements"].extend(bucket)
 
 
 def _add_shared(tx: Transaction, fam: str, name: str, config: ProxyConfig) -> None:
-    kind_count = render.parse_pick_chain(name)
-    if kind_count is None:
+    pick = render.parse_pick_chain(name)
+    if pick is None:
         raise ValueError(f"not a shared chain: {name}")
-    chain, rules, emap = render.pick_chain(kind_count[0], kind_count[1], fam, config)
+    chain, rules, emap = render.pick_chain(pick, fam, config)
     tx.put("containers", "add", fam, emap)
     _add_chain(tx, fam, chain, rules)
 
@@ -240,6 +235,27 @@ def incremental_transaction(tx: Transaction, fam: str, old: render.ServiceObject
     for k, e in new.elements.items():
         if old.elements.get(k) != e:
             tx.put("elements", "add", fam, e)
+    _diff_runs(tx, fam, old.runs, new.runs)
+
+
+def _diff_runs(tx: Transaction, fam: str, old: Dict[str, ElementRun], new: Dict[str, ElementRun]) -> None:
+    """Endpoint elements: a whole run when its map changes, else only the indexes whose endpoint changed."""
+    for key, run in old.items():
+        now = new.get(key)
+        if now == run:
+            continue
+        if now is None or (now.set, now.prefix) != (run.set, run.prefix):
+            tx.put("delete-elements", "delete", fam, run)
+            continue
+        # Same map, so the same count: replace the changed indexes only (a one-endpoint change).
+        for i, (was, will) in enumerate(zip(run.values, now.values)):
+            if was != will:
+                tx.put("delete-elements", "delete", fam, Element(run.set, f"{run.prefix} . {i}", was))
+                tx.put("elements", "add", fam, Element(run.set, f"{run.prefix} . {i}", will))
+    for key, run in new.items():
+        before = old.get(key)
+        if before is None or (before.set, before.prefix) != (run.set, run.prefix):
+            tx.put("elements", "add", fam, run)
 
 
 def shared_changes(tx: Transaction, fam: str, fstate: FamilyState, old: Iterable[str], new: Iterable[str],
@@ -255,9 +271,9 @@ def shared_changes(tx: Transaction, fam: str, fstate: FamilyState, old: Iterable
 
 def drop_unused_shared(tx: Transaction, fam: str, fstate: FamilyState) -> None:
     for name in sorted(n for n, c in fstate.shared.items() if c <= 0):
-        kind_count = render.parse_pick_chain(name)
+        pick = render.parse_pick_chain(name)
         tx.put("flush", "flush", fam, Chain(name))
         tx.put("delete", "delete", fam, Chain(name))
-        if kind_count is not None:
-            tx.put("delete", "delete", fam, render.endpoints_map(kind_count[0], kind_count[1], fam))
+        if pick is not None:
+            tx.put("delete", "delete", fam, render.endpoints_map(pick, fam))
         del fstate.shared[name]

@@ -54,11 +54,11 @@ def test_equal_odds_each_endpoint_once_under_one_random_choice() -> None:
     b, fake = backend()
     endpoints = eps(*(f"10.1.0.{i}" for i in range(1, 8)))
     b.sync(snap((svc("web", "10.96.0.10"), endpoints)), Changes())
-    assert fake.elements("ip", names.SERVICE_IPS) == {"10.96.0.10 . tcp . 80": "goto cluster-pick-7"}
-    assert fake.chain_rules("ip", "cluster-pick-7") == [
-        "dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 7 map @cluster-endpoints-7"]
-    picked = fake.elements("ip", "cluster-endpoints-7")
-    assert sorted(picked) == [f"10.96.0.10 . tcp . 80 . {i}" for i in range(7)]
+    assert fake.elements("ip", names.SERVICE_IPS) == {"10.96.0.10 . tcp . 80": "goto cluster-tcp-pick-7"}
+    assert fake.chain_rules("ip", "cluster-tcp-pick-7") == [
+        "meta l4proto tcp dnat ip to ip daddr . th dport . numgen random mod 7 map @cluster-tcp-endpoints-7"]
+    picked = fake.elements("ip", "cluster-tcp-endpoints-7")
+    assert sorted(picked) == [f"10.96.0.10 . 80 . {i}" for i in range(7)]
     assert sorted(picked.values()) == sorted(f"{e.ip} . 8080" for e in endpoints)
 
 
@@ -88,7 +88,7 @@ def test_no_endpoints_rejects_and_local_policy_without_local_endpoints_drops() -
         "10.96.0.30 . tcp . 80": f"goto {names.REJECT}",
         "192.0.2.31 . tcp . 80": "drop",
     }
-    assert fake.elements("ip", names.SERVICE_IPS) == {"10.96.0.31 . tcp . 80": "goto cluster-pick-1"}
+    assert fake.elements("ip", names.SERVICE_IPS) == {"10.96.0.31 . tcp . 80": "goto cluster-tcp-pick-1"}
     assert fake.chain_rules("ip", names.REJECT) == ["reject"]
 
 
@@ -97,9 +97,9 @@ def test_local_policy_uses_local_endpoints_without_masquerade() -> None:
     s = svc("local", "10.96.0.31", external=["192.0.2.31"], ext_policy="Local")
     endpoints = eps("10.1.0.8", node="node-a") + eps("10.1.0.9", node="node-b")
     b.sync(snap((s, endpoints), node="node-a"), Changes())
-    assert fake.elements("ip", "local-endpoints-1") == {"192.0.2.31 . tcp . 80 . 0": "10.1.0.8 . 8080"}
-    assert not any("meta mark" in r for r in fake.chain_rules("ip", "local-pick-1"))
-    assert len(fake.elements("ip", "cluster-endpoints-2")) == 2
+    assert fake.elements("ip", "local-tcp-endpoints-1") == {"192.0.2.31 . 80 . 0": "10.1.0.8 . 8080"}
+    assert not any("meta mark" in r for r in fake.chain_rules("ip", "local-tcp-pick-1"))
+    assert len(fake.elements("ip", "cluster-tcp-endpoints-2")) == 2
 
 
 def test_external_addresses_are_marked_for_masquerade_cluster_ones_only_from_outside_cluster_cidr() -> None:
@@ -107,8 +107,8 @@ def test_external_addresses_are_marked_for_masquerade_cluster_ones_only_from_out
     b, fake = backend(config)
     b.sync(snap((svc("web", "10.96.0.10", external=["192.0.2.10"]), eps("10.1.0.1"))), Changes())
     mark = f"meta mark set meta mark | {config.masquerade_mark:#010x}"
-    assert fake.chain_rules("ip", "external-pick-1")[0] == mark
-    assert fake.chain_rules("ip", "cluster-pick-1")[0] == f"ip saddr != {{ 10.0.0.0/8 }} {mark}"
+    assert fake.chain_rules("ip", "external-tcp-pick-1")[0] == mark
+    assert fake.chain_rules("ip", "cluster-tcp-pick-1")[0] == f"ip saddr != {{ 10.0.0.0/8 }} {mark}"
     post = fake.chain_rules("ip", names.NAT_POSTROUTING)
     assert post and "masquerade" in post[0] and f"{config.masquerade_mark:#010x}" in post[0]
 
@@ -116,17 +116,17 @@ def test_external_addresses_are_marked_for_masquerade_cluster_ones_only_from_out
 def test_masquerade_all_marks_cluster_traffic() -> None:
     b, fake = backend(ProxyConfig(hostname="n", masquerade_all=True))
     b.sync(snap((svc("web", "10.96.0.10"), eps("10.1.0.1"))), Changes())
-    assert fake.chain_rules("ip", "cluster-pick-1")[0].startswith("meta mark set meta mark |")
+    assert fake.chain_rules("ip", "cluster-tcp-pick-1")[0].startswith("meta mark set meta mark |")
 
 
 def test_ipv6_service_goes_to_the_ip6_table_only() -> None:
     b, fake = backend()
     b.sync(snap((svc("v6", "fd00::10"), eps("fd01::1", "fd01::2"))), Changes())
-    assert fake.elements("ip6", names.SERVICE_IPS) == {"fd00::10 . tcp . 80": "goto cluster-pick-2"}
-    assert fake.elements("ip6", "cluster-endpoints-2") == {
-        "fd00::10 . tcp . 80 . 0": "fd01::1 . 8080", "fd00::10 . tcp . 80 . 1": "fd01::2 . 8080"}
+    assert fake.elements("ip6", names.SERVICE_IPS) == {"fd00::10 . tcp . 80": "goto cluster-tcp-pick-2"}
+    assert fake.elements("ip6", "cluster-tcp-endpoints-2") == {
+        "fd00::10 . 80 . 0": "fd01::1 . 8080", "fd00::10 . 80 . 1": "fd01::2 . 8080"}
     assert fake.elements("ip", names.SERVICE_IPS) == {}
-    assert "ip6 daddr" in fake.chain_rules("ip6", "cluster-pick-2")[0]
+    assert "ip6 daddr" in fake.chain_rules("ip6", "cluster-tcp-pick-2")[0]
 
 
 def test_ipv4_only_cluster_creates_no_ip6_table() -> None:
@@ -140,9 +140,9 @@ def test_terminating_endpoints_used_only_when_none_ready() -> None:
     terminating = Endpoint(ipaddress.ip_address("10.1.0.2"), 8080, ready=False, serving=True, terminating=True)
     b, fake = backend()
     b.sync(snap((svc("web", "10.96.0.10"), (ready, terminating))), Changes())
-    assert list(fake.elements("ip", "cluster-endpoints-1").values()) == ["10.1.0.1 . 8080"]
+    assert list(fake.elements("ip", "cluster-tcp-endpoints-1").values()) == ["10.1.0.1 . 8080"]
     b.sync(snap((svc("web", "10.96.0.10"), (terminating,))), Changes())
-    assert list(fake.elements("ip", "cluster-endpoints-1").values()) == ["10.1.0.2 . 8080"]
+    assert list(fake.elements("ip", "cluster-tcp-endpoints-1").values()) == ["10.1.0.2 . 8080"]
 
 
 def test_names_are_readable_and_safe() -> None:
@@ -162,9 +162,9 @@ def test_two_services_claiming_one_address_port_first_wins_and_sync_succeeds() -
     a = svc("a", "10.96.0.10")
     z = svc("z", "10.96.0.10")
     b.sync(snap((a, eps("10.1.0.1")), (z, eps("10.1.0.2", "10.1.0.3"))), Changes())
-    assert fake.elements("ip", names.SERVICE_IPS) == {"10.96.0.10 . tcp . 80": "goto cluster-pick-1"}
-    assert list(fake.elements("ip", "cluster-endpoints-1").values()) == ["10.1.0.1 . 8080"]
-    assert "cluster-pick-2" not in fake.tables["ip"].chains
+    assert fake.elements("ip", names.SERVICE_IPS) == {"10.96.0.10 . tcp . 80": "goto cluster-tcp-pick-1"}
+    assert list(fake.elements("ip", "cluster-tcp-endpoints-1").values()) == ["10.1.0.1 . 8080"]
+    assert "cluster-tcp-pick-2" not in fake.tables["ip"].chains
 
 
 def test_render_service_without_family_addresses_is_empty() -> None:

@@ -97,15 +97,15 @@ def test_every_kind_of_change_converges_to_what_a_full_sync_writes(change: str) 
 def test_shared_pick_chain_and_its_map_go_when_the_last_user_goes() -> None:
     b, fake = backend()
     b.sync(_base(), Changes())
-    assert "cluster-pick-1" in fake.tables["ip"].chains  # dns has one endpoint
+    assert "cluster-udp-pick-1" in fake.tables["ip"].chains  # dns has one endpoint
     services = dict(_base().services)
     endpoints = dict(_base().endpoints)
     endpoints[DNS.name] = eps("10.1.2.1", "10.1.2.2", port=53)
     _incremental(b, Snapshot(services, endpoints), DNS)
-    assert "cluster-pick-1" not in fake.tables["ip"].chains
-    assert "cluster-endpoints-1" not in fake.tables["ip"].sets
+    assert "cluster-udp-pick-1" not in fake.tables["ip"].chains
+    assert "cluster-udp-endpoints-1" not in fake.tables["ip"].sets
     # web and api still share the 3-endpoint chain and map
-    assert len(fake.elements("ip", "cluster-endpoints-3")) == 6
+    assert len(fake.elements("ip", "cluster-tcp-endpoints-3")) == 6
 
 
 def test_nothing_changed_writes_nothing() -> None:
@@ -122,10 +122,10 @@ def test_refused_write_raises_with_the_line_keeps_state_and_next_sync_is_full() 
     good = dumps(fake)
     after = _base()
     after.endpoints[API.name] = eps("10.1.1.5")  # type: ignore[index]
-    fake.fail_next = "add element ip netproxy cluster-endpoints-1 { ... }"
+    fake.fail_next = "add element ip netproxy cluster-tcp-endpoints-1 { ... }"
     with pytest.raises(SyncError) as err:
         _incremental(b, after, API)
-    assert err.value.line == "add element ip netproxy cluster-endpoints-1 { ... }"
+    assert err.value.line == "add element ip netproxy cluster-tcp-endpoints-1 { ... }"
     assert dumps(fake) == good
     reads = fake.reads
     _incremental(b, after, API)  # asked for incremental, but after a failure it must re-read and rewrite
@@ -193,7 +193,7 @@ def test_fake_refuses_like_the_kernel() -> None:
     b.sync(_base(), Changes())
     before = dumps(fake)
     with pytest.raises(SyncError, match="busy"):
-        fake.apply([("delete", "ip", Chain("cluster-pick-3"))])  # still has its rule and map users
+        fake.apply([("delete", "ip", Chain("cluster-tcp-pick-3"))])  # still has its rule and map users
     with pytest.raises(SyncError, match="File exists"):
         fake.apply([("add", "ip", Element(names.SERVICE_IPS, "10.96.0.11 . tcp . 80", "drop"))])
     with pytest.raises(SyncError, match="No such file"):
