@@ -163,9 +163,14 @@ class Reflector:
                 # delivered an event (see _event).  A server that accepts and drops at once is not.
                 self.backoff.reset()
             except Expired as err:
-                # Not a failure: the server compacted past our version.  Relist at once.
-                log.info("%s: %s; relisting", self.kind, err)
+                # Not a failure: the server compacted past our version.  Relist at once after a watch;
+                # after a list whose continue token expired, wait first, so that a server that keeps
+                # expiring tokens (a tiny compaction window) is not hammered with lists.
+                listing = self.resource_version is None
                 self.resource_version = None
+                delay = self.backoff.next_delay() if listing else 0.0
+                log.info("%s: %s; relisting%s", self.kind, err, f" in {delay:.1f}s" if delay else "")
+                self._stop.wait(delay)
             except Exception as err:  # noqa: BLE001 - any failure is retried; the thread must live
                 if self._stop.is_set():
                     break

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from typing import Iterator
 
 import pytest
@@ -172,5 +174,25 @@ def test_expired_continue_token_restarts_the_list(api: ApiServer, api_client: cl
         pages = [q for m, p, q in api.requests if "watch" not in q]
         assert ["continue" in q for q in pages] == [False, True, False, True, True]
         assert r.errors == 0  # 410 is a relist, not a failure
+    finally:
+        r.stop()
+
+
+def test_lists_that_keep_expiring_back_off(api: ApiServer, api_client: client.ApiClient) -> None:
+    for i in range(3):
+        api.create("services", service(f"svc{i}", f"10.0.0.{i + 1}"))
+    api.fail_next(410, count=3, path="continue=")
+    handler = Collecting()
+    core = client.CoreV1Api(api_client)
+    settings = replace(FAST, backoff_initial=0.1, backoff_cap=1.0)
+    r = Reflector("Service", core.list_service_for_all_namespaces, handler, settings)
+    t0 = time.monotonic()
+    r.start()
+    try:
+        wait_for(lambda: handler.replaced, what="a complete list")
+        # Three expired attempts waited 0.1 + 0.2 + 0.4 s before the fourth list went through.
+        assert time.monotonic() - t0 >= 0.7
+        assert handler.replaced == [["svc0", "svc1", "svc2"]]
+        assert r.backoff.failures == 0  # reset by the list that succeeded
     finally:
         r.stop()
