@@ -18,16 +18,18 @@ import re
 import signal
 import sys
 import threading
-from typing import List, NoReturn, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, List, NoReturn, Optional, Protocol, Sequence, Tuple
 
 from netproxy import detect as detect_mod
 from netproxy.backends import BackendError, create
 from netproxy.backends.base import Backend
 from netproxy.config import BACKENDS, IPTABLES_WRITERS, ProxyConfig, parse_cidrs
 from netproxy.model import Changes, NodeInfo, Snapshot, ValidationError
-from netproxy.proxier import Proxier
 from netproxy.source.files import FileSource, SourceError, load
 from netproxy.tracker import ChangeTracker
+
+if TYPE_CHECKING:  # the proxier pulls in prometheus_client: only `run` needs it, so import it there
+    from netproxy.proxier import Proxier
 
 
 class Source(Protocol):
@@ -230,6 +232,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from netproxy import metrics
+    from netproxy.proxier import Proxier
     from netproxy.runner import BoundedFrequencyRunner
 
     backend, config = make_backend(args)

@@ -168,7 +168,7 @@ def detect_in(box: Sandbox, backend: str) -> str:
         return backend
     for line in proc.stdout.splitlines():
         if line.startswith("backend: "):
-            return line.split(": ", 1)[1]
+            return str(line.split(": ", 1)[1])
     raise SystemExit(f"netproxy detect failed: {proc.stdout}{proc.stderr}")
 
 
@@ -187,8 +187,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ports = sorted({int(p["port"]) for o in objects if o.get("kind") == "EndpointSlice" for p in o["ports"]})
     box = Sandbox(pods=0, tcp_ports=ports, udp_ports=ports, ipv6=False)
     with box:
-        for addr, pod in sorted(names.items()):
-            box.add_pod(pod, ip=addr, start=False)
+        for addr, pod_name in sorted(names.items()):
+            box.add_pod(pod_name, ip=addr, start=False)
         for pod in box.pods:
             box.start_server(pod)
         print(f"sandbox {box.id}: node {box.node}, client {box.client}, ext {box.ext}, {len(box.pods)} pods")
