@@ -40,6 +40,7 @@ test-vm: setup
 # then the QEMU kernel matrix.
 test: setup
 	$(VENV)/bin/ruff check netproxy backends tests bench
+	$(VENV)/bin/mypy netproxy backends
 	$(VENV)/bin/pytest -q tests
 	$(PY) -m bench --smoke
 	vagrant/local/run-matrix
