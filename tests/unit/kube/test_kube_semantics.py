@@ -131,6 +131,7 @@ def test_node_zone_follows_the_label_and_ignores_noise(api: ApiServer, source: K
                                                        tracker: RecordingTracker) -> None:
     api.create("nodes", node("node-b", zone="zone-9"))
     synced(source, tracker)
+    wait_for(lambda: tracker.named("set_node"), what="the node list")  # its own reflector: not part of ready
     # The node does not exist yet: a name, no zone.
     assert tracker.named("set_node") == [("set_node", NodeInfo("node-a"))]
     api.create("nodes", node("node-a", zone="zone-1"))
