@@ -150,35 +150,39 @@ def _write(path: str, text: str) -> str:
     return path
 
 
-def kubeproxy_files(objects: Sequence[gen.Obj], family: str, workdir: str
+def kubeproxy_files(objects: Sequence[gen.Obj], family: str, workdir: str, flavour: str = "legacy"
                     ) -> Tuple[List[Dict[str, Any]], List[List[Dict[str, Any]]]]:
-    """(full apply spec, [change there, change back]) for kube-proxy's ``family`` ("iptables"/"nft") layout."""
+    """(full apply spec, [change there, change back]) for kube-proxy's ``family`` ("iptables"/"nft") layout;
+    ``flavour`` picks iptables-legacy or iptables-nft for the iptables layout."""
     svcs = kubeproxy_layout.services(objects)
     mid, old, new = _moved(svcs)
     after = list(svcs)
     after[mid] = new
-    base = os.path.join(workdir, f"kube-proxy.{family}")
+    base = os.path.join(workdir, f"kube-proxy.{family}-{flavour}")
     if family == "iptables":
         full = _write(base, kubeproxy_layout.iptables_full(svcs))
         there = _write(base + ".there", kubeproxy_layout.iptables_change(after, old, new))
         back = _write(base + ".back", kubeproxy_layout.iptables_change(svcs, new, old))
         # kube-proxy reads the table (iptables-save) and writes the change (restore --noflush).
-        return ([{"argv": ["iptables-legacy-restore"], "stdin": full}],
-                [[{"argv": ["iptables-legacy-save", "-t", "nat"]},
-                  {"argv": ["iptables-legacy-restore", "--noflush"], "stdin": path}] for path in (there, back)])
+        restore, save = f"iptables-{flavour}-restore", f"iptables-{flavour}-save"
+        return ([{"argv": [restore], "stdin": full}],
+                [[{"argv": [save, "-t", "nat"]}, {"argv": [restore, "--noflush"], "stdin": path}]
+                 for path in (there, back)])
     full = _write(base, kubeproxy_layout.nft_full(svcs))
     there = _write(base + ".there", kubeproxy_layout.nft_change(old, new))
     back = _write(base + ".back", kubeproxy_layout.nft_change(new, old))
     return [{"argv": ["nft", "-f", full]}], [[{"argv": ["nft", "-f", path]}] for path in (there, back)]
 
 
-def kubeproxy_reference(ns: str, objects: Sequence[gen.Obj], family: str, workdir: str,
-                        timeout: float) -> Dict[str, Step]:
+def kubeproxy_reference(ns: str, objects: Sequence[gen.Obj], family: str, workdir: str, timeout: float,
+                        flavour: str = "legacy", full_only: bool = False) -> Dict[str, Step]:
     """kube-proxy's layout applied into ``ns`` (full), then one endpoint moved there and back (change)."""
-    full_spec, changes = kubeproxy_files(objects, family, workdir)
+    full_spec, changes = kubeproxy_files(objects, family, workdir, flavour)
     out: Dict[str, Step] = {"cold": raw_apply(full_spec, ns, timeout)}
     if "seconds" not in out["cold"]:
         out["endpoint"] = {"error": "the full apply did not complete"}
+        return out
+    if full_only:
         return out
     runs: List[float] = []
     for k in range(4):  # there and back twice: the table ends as the full apply wrote it

@@ -4,9 +4,10 @@ The client (``bench/connect.c`` compiled with cc, else ``bench/client.py``) runs
 client namespace and opens sequential connections to the last service's ClusterIP; each SYN goes
 through the node's nat PREROUTING hook (where the service dispatch is) and is DNAT-ed to one of ten
 pods.  Only the first packet of a connection meets the NAT rules, so connect() latency is where the
-per-service dispatch cost shows.  Bounded: at most COUNT connections and SECONDS seconds in all, in
-BATCHES batches; the median batch is reported, so that one noisy moment on a shared machine does
-not move the figure.
+per-service dispatch cost shows.  Bounded: COUNT connections per target in ROUNDS batches of at
+most BATCH_SECONDS each.  Batches alternate between the big ruleset and a one-service baseline held
+in a second sandbox, and the median batch is reported: on a shared machine the load drifts, and
+alternating makes the N vs N=1 ratio a comparison under the same load.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from __future__ import annotations
 import json
 import statistics
 import subprocess
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
-COUNT = 3000
-SECONDS = 4.0
-WARMUP = 100
-BATCHES = 3
+COUNT = 3000  # per target, over all rounds
+ROUNDS = 5
+BATCH_SECONDS = 1.0
+WARMUP = 50
 SMOKE_COUNT = 300
+SMOKE_ROUNDS = 2
 
 
 def prepare_client(sandbox: Any) -> None:
@@ -40,21 +42,42 @@ def reachable(sandbox: Any, client: Sequence[str], addr: str, port: int, seconds
         return {"ok": 0, "error": proc.stderr.strip()[-300:]}
 
 
-def measure(sandbox: Any, client: Sequence[str], addr: str, port: int, smoke: bool = False) -> Dict[str, Any]:
-    """One batch from the client namespace; the client's JSON, or ``error``."""
-    prepare_client(sandbox)
-    probe = reachable(sandbox, client, addr, port)
-    if not probe.get("ok"):
-        return {"error": f"{addr}:{port} not reachable from the client namespace within 10 s"}
-    count = SMOKE_COUNT if smoke else COUNT
-    batches: List[Dict[str, Any]] = []
-    for _ in range(BATCHES):
-        res = _batch(sandbox, client, addr, port, count // BATCHES)
-        if "p50_us" not in res:
-            return res
-        batches.append(res)
-    # The median batch by p50 (the machine is shared: one noisy moment should not move the figure).
-    batches.sort(key=lambda b: b["p50_us"])
+def paired(targets: Sequence[Tuple[Any, str, int]], client: Sequence[str], smoke: bool = False
+           ) -> List[Dict[str, Any]]:
+    """Batches to every ``(sandbox, addr, port)`` in turn, ROUNDS times; a summary per target.
+
+    Alternating batches between the big ruleset and the one-service baseline (each in its own
+    sandbox) puts both under the same machine load, so their ratio is not the load's drift.
+    """
+    out: List[Dict[str, Any]] = [{} for _ in targets]
+    live = []
+    for i, (sandbox, addr, port) in enumerate(targets):
+        prepare_client(sandbox)
+        probe = reachable(sandbox, client, addr, port)
+        if probe.get("ok"):
+            live.append(i)
+        else:
+            out[i] = {"error": f"{addr}:{port} not reachable from the client namespace within 10 s"}
+    rounds = SMOKE_ROUNDS if smoke else ROUNDS
+    count = (SMOKE_COUNT if smoke else COUNT) // rounds
+    batches: Dict[int, List[Dict[str, Any]]] = {i: [] for i in live}
+    for _ in range(rounds):
+        for i in list(batches):
+            sandbox, addr, port = targets[i]
+            res = _batch(sandbox, client, addr, port, count)
+            if "p50_us" not in res:
+                out[i] = res
+                del batches[i]
+            else:
+                batches[i].append(res)
+    for i, got in batches.items():
+        out[i] = summarise(got)
+    return out
+
+
+def summarise(batches: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The median batch by p50, with median p99 and rate (one noisy moment should not move the figure)."""
+    batches = sorted(batches, key=lambda b: b["p50_us"])
     out = dict(batches[len(batches) // 2])
     out["p99_us"] = statistics.median(b["p99_us"] for b in batches)
     out["rate"] = statistics.median(b["rate"] for b in batches)
@@ -66,11 +89,11 @@ def measure(sandbox: Any, client: Sequence[str], addr: str, port: int, smoke: bo
 
 
 def _batch(sandbox: Any, client: Sequence[str], addr: str, port: int, count: int) -> Dict[str, Any]:
-    args: List[str] = [*client, "rate", addr, str(port), str(count), str(SECONDS / BATCHES), str(WARMUP)]
+    args: List[str] = [*client, "rate", addr, str(port), str(count), str(BATCH_SECONDS), str(WARMUP)]
     try:
-        proc = sandbox.exec(sandbox.client, args, timeout=SECONDS + 20)
+        proc = sandbox.exec(sandbox.client, args, timeout=BATCH_SECONDS + 20)
     except subprocess.TimeoutExpired:
-        return {"timeout": SECONDS + 20}
+        return {"timeout": BATCH_SECONDS + 20}
     try:
         out: Dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):

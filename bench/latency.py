@@ -23,7 +23,7 @@ import re
 import statistics
 import subprocess
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from bench import gen, netns
 from netproxy.sandbox import netproxy_command
@@ -31,6 +31,7 @@ from netproxy.sandbox import netproxy_command
 CHANGES = 20
 POLL_ATTEMPT_MS = 2
 _SYNCED = re.compile(r"synced (full|partial): .* in ([0-9.]+) s")
+_STAMP = re.compile(r"^\d{4}-\d\d-\d\d (\d\d):(\d\d):(\d\d),(\d{3}) ")
 
 
 def _write_atomic(path: str, objects: Sequence[gen.Obj]) -> None:
@@ -69,12 +70,37 @@ def _wait_poll(proc: subprocess.Popen, timeout: float) -> Optional[float]:  # ty
     return float(rec["t"]) if rec.get("ok") else None
 
 
-def _sync_times(log_path: str) -> List[float]:
+def _log_times(log_path: str) -> Tuple[List[float], List[float]]:
+    """(partial sync seconds, seconds from "source changed" to the next finished sync) from netproxy's log."""
+    syncs: List[float] = []
+    reloads: List[float] = []
+    changed_at: Optional[float] = None
     try:
         with open(log_path, encoding="utf-8", errors="replace") as fh:
-            return [float(m.group(2)) for m in (_SYNCED.search(line) for line in fh) if m and m.group(1) == "partial"]
+            lines = fh.readlines()
     except OSError:
-        return []
+        return syncs, reloads
+    for line in lines:
+        stamp = _stamp(line)
+        if "changed, reloading" in line:
+            changed_at = stamp if changed_at is None else changed_at
+            continue
+        m = _SYNCED.search(line)
+        if m and m.group(1) == "partial":
+            syncs.append(float(m.group(2)))
+            if changed_at is not None and stamp is not None:
+                reloads.append(stamp - changed_at)
+            changed_at = None
+    return syncs, reloads
+
+
+def _stamp(line: str) -> Optional[float]:
+    """Seconds of the day of a logging line (``2026-12-03 08:30:12,880 INFO …``)."""
+    m = _STAMP.match(line)
+    if not m:
+        return None
+    h, mi, sec, ms = (int(g) for g in m.groups())
+    return h * 3600 + mi * 60 + sec + ms / 1000
 
 
 def measure(sandbox: Any, combo: Any, n: int, client: Sequence[str], workdir: str, *, changes: int = CHANGES,
@@ -120,8 +146,9 @@ def measure(sandbox: Any, combo: Any, n: int, client: Sequence[str], workdir: st
     if not lat:
         return {"error": f"no change reached the kernel ({misses} missed)"}
     lat.sort()
-    syncs = _sync_times(log_path)
+    syncs, reloads = _log_times(log_path)
     return {"median": statistics.median(lat), "p95": lat[min(len(lat) - 1, int(round(0.95 * (len(lat) - 1))))],
             "max": lat[-1], "runs": lat, "changes": len(lat), "missed": misses, "min_sync_period": min_sync,
             "sync_median": statistics.median(syncs) if syncs else None,
+            "reload_median": statistics.median(reloads) if reloads else None,
             "run_vmhwm_mib": hwm / 1024 if hwm else None}

@@ -143,13 +143,20 @@ def dataplane_table(results: Results) -> List[str]:
     rows = []
     for key in [c["key"] for c in _combos(results)] + list(REF_ROWS):
         per = results["dataplane"].get(key)
-        if per:
-            rows.append((key, [_dp(per.get(str(n))) for n in dp_sizes]))
+        if not per:
+            continue
+        pairs = results.get("dataplane_pairs", {}).get(key, {})
+        ordered = sorted(pairs.items(), key=lambda x: int(x[0]))
+        ratios = ", ".join(f"{p['ratio']:.2f}× at N={int(n):,}" for n, p in ordered)
+        rows.append((key, [_dp(per.get(str(n))) for n in dp_sizes] + [ratios or "-"]))
     client = results["meta"].get("client", "?")
     return _table("Data plane: connect() p50 / p99 and new connections per second to the last service", rows,
-                  _ncols(dp_sizes), f"Sequential connections from the client namespace through the node "
-                  f"(nat PREROUTING) to one of 10 pods; {client} client; at most "
-                  f"{results['meta'].get('dp_count')} connections or {results['meta'].get('dp_seconds')} s each.")
+                  _ncols(dp_sizes) + ["p50 ÷ N=1 alongside"],
+                  f"Sequential connections from the client namespace through the node (nat PREROUTING) to one of "
+                  f"10 pods; {client} client; {results['meta'].get('dp_count')} connections per figure in "
+                  f"{results['meta'].get('dp_rounds')} batches alternating with the one-service baseline (a second "
+                  "sandbox), median batch. The N=1 column is the baseline measured alongside the largest N; the "
+                  "ratio divides figures taken under the same load.")
 
 
 def latency_table(results: Results) -> List[str]:
@@ -162,14 +169,18 @@ def latency_table(results: Results) -> List[str]:
             cell = per.get(str(n))
             if cell and "median" in cell:
                 sync = f"; sync {cell['sync_median'] * 1000:.0f} ms" if cell.get("sync_median") is not None else ""
+                if cell.get("reload_median") is not None:
+                    sync += f"; reload+sync {cell['reload_median'] * 1000:.0f} ms"
                 cells.append(f"{cell['median'] * 1000:.0f} / {cell['p95'] * 1000:.0f} ms{sync}")
             else:
                 cells.append(_sec(cell))
         rows.append((c["key"], cells))
     msp = results["meta"].get("min_sync_period")
-    return _table("Event → kernel in `netproxy run` (median / p95; backend sync median)", rows, _ncols(lat_sizes),
+    return _table("Event → kernel in `netproxy run` (median / p95; backend sync and source reload + sync medians)",
+                  rows, _ncols(lat_sizes),
                   f"{results['meta'].get('latency_changes')} source-file changes each, --min-sync-period {msp}s; "
-                  "detected by traffic (a poller connecting to the new service every 2 ms).")
+                  "detected by traffic (a poller connecting to the new service every 2 ms). *reload+sync*: from "
+                  "netproxy's log line saying the source changed to the one saying the sync finished.")
 
 
 def rss_table(results: Results) -> List[str]:

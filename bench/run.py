@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from bench import client as client_mod
 from bench import control, dataplane, gen, latency, netns, report, rss
@@ -46,6 +47,8 @@ class Bench:
         self.sizes = sizes
         self.smoke = smoke
         self.dp_sizes = sorted({DP_EXTRA} | {n for n in sizes if n >= 1000 or smoke})
+        self.base: Any = None  # a second sandbox holding the one-service baseline for the data plane
+        self._base_key: Optional[str] = None
         self.latency_sizes = sizes[-1:] if smoke else sorted({n for n in sizes if n == 1000} | {sizes[-1]})
         self.budget = Budget(budget)
         self.workdir = workdir
@@ -57,8 +60,8 @@ class Bench:
         self.min_sync = 0.2 if smoke else 1.0
         self.changes = 3 if smoke else latency.CHANGES
         self.results: Dict[str, Any] = {
-            "meta": {}, "control": {}, "reference": {}, "dataplane": {}, "latency": {}, "rss": {},
-            "unavailable": {}, "errors": [], "targets": []}
+            "meta": {}, "control": {}, "reference": {}, "dataplane": {}, "dataplane_pairs": {}, "latency": {},
+            "rss": {}, "unavailable": {}, "errors": [], "targets": []}
 
     # -- bookkeeping ------------------------------------------------------------------------------
 
@@ -100,7 +103,8 @@ class Bench:
             "iptables": tool(["iptables-legacy", "--version"]), "nft": tool(["nft", "--version"]),
             "sizes": self.sizes, "dp_sizes": self.dp_sizes, "combos": [c.__dict__ for c in self.combos],
             "smoke": self.smoke, "min_sync_period": self.min_sync, "latency_changes": self.changes,
-            "dp_count": dataplane.SMOKE_COUNT if self.smoke else dataplane.COUNT, "dp_seconds": dataplane.SECONDS,
+            "dp_count": dataplane.SMOKE_COUNT if self.smoke else dataplane.COUNT,
+            "dp_rounds": dataplane.SMOKE_ROUNDS if self.smoke else dataplane.ROUNDS,
         }
 
     def budget_used(self) -> float:
@@ -148,7 +152,7 @@ class Bench:
         if "seconds" not in steps.get("cold", {}):
             return
         if n in self.dp_sizes:
-            self.measure_dataplane(combo.key, n)
+            self.measure_dataplane(combo.key, n, self.base_netproxy(combo))
         self.measure_rss(combo, n, steps)
         sb.reset_netfilter()
         raw = control.raw_own_payload(combo, plan, self.workdir, self.budget.timeout(timeout),
@@ -157,18 +161,52 @@ class Bench:
         self._note_errors(f"{combo.key} N={n}", {"raw": raw})
         self.progress(f"{combo.key} N={n:,}: raw apply of its own payload {control.describe(raw)}")
 
-    def measure_dataplane(self, key: str, n: int) -> None:
-        if self._out_of_time(20):
-            self._cell("dataplane", key, n).update(self._skip("out of time budget"))
+    def measure_dataplane(self, key: str, n: int, load_base: Callable[[], bool]) -> None:
+        """Connections to the last of ``n`` services, alternating with the one-service baseline."""
+        cell = self._cell("dataplane", key, n)
+        if self._out_of_time(30):
+            cell.update(self._skip("out of time budget"))
             return
-        res = dataplane.measure(self.sandbox, self.client, *control.last_service(n), smoke=self.smoke)
-        self._cell("dataplane", key, n).update(res)
-        if "p50_us" in res:
-            self.progress(f"{key} N={n:,}: data plane p50 {res['p50_us']:.0f} µs, p99 {res['p99_us']:.0f} µs, "
-                          f"{res['rate']:.0f} conn/s")
+        if self._base_key != key:
+            self.base.reset_netfilter()
+            self._base_key = key if load_base() else None
+            if self._base_key is None:
+                cell.update({"error": "the one-service baseline could not be loaded"})
+                self.results["errors"].append(f"data plane {key}: the one-service baseline could not be loaded")
+                return
+        big, one = dataplane.paired([(self.sandbox, *control.last_service(n)), (self.base, *control.last_service(1))],
+                                    self.client, smoke=self.smoke)
+        cell.update(big)
+        self._cell("dataplane", key, 1).update(one)
+        if "p50_us" in big and "p50_us" in one:
+            self.results["dataplane_pairs"].setdefault(key, {})[str(n)] = {
+                "p50_us": big["p50_us"], "p50_us_at_1": one["p50_us"], "ratio": big["p50_us"] / one["p50_us"]}
+            self.progress(f"{key} N={n:,}: data plane p50 {big['p50_us']:.0f} µs (N=1 alongside: "
+                          f"{one['p50_us']:.0f} µs), p99 {big['p99_us']:.0f} µs, {big['rate']:.0f} conn/s")
         else:
-            self.results["errors"].append(f"data plane {key} N={n}: {res}")
-            self.progress(f"{key} N={n:,}: data plane {res}")
+            for label, res in ((n, big), (1, one)):
+                if "p50_us" not in res:
+                    self.results["errors"].append(f"data plane {key} N={label}: {res}")
+            self.progress(f"{key} N={n:,}: data plane {big} / N=1 {one}")
+
+    def base_netproxy(self, combo: Combo) -> Callable[[], bool]:
+        """Loads the baseline: a `netproxy sync` of one service in the second sandbox (its RSS is N=1's)."""
+        def load() -> bool:
+            source = os.path.join(self.workdir, "cluster-1.json")
+            gen.write_json(source, gen.cluster(1, "uniform", control.pods_of(self.base)))
+            res = rss.measure_sync(self.base, combo, source, self.budget.timeout(60),
+                                   os.path.join(self.workdir, "rss.log"))
+            self._cell("rss", combo.key, 1).update(res)
+            return "seconds" in res
+        return load
+
+    def base_kubeproxy(self, family: str, flavour: str) -> Callable[[], bool]:
+        def load() -> bool:
+            objects = gen.cluster(1, "uniform", control.pods_of(self.base))
+            res = control.kubeproxy_reference(self.base.node, objects, family, self.workdir, 60, flavour,
+                                              full_only=True)
+            return "seconds" in res["cold"]
+        return load
 
     def measure_rss(self, combo: Combo, n: int, steps: Dict[str, Any]) -> None:
         cold = steps["cold"]["seconds"]
@@ -187,23 +225,9 @@ class Bench:
             self.progress(f"{combo.key} N={n:,}: `netproxy sync` peak RSS {res['maxrss_mib']:.0f} MiB "
                           f"({res['seconds']:.1f} s)")
 
-    def phase_one_service(self, combo: Combo) -> None:
-        """N=1: a `netproxy sync` of one service (its RSS too), then the data plane."""
-        self.sandbox.reset_netfilter()
-        source = os.path.join(self.workdir, "cluster-1.json")
-        gen.write_json(source, gen.cluster(1, "uniform", control.pods_of(self.sandbox)))
-        res = rss.measure_sync(self.sandbox, combo, source, self.budget.timeout(60),
-                               os.path.join(self.workdir, "rss.log"))
-        self._cell("rss", combo.key, 1).update(res)
-        if "seconds" not in res:
-            self.results["errors"].append(f"{combo.key} N=1 netproxy sync: {res}")
-            self._cell("dataplane", combo.key, 1).update({"error": "netproxy sync of one service failed"})
-            return
-        self.measure_dataplane(combo.key, 1)
-
     # -- phase B ------------------------------------------------------------------------------------
 
-    def phase_reference(self, ref: str, family: str, n: int, timeout: float) -> None:
+    def phase_reference(self, ref: str, family: str, flavour: str, n: int, timeout: float) -> None:
         cell = self._cell("reference", ref, n)
         timeout = self.budget.timeout(timeout)
         if timeout < 5:
@@ -212,13 +236,13 @@ class Bench:
         sb = self.sandbox
         sb.reset_netfilter()
         objects = gen.cluster(n, "uniform", control.pods_of(sb))
-        steps = control.kubeproxy_reference(sb.node, objects, family, self.workdir, timeout)
+        steps = control.kubeproxy_reference(sb.node, objects, family, self.workdir, timeout, flavour)
         cell.update(steps)
         self._note_errors(f"{ref} N={n}", steps)
         self.progress(f"{ref} N={n:,}: full {control.describe(steps.get('cold'))}, one endpoint "
                       f"{control.describe(steps.get('endpoint'))}")
-        if "seconds" in steps.get("cold", {}) and n in self.dp_sizes:
-            self.measure_dataplane(ref, n)
+        if "seconds" in steps.get("cold", {}) and n in self.dp_sizes and n > 1:
+            self.measure_dataplane(ref, n, self.base_kubeproxy(family, flavour))
 
     # -- the whole run ------------------------------------------------------------------------------
 
@@ -236,14 +260,12 @@ class Bench:
             self.probe()
         pods = 3 if self.smoke else 10
         self.progress(f"sandbox: client, node and {pods} pod namespaces")
-        with Sandbox(pods=pods, udp_ports=(), ipv6=True) as sb:
-            self.sandbox = sb
-            self.progress(f"sandbox up: node {sb.node}")
+        with Sandbox(pods=pods, udp_ports=(), ipv6=True) as sb, Sandbox(pods=pods, udp_ports=(), ipv6=True) as base:
+            self.sandbox, self.base = sb, base
+            self.progress(f"sandbox up: node {sb.node}; one-service baseline in {base.node}")
             for combo in self.available():
                 for n in self.sizes:
                     self.phase_control(combo, n)
-                if DP_EXTRA in self.dp_sizes and not self._out_of_time(30):
-                    self.phase_one_service(combo)
             self.phase_references()
             self.phase_latency()
             self.phase_mixed()
@@ -251,17 +273,20 @@ class Bench:
         return self.results
 
     def phase_references(self) -> None:
-        refs = [("kube-proxy iptables-legacy", "iptables", 1e9), ("kube-proxy nft", "nft", 1e9)]
-        for ref, family, limit in refs:
-            tool = "iptables-legacy-restore" if family == "iptables" else "nft"
-            if subprocess.run(["sh", "-c", f"command -v {tool}"], capture_output=True, check=False).returncode:
+        refs = [("kube-proxy iptables-legacy", "iptables", "legacy", "iptables-legacy-restore"),
+                ("kube-proxy nft", "nft", "legacy", "nft"),
+                ("kube-proxy iptables-nft", "iptables", "nft", "iptables-nft-restore")]
+        for ref, family, flavour, tool in refs:
+            if shutil.which(tool) is None:
                 self.results["errors"].append(f"{ref}: {tool} is not installed")
                 continue
-            for n in [n for n in self.dp_sizes if n not in self.sizes] + self.sizes:
-                if n > limit:
+            for n in self.sizes:
+                if ref == "kube-proxy iptables-nft" and n > 2000:
+                    # Quadratic in the kernel: 43 s at 2k, 307 s at 4k (shared/PERF-NOTES.md); ~30 min at 10k.
+                    self._cell("reference", ref, n)["cold"] = self._skip("quadratic; 307 s at 4k")
                     continue
                 # kube-proxy's nft layout at 10k is the slow reference (85 s measured): run once, bounded.
-                self.phase_reference(ref, family, n, 240.0 if n >= 10000 else 120.0)
+                self.phase_reference(ref, family, flavour, n, 240.0 if n >= 10000 else 120.0)
 
     def phase_latency(self) -> None:
         for n in self.latency_sizes:
@@ -301,7 +326,7 @@ class Bench:
                     continue
                 self.sandbox.reset_netfilter()
                 steps = control.run_worker(self.sandbox.node, combo, n, "mixed", control.pods_of(self.sandbox), "",
-                                           self.budget.timeout(self.worker_timeout(n)),
+                                           self.budget.timeout(min(90.0, self.worker_timeout(n))),
                                            os.path.join(self.workdir, "worker.log"),
                                            steps=("source", "cold", "endpoint"))
                 self._cell("control", combo.key, n, "mixed").update(steps)

@@ -34,7 +34,7 @@ from netproxy.source.files import parse_objects
 from netproxy.tracker import ChangeTracker
 
 NODE_NAME = "np-node"
-COLD_BUDGET = 8.0  # seconds of cold syncs worth repeating for a min-of
+COLD_BUDGET = 5.0  # seconds of cold syncs worth repeating for a min-of
 CHANGE_REPEATS = 5
 
 
