@@ -18,6 +18,7 @@ from netproxy.model import (
     Endpoint,
     FieldError,
     IPAddress,
+    NodeInfo,
     ServicePort,
     ServicePortName,
     ValidationError,
@@ -281,3 +282,18 @@ def parse_endpoints(obj: Mapping[str, Any]) -> EndpointSet:
         return EndpointSet(ns, name, tuple(ports), tuple(eps))
 
     return _guard(kind, f"{ns}/{name}", build)
+
+
+ZONE_LABEL = "topology.kubernetes.io/zone"
+
+
+def parse_node(obj: Mapping[str, Any], node_name: str) -> NodeInfo:
+    """This node's v1 Node → NodeInfo with its zone label (both sources read nodes through this)."""
+    meta = obj.get("metadata") or {}
+    labels = meta.get("labels") if isinstance(meta, Mapping) else None
+    raw = labels.get(ZONE_LABEL) if isinstance(labels, Mapping) else None
+    try:
+        zone = check_zone(raw, f"metadata.labels[{ZONE_LABEL}]")
+    except FieldError as err:
+        raise ValidationError("Node", node_name, err.field_path, err.message) from None
+    return NodeInfo(name=node_name, zone=zone)

@@ -17,14 +17,20 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from netproxy.model import FieldError, NodeInfo, ServicePort, ValidationError, check_zone
-from netproxy.source.convert import EndpointSet, object_ref, parse_endpoint_slice, parse_endpoints, parse_service
+from netproxy.model import NodeInfo, ServicePort, ValidationError
+from netproxy.source.convert import (
+    EndpointSet,
+    object_ref,
+    parse_endpoint_slice,
+    parse_endpoints,
+    parse_node,
+    parse_service,
+)
 
 log = logging.getLogger(__name__)
 
 Key = Tuple[str, str]
 MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
-ZONE_LABEL = "topology.kubernetes.io/zone"
 # libyaml's safe loader is ~10x faster than the pure-Python one on a 10k-service dump.
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -124,14 +130,8 @@ def _parse_node(obj: Mapping[str, Any], node_name: str) -> Optional[NodeInfo]:
     meta = obj.get("metadata") or {}
     name = meta.get("name") if isinstance(meta, Mapping) else None
     if not node_name or name != node_name:
-        return None
-    labels = meta.get("labels") or {}
-    try:
-        zone = check_zone(labels.get(ZONE_LABEL) if isinstance(labels, Mapping) else None,
-                          f"metadata.labels[{ZONE_LABEL}]")
-    except FieldError as err:
-        raise ValidationError("Node", str(name), err.field_path, err.message) from None
-    return NodeInfo(name=node_name, zone=zone)
+        return None  # another node's object: only this node's zone matters
+    return parse_node(obj, node_name)
 
 
 def load(path: str, node_name: str = "") -> Loaded:

@@ -20,15 +20,20 @@ import logging
 import os
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
-from netproxy.model import FieldError, NodeInfo, ServicePort, ValidationError, check_zone
-from netproxy.source.convert import EndpointSet, parse_endpoint_slice, parse_endpoints, parse_service
+from netproxy.model import NodeInfo, ServicePort, ValidationError
+from netproxy.source.convert import (
+    EndpointSet,
+    parse_endpoint_slice,
+    parse_endpoints,
+    parse_node,
+    parse_service,
+)
 from netproxy.source.kube_reflector import Obj, Reflector, ReflectorSettings
 from netproxy.tracker import ChangeTracker
 
 log = logging.getLogger(__name__)
 
 Key = Tuple[str, str]
-ZONE_LABEL = "topology.kubernetes.io/zone"
 
 
 def object_key(obj: Mapping[str, Any]) -> Optional[Key]:
@@ -138,14 +143,11 @@ class NodeHandler:
     def node_info(self, obj: Optional[Obj]) -> NodeInfo:
         if obj is None:
             return NodeInfo(self.node_name)
-        labels = (obj.get("metadata") or {}).get("labels") or {}
-        raw = labels.get(ZONE_LABEL) if isinstance(labels, Mapping) else None
         try:
-            zone = check_zone(raw, f"metadata.labels[{ZONE_LABEL}]")
-        except FieldError as err:
-            self.tracker.reject(ValidationError("Node", self.node_name, err.field_path, err.message))
-            zone = None
-        return NodeInfo(self.node_name, zone)
+            return parse_node(obj, self.node_name)
+        except ValidationError as err:
+            self.tracker.reject(err)
+            return NodeInfo(self.node_name)
 
     def _set(self, info: NodeInfo) -> None:
         if info != self._last:
