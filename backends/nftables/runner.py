@@ -43,6 +43,10 @@ class Runner(Protocol):
     def delete_tables(self) -> List[str]:
         """Delete netproxy's tables (and only them); return which were deleted."""
 
+    def generation(self) -> Optional[int]:
+        """The network namespace's nftables ruleset generation (bumped by every committed
+        transaction, of any table, by anyone), or None when it cannot be read."""
+
 
 _LOCATE_MAX_BYTES = 1 << 20
 _LINE_MAX = 400
@@ -76,6 +80,7 @@ class LibNftRunner:
             raise BackendUnavailable("libnftables cannot be loaded", detail=str(exc)) from exc
         self._nft.set_handle_output(False)
         self._check: Optional[Any] = None
+        self._gen_socket: Optional[Tuple[Any, int, Any]] = None
 
     def _cmd(self, text: str, json_output: bool = False) -> Tuple[int, str, str]:
         self._nft.set_json_output(json_output)
@@ -163,6 +168,22 @@ class LibNftRunner:
         items = self._list(f"list sets table {family} {names.TABLE}")
         return sets_from_json(items or [])
 
+    def generation(self) -> Optional[int]:
+        # libnftables does not expose NFT_MSG_GETGEN; pyroute2 (already a dependency) does.
+        try:
+            if self._gen_socket is None:
+                from pyroute2.netlink.nfnetlink.nftsocket import NFT_MSG_GETGEN, NFTSocket, nft_gen_msg
+
+                self._gen_socket = (NFTSocket(), NFT_MSG_GETGEN, nft_gen_msg)
+            sock, msg_type, msg_class = self._gen_socket
+            for msg in sock.request_get(msg_class(), msg_type):
+                gen = msg.get_attr("NFTA_GEN_ID")
+                if gen is not None:
+                    return int(gen)
+        except Exception as exc:  # noqa: BLE001 - any failure only costs a full rewrite
+            log.debug("cannot read the nftables generation: %s", exc)
+        return None
+
     def probe(self) -> None:
         if self._list("list tables") is None:
             raise BackendUnavailable("libnftables cannot list tables")
@@ -233,6 +254,7 @@ class FakeNft:
         self.transactions: List[List[Op]] = []
         self.fail_next: Optional[str] = None
         self.reads = 0
+        self.gen = 1
 
     # Runner
     def apply(self, ops: Sequence[Op]) -> int:
@@ -247,6 +269,7 @@ class FakeNft:
                 line = serialise.op_text(op[0], op[1], op[2])
                 raise SyncError(f"fake kernel refused the transaction: {err}", line=line)
         self.tables = work
+        self.gen += 1
         return len(serialise.ops_text(ops))
 
     def existing_tables(self) -> FrozenSet[str]:
@@ -267,7 +290,15 @@ class FakeNft:
     def delete_tables(self) -> List[str]:
         gone = [f"{f} {names.TABLE}" for f in sorted(self.tables)]
         self.tables = {}
+        self.gen += 1
         return gone
+
+    def generation(self) -> Optional[int]:
+        return self.gen
+
+    def foreign_write(self) -> None:
+        """Another program commits a transaction (to any table)."""
+        self.gen += 1
 
     # semantics
     def _apply_one(self, tables: Dict[str, _FakeTable], op: Op) -> Optional[str]:

@@ -81,6 +81,8 @@ class State:
     families: Dict[str, FamilyState] = field(default_factory=dict)
     tables: FrozenSet[str] = frozenset()
     """Families whose table exists (written by the last full sync)."""
+    generation: Optional[int] = None
+    """The ruleset generation right after our last write, when no other writer came in between."""
 
     def family(self, fam: str) -> FamilyState:
         return self.families.setdefault(fam, FamilyState())

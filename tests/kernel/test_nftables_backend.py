@@ -216,3 +216,21 @@ def test_plan_is_what_sync_writes(ns: str, driver: Driver) -> None:
         subprocess.run(["ip", "netns", "del", other], capture_output=True)
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_periodic_full_sync_rewrites_only_after_someone_else_wrote(ns: str, driver: Driver) -> None:
+    assert driver.sync([A, B, S])["ok"]
+    monitor = subprocess.Popen(["ip", "netns", "exec", ns, "nft", "monitor"], stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True)
+    try:
+        time.sleep(0.5)
+        assert driver.sync([A, B, S], full=True)["ok"]  # nobody wrote since: the generation proves it
+        time.sleep(0.5)
+    finally:
+        monitor.terminate()
+        quiet, _ = monitor.communicate(timeout=10)
+    assert not [ln for ln in quiet.splitlines() if ln.strip() and not ln.startswith("#")], quiet
+    nft(ns, "add", "table", "inet", "someone-else")  # any transaction bumps the generation
+    nft(ns, "delete", "element", "ip", "netproxy", "service-ips", "{ 10.96.0.11 . tcp . 80 }")
+    assert driver.sync([A, B, S], full=True)["ok"]
+    assert "10.96.0.11 . tcp . 80" in nft(ns, "list", "map", "ip", "netproxy", "service-ips").stdout

@@ -142,6 +142,7 @@ def test_full_sync_repairs_a_table_changed_behind_our_back() -> None:
     t.chains["intruder"] = Chain("intruder")
     t.rules["intruder"] = []
     t.rules[names.SERVICES] = []
+    fake.foreign_write()  # in the kernel, any change bumps the ruleset generation
     b.sync(_base(), Changes())
     assert dumps(fake) == fresh_dumps(_base())
 
@@ -151,7 +152,8 @@ def test_full_sync_keeps_affinity_clients_with_their_time_left() -> None:
     b.sync(_base(), Changes())
     aff = "aff-ns/sticky/http__10.1.3.2/8080"
     fake.touch("ip", aff, "172.16.0.5", expires=37)
-    fake.touch("ip", aff, "172.16.0.6", expires=600)  # longer than the (new) timeout: capped
+    fake.touch("ip", aff, "172.16.0.6", expires=600)  # longer than the timeout: capped
+    fake.foreign_write()  # someone else's transaction: the full sync must rebuild the table
     b.sync(_base(), Changes())
     kept = fake.tables["ip"].elements[aff]
     assert {k: e.expires for k, e in kept.items()} == {"172.16.0.5": 37, "172.16.0.6": 60}
@@ -201,3 +203,29 @@ def test_fake_refuses_like_the_kernel() -> None:
     with pytest.raises(SyncError, match="busy"):
         fake.apply([("delete", "ip", Set("aff-ns/sticky/http__10.1.3.1/8080", "ipv4_addr"))])
     assert dumps(fake) == before, "a refused transaction must change nothing"
+
+
+def test_full_sync_with_no_foreign_write_since_ours_writes_only_what_changed() -> None:
+    b, fake = backend()
+    b.sync(_base(), Changes())
+    n = len(fake.transactions)
+    b.sync(_base(), Changes())  # nothing changed, nobody else wrote: nothing to do
+    assert len(fake.transactions) == n
+    after = _base()
+    after.endpoints[API.name] = eps("10.1.1.4", "10.1.1.5", "10.1.1.6")  # type: ignore[index]
+    b.sync(after, Changes())  # the tracker lost track, but the generation proves the table is ours
+    text = _touched_text(fake)
+    assert "table" not in text and "10.96.0.10" not in text and "10.1.1.5" in text
+    assert dumps(fake) == fresh_dumps(after)
+
+
+def test_foreign_write_between_incremental_syncs_makes_the_next_full_sync_rebuild() -> None:
+    b, fake = backend()
+    b.sync(_base(), Changes())
+    fake.foreign_write()
+    after = _base()
+    after.endpoints[API.name] = eps("10.1.1.4")  # type: ignore[index]
+    _incremental(b, after, API)
+    b.sync(after, Changes())
+    assert any(op[0] == "delete" and type(op[2]).__name__ == "Table" for op in fake.transactions[-1])
+    assert dumps(fake) == fresh_dumps(after)
