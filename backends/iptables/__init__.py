@@ -13,19 +13,11 @@ from typing import Dict, List, Optional, Tuple
 
 from netproxy.backends.base import BackendError, BackendUnavailable, SyncResult
 from netproxy.backends.iptables import cleanup as cleanup_mod
+from netproxy.backends.iptables.assemble import JUMPS, TABLES, assemble
 from netproxy.backends.iptables.diff import TableChange, Writer, full_change, partial_change
 from netproxy.backends.iptables.payload import plan_text
-from netproxy.backends.iptables.render import (
-    JUMPS,
-    TABLES,
-    Chains,
-    FamilyRuleset,
-    Rule,
-    ServiceRules,
-    assemble,
-    render_service,
-)
-from netproxy.backends.iptables.restore import RestoreTools, RestoreWriter
+from netproxy.backends.iptables.render import Chains, FamilyRuleset, Rule, ServiceRules, render_service
+from netproxy.backends.iptables.restore import RestoreTools, RestoreWriter, supports_random_fully
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
 
@@ -54,6 +46,7 @@ class IptablesBackend:
         self._cache: Dict[ServicePortName, _Rendered] = {}
         self._written: Dict[int, Dict[str, Chains]] = {}
         self._need_full = True
+        self._random_fully: Optional[bool] = None
 
     @staticmethod
     def _make_writer(config: ProxyConfig) -> Writer:
@@ -84,7 +77,10 @@ class IptablesBackend:
             self._cache[name] = _Rendered(svc, eps, snapshot.node, rules)
             rerendered += 1
         ordered = [self._cache[n] for n in sorted(self._cache)]
-        desired = {f: assemble(f, (r.rules[f] for r in ordered if f in r.rules), self.config) for f in FAMILIES}
+        if self._random_fully is None:
+            self._random_fully = supports_random_fully(self.config.iptables_flavour)
+        desired = {f: assemble(f, (r.rules[f] for r in ordered if f in r.rules), self.config, snapshot.node,
+                               self._random_fully) for f in FAMILIES}
         return desired, rerendered
 
     def _has_family(self, family: int) -> bool:

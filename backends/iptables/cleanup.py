@@ -7,8 +7,8 @@ from typing import List
 
 from netproxy.backends.base import BackendError
 from netproxy.backends.iptables import names, save
+from netproxy.backends.iptables.assemble import TABLES
 from netproxy.backends.iptables.payload import quote
-from netproxy.backends.iptables.render import TABLES
 from netproxy.backends.iptables.restore import RestoreTools
 
 log = logging.getLogger(__name__)

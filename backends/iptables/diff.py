@@ -14,7 +14,8 @@ except ImportError:  # pragma: no cover
     from typing_extensions import Protocol  # type: ignore[assignment]
 
 from netproxy.backends.iptables import names
-from netproxy.backends.iptables.render import JUMPS, Chains, Rule
+from netproxy.backends.iptables.assemble import JUMPS
+from netproxy.backends.iptables.tree import Chains, Rule
 
 
 @dataclass(frozen=True)
@@ -45,13 +46,18 @@ class TableChange:
         return sum(len(r) for r in self.write.values()) + len(self.jumps)
 
 
+STALE_EXACT = frozenset({names.MASQ_NONCLUSTER})
+"""Exactly named chains that only our own per-service chains jump to, so a full sync may delete them."""
+
+
 def full_change(table: str, desired: Chains, kernel: KernelTable) -> TableChange:
     """Rewrite every chain we own, delete our stale per-service chains, add missing jump rules.
 
     Only per-service prefixes (KUBE-SVC-, KUBE-SEP-, ...) count as stale here: the seed's userspace
     chains are still jumped to from built-in chains until ``cleanup`` removes them with those jumps.
     """
-    stale = sorted(c for c in kernel.chains if c.startswith(names.OWNED_PREFIXES) and c not in desired)
+    stale = sorted(c for c in kernel.chains
+                   if (c.startswith(names.OWNED_PREFIXES) or c in STALE_EXACT) and c not in desired)
     jumps = [(hook, rule) for hook, target, rule in JUMPS[table] if (hook, target) not in kernel.jumps]
     return TableChange(table, dict(desired), stale, jumps, kernel.chains)
 

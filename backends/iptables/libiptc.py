@@ -39,9 +39,9 @@ import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from netproxy.backends.base import BackendUnavailable, SyncError
+from netproxy.backends.iptables.assemble import TABLES
 from netproxy.backends.iptables.diff import KernelTable, TableChange
 from netproxy.backends.iptables.payload import rule_line
-from netproxy.backends.iptables.render import TABLES
 
 log = logging.getLogger(__name__)
 

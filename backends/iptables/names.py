@@ -22,14 +22,26 @@ MARK_MASQ = "KUBE-MARK-MASQ"
 SVC_PREFIX = "KUBE-SVC-"
 SEP_PREFIX = "KUBE-SEP-"
 EXT_PREFIX = "KUBE-EXT-"
+SVL_PREFIX = "KUBE-SVL-"
+FW_PREFIX = "KUBE-FW-"
 DISPATCH_PREFIX = "KUBE-SVCS-"
+HAIRPIN_PREFIX = "KUBE-HP-"
+NODEPORTS = "KUBE-NODEPORTS"
+EXTERNAL_SERVICES = "KUBE-EXTERNAL-SERVICES"
+HAIRPIN = "KUBE-HAIRPIN"
+"""nat: masquerade a DNAT-ed packet whose source is the endpoint it was sent to (a pod reaching its
+own service and landing on itself), through a destination-prefix tree of ``KUBE-HP-`` chains."""
+MASQ_NONCLUSTER = "KUBE-MASQ-NONCLUSTER"
+"""nat: marks for masquerade unless the source is inside one of several cluster CIDRs of a family."""
 
 SEED_USERSPACE_CHAINS = ("KUBE-PORTALS-CONTAINER", "KUBE-PORTALS-HOST", "KUBE-NODEPORT-CONTAINER",
                          "KUBE-NODEPORT-HOST")
 """The seed's userspace proxier chains; cleanup removes them as the seed's start-up did."""
 
-OWNED_CHAINS = (SERVICES, POSTROUTING, MARK_MASQ, "KUBE-NODEPORTS", "KUBE-EXTERNAL-SERVICES") + SEED_USERSPACE_CHAINS
-OWNED_PREFIXES = (SVC_PREFIX, SEP_PREFIX, EXT_PREFIX, DISPATCH_PREFIX, "KUBE-FW-", "KUBE-XLB-", "KUBE-SVL-")
+OWNED_CHAINS = (SERVICES, POSTROUTING, MARK_MASQ, NODEPORTS, EXTERNAL_SERVICES, HAIRPIN,
+                MASQ_NONCLUSTER) + SEED_USERSPACE_CHAINS
+OWNED_PREFIXES = (SVC_PREFIX, SEP_PREFIX, EXT_PREFIX, DISPATCH_PREFIX, FW_PREFIX, "KUBE-XLB-", SVL_PREFIX,
+                  HAIRPIN_PREFIX)
 """Only chains named here (exactly, or by prefix) are ever flushed or deleted. Not "KUBE-" as a
 whole: kubelet owns KUBE-FIREWALL, KUBE-KUBELET-CANARY and friends in the same tables."""
 
@@ -45,7 +57,7 @@ def _hash16(text: str) -> str:
 
 _svc_cache: Dict[Tuple[ServicePortName, str, str], str] = {}
 _sep_cache: Dict[Tuple[ServicePortName, str, Endpoint], str] = {}
-_net_cache: Dict[str, str] = {}
+_net_cache: Dict[Tuple[str, str], str] = {}
 
 
 def service_chain(name: ServicePortName, protocol: str, prefix: str = SVC_PREFIX) -> str:
@@ -70,9 +82,14 @@ def endpoint_name(name: ServicePortName, protocol: str, endpoint: Endpoint) -> s
     return chain
 
 
-def dispatch_chain(network: str) -> str:
-    """``KUBE-SVCS-<hash>``: the second-level dispatch chain for one destination prefix."""
-    chain = _net_cache.get(network)
+def dispatch_chain(network: str, prefix: str = DISPATCH_PREFIX) -> str:
+    """``KUBE-SVCS-<hash>`` (or ``KUBE-HP-<hash>``): a lower-level tree chain for one destination prefix."""
+    key = (network, prefix)
+    chain = _net_cache.get(key)
     if chain is None:
-        chain = _net_cache[network] = DISPATCH_PREFIX + _hash16(network)
+        chain = _net_cache[key] = prefix + _hash16(network)
     return chain
+
+
+def hairpin_chain(network: str) -> str:
+    return dispatch_chain(network, HAIRPIN_PREFIX)

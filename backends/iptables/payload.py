@@ -6,7 +6,7 @@ import re
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 from netproxy.backends.iptables.diff import TableChange
-from netproxy.backends.iptables.render import Chains, Rule
+from netproxy.backends.iptables.tree import Chains, Rule
 
 _SAFE = re.compile(r"[A-Za-z0-9_.:/\-\[\]!,=+@%]+")
 

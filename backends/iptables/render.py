@@ -1,62 +1,47 @@
-"""Snapshot → iptables rules, without I/O: tables → chains → rules as argument lists.
+"""One service port → its iptables rules for one family, without I/O (``assemble.py`` joins them).
 
-Layout (README.md has the why and the measurements):
+Layout (README.md and docs/parity.md have the why and the measurements), as kube-proxy's iptables
+mode names it:
 
-- ``KUBE-SERVICES`` (nat, jumped to from ``PREROUTING`` and ``OUTPUT``) dispatches on destination
-  address, protocol and port.  With many services it is a small tree instead of one flat list:
-  ``-d <prefix> -j KUBE-SVCS-<hash>`` jumps split the addresses 16 ways per level until a chain holds
-  at most :data:`LEAF_SIZE` services, so a packet checks tens of rules at 10k services, not 10k.
-- ``KUBE-SVC-<hash>`` per service port (kube-proxy's name) holds the endpoint choice inline:
-  ``-m statistic --probability 1/(n-i)`` + ``DNAT`` per endpoint, last one unconditional.  There are no
-  per-endpoint ``KUBE-SEP-`` chains (PERF-NOTES.md: 8.5 s against 1.55 s at 10k), but ClientIP
-  affinity uses ``KUBE-SEP-<hash>`` as each endpoint's ``-m recent`` list name, as the seed did.
-- ``KUBE-EXT-<hash>`` for external and load-balancer IPs: marks for masquerade and jumps to the
-  service chain (externalTrafficPolicy Cluster), or picks among local endpoints (Local).
-- A service port without endpoints is rejected in the filter table's ``KUBE-SERVICES`` so that clients
-  get "connection refused" instead of a silent timeout.
+- nat ``KUBE-SERVICES`` dispatches on destination address, protocol and port, as a prefix tree
+  (``tree.py``); a cluster IP goes to the *internal* chain, an external or load-balancer IP to
+  ``KUBE-EXT-`` (or ``KUBE-FW-`` with loadBalancerSourceRanges), a NodePort (through
+  ``KUBE-NODEPORTS``) to ``KUBE-EXT-``.
+- ``KUBE-SVC-<hash>`` (all eligible endpoints) and ``KUBE-SVL-<hash>`` (this node's endpoints, for the
+  Local traffic policies) hold the endpoint choice inline: ``-m statistic --probability 1/(n-i)`` +
+  ``DNAT`` per endpoint, the last unconditional.  No per-endpoint ``KUBE-SEP-`` chains (PERF-NOTES.md:
+  8.5 s against 1.55 s at 10k); ClientIP affinity uses ``KUBE-SEP-<hash>`` as each endpoint's
+  ``-m recent`` list name, as the seed did.  Hairpin masquerade is not here: ``assemble.py`` checks
+  "source is the endpoint" after the DNAT, in ``KUBE-POSTROUTING``.
+- ``KUBE-EXT-<hash>``: externalTrafficPolicy Cluster marks for masquerade and goes to ``KUBE-SVC-``;
+  Local sends pod (cluster CIDR) and node-local sources to ``KUBE-SVC-`` (node-local ones masqueraded)
+  and everything else to ``KUBE-SVL-`` without masquerade.
+- filter ``KUBE-SERVICES`` (new connections, from INPUT, FORWARD, OUTPUT) sees only packets that nat
+  did not DNAT: REJECT for a port without endpoints, DROP for a Local policy without local endpoints
+  and for sources outside loadBalancerSourceRanges, REJECT for any other port of an active cluster IP.
 
 Every service rule carries ``-m comment --comment "<ns>/<name>:<port>"``.
 """
 
 from __future__ import annotations
 
-import ipaddress
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from netproxy.backends.iptables import names
+from netproxy.backends.iptables.tree import Chains, DispatchEntry, Rule
 from netproxy.config import ProxyConfig
-from netproxy.endpoints import cluster_endpoints, external_endpoints
+from netproxy.endpoints import cluster_endpoints, external_endpoints, local_endpoints
 from netproxy.model import Endpoint, IPAddress, NodeInfo, ServicePort
 
-Rule = Tuple[str, ...]
-"""One rule's arguments after ``-A <chain>``, e.g. ``("-d", "10.0.0.1/32", "-p", "tcp", ...)``."""
+__all__ = ["Chains", "DispatchEntry", "Rule", "ServiceRules", "FamilyRuleset", "render_service"]
 
-Chains = Dict[str, Tuple[Rule, ...]]
-"""Chain name → its rules, in write order."""
-
-LEAF_SIZE = 32
-"""At most this many services' rules in one dispatch chain before it is split further."""
-FANOUT_BITS = 4
-"""Each dispatch level splits on this many more address bits (16 ways)."""
 MAX_COMMENT = 255
 """XT_MAX_COMMENT_LEN - 1: the kernel's comment buffer holds 256 bytes with the NUL."""
 
-SERVICE_PORTALS = "kubernetes service portals"
-NAT_JUMPS: Tuple[Tuple[str, str, Rule], ...] = (
-    ("PREROUTING", names.SERVICES, ("-m", "comment", "--comment", SERVICE_PORTALS, "-j", names.SERVICES)),
-    ("OUTPUT", names.SERVICES, ("-m", "comment", "--comment", SERVICE_PORTALS, "-j", names.SERVICES)),
-    ("POSTROUTING", names.POSTROUTING,
-     ("-m", "comment", "--comment", "kubernetes postrouting rules", "-j", names.POSTROUTING)),
-)
-_NEW = ("-m", "conntrack", "--ctstate", "NEW")
-FILTER_JUMPS: Tuple[Tuple[str, str, Rule], ...] = tuple(
-    (hook, names.SERVICES, _NEW + ("-m", "comment", "--comment", SERVICE_PORTALS, "-j", names.SERVICES))
-    for hook in ("INPUT", "FORWARD", "OUTPUT"))
-JUMPS: Dict[str, Tuple[Tuple[str, str, Rule], ...]] = {"nat": NAT_JUMPS, "filter": FILTER_JUMPS}
-"""Per table: (built-in chain, target chain, rule) — the jump rules netproxy adds once, at the top."""
-
-TABLES = ("nat", "filter")
+# filter rule ranks for one address: firewall drops, then per-port verdicts, then the catch-all.
+RANK_FIREWALL, RANK_PORT, RANK_CLUSTER_IP = 0, 1, 2
 
 
 def safe_comment(text: str) -> str:
@@ -89,15 +74,14 @@ def destination(ep: Endpoint) -> str:
 
 
 def host_net(addr: IPAddress) -> str:
-    return f"{addr}/{addr.max_prefixlen}"
+    if addr.version == 4:
+        n = int(addr)
+        return f"{n >> 24}.{(n >> 16) & 255}.{(n >> 8) & 255}.{n & 255}/32"
+    return f"{addr}/128"
 
 
-@dataclass(frozen=True)
-class DispatchEntry:
-    """One (address, protocol, port) → chain rule of ``KUBE-SERVICES``."""
-
-    address: int
-    rule: Rule
+def reject_target(family: int) -> Rule:
+    return ("-j", "REJECT", "--reject-with", "icmp-port-unreachable" if family == 4 else "icmp6-port-unreachable")
 
 
 @dataclass(frozen=True)
@@ -105,8 +89,17 @@ class ServiceRules:
     """Everything one service port contributes to one family's tables."""
 
     nat: Chains
+    """Its own chains: KUBE-SVC-, KUBE-SVL-, KUBE-EXT-, KUBE-FW-."""
     dispatch: Tuple[DispatchEntry, ...]
-    rejects: Tuple[Rule, ...]
+    """nat KUBE-SERVICES: address/protocol/port → its chain."""
+    nodeports: Tuple[Rule, ...] = ()
+    """nat KUBE-NODEPORTS: protocol/nodePort → KUBE-EXT-."""
+    filter: Tuple[DispatchEntry, ...] = ()
+    """filter KUBE-SERVICES: REJECT/DROP for addresses nat left alone."""
+    filter_nodeports: Tuple[Rule, ...] = ()
+    """filter KUBE-EXTERNAL-SERVICES: REJECT/DROP for NodePorts nat left alone."""
+    hairpin: Tuple[IPAddress, ...] = ()
+    """Endpoint addresses this service DNATs to (for the hairpin check in KUBE-POSTROUTING)."""
 
 
 @dataclass
@@ -151,127 +144,155 @@ def _sep_names(svc: ServicePort, eps: Sequence[Endpoint]) -> List[str]:
     return [names.endpoint_name(svc.name, svc.protocol, ep) for ep in eps]
 
 
-def _masq_rules(comment: Rule, family: int, config: ProxyConfig) -> List[Rule]:
+@dataclass
+class _Port:
+    """What every rule of one service port in one family shares, and what it has collected so far."""
+
+    svc: ServicePort
+    family: int
+    config: ProxyConfig
+    proto: str
+    comment: Rule
+    port_match: Rule
+    nat: Dict[str, Tuple[Rule, ...]] = field(default_factory=dict)
+    dispatch: List[DispatchEntry] = field(default_factory=list)
+    filter: List[DispatchEntry] = field(default_factory=list)
+
+    def match(self, addr: IPAddress) -> Rule:
+        return ("-d", host_net(addr), "-p", self.proto) + self.comment + self.port_match
+
+    def route(self, addr: IPAddress, chain: str) -> None:
+        self.dispatch.append(DispatchEntry(int(addr), self.match(addr) + ("-j", chain)))
+
+    def refuse(self, addr: IPAddress, drop: bool, rank: int = RANK_PORT) -> None:
+        verdict: Rule = ("-j", "DROP") if drop else reject_target(self.family)
+        self.filter.append(DispatchEntry(int(addr), self.match(addr) + verdict, rank))
+
+    def endpoints_chain(self, chain: str, eps: Sequence[Endpoint], masq: Sequence[Rule] = ()) -> str:
+        self.nat[chain] = tuple(masq) + tuple(_endpoint_rules(self.proto, self.comment, eps, self.svc,
+                                                              _sep_names(self.svc, eps)))
+        return chain
+
+
+def _cluster_masq(p: _Port, addrs: Sequence[IPAddress]) -> List[Rule]:
+    """kube-proxy's mark for cluster traffic, in the internal chain and qualified by the cluster IP and
+    port so that external traffic passing through the same chain is not affected by it."""
+    config, family = p.config, p.family
+    cidrs = [c for c in config.cluster_cidrs if c.version == family]
     if config.masquerade_all:
-        return [comment + ("-j", names.MARK_MASQ)]
-    for cidr in config.cluster_cidrs:
-        if cidr.version == family:
-            # Traffic from outside the cluster CIDR needs SNAT so that replies come back through us.
-            return [("!", "-s", str(cidr)) + comment + ("-j", names.MARK_MASQ)]
-    return []
+        qualifier: Rule = ("-j", names.MARK_MASQ)
+    elif len(cidrs) == 1:
+        qualifier = ("!", "-s", str(cidrs[0]), "-j", names.MARK_MASQ)
+    elif cidrs:
+        qualifier = ("-j", names.MASQ_NONCLUSTER)  # outside all of them: RETURNs there for each CIDR
+    else:
+        return []
+    return [p.match(a) + qualifier for a in addrs]
+
+
+def _external_chain(p: _Port, svc_chain: Optional[str], svl_chain: Optional[str]) -> str:
+    """KUBE-EXT-: what external traffic goes through, by externalTrafficPolicy."""
+    ext: str = names.service_chain(p.svc.name, p.svc.protocol, names.EXT_PREFIX)
+    c = p.comment
+    rules: List[Rule] = []
+    if p.svc.external_traffic_policy != "Local":
+        # Cluster: the endpoint may be on another node; SNAT so that the reply comes back through us.
+        rules.append(c + ("-j", names.MARK_MASQ))
+        if svc_chain:
+            rules.append(c + ("-j", svc_chain))
+    else:
+        if svc_chain:
+            # Pods reaching an external address are treated as cluster traffic (no policy), as if they
+            # had gone out to the load balancer and come back.
+            rules.extend(("-s", str(cidr)) + c + ("-j", svc_chain)
+                         for cidr in p.config.cluster_cidrs if cidr.version == p.family)
+            # The node itself: its source address would be the external address's own; masquerade it
+            # and let it reach every endpoint so that NodePorts work from the node.
+            local_src: Rule = ("-m", "addrtype", "--src-type", "LOCAL")
+            rules.append(c + local_src + ("-j", names.MARK_MASQ))
+            rules.append(c + local_src + ("-j", svc_chain))
+        if svl_chain:
+            rules.append(c + ("-j", svl_chain))
+        # No local endpoint: nothing more here; filter KUBE-SERVICES/KUBE-EXTERNAL-SERVICES drops it.
+    p.nat[ext] = tuple(rules)
+    return ext
+
+
+def _firewall_chain(p: _Port, ext: str) -> str:
+    """KUBE-FW-: allowed source ranges continue to KUBE-EXT-; the rest is dropped in filter."""
+    fw: str = names.service_chain(p.svc.name, p.svc.protocol, names.FW_PREFIX)
+    p.nat[fw] = tuple(("-s", str(r)) + p.comment + ("-j", ext)
+                      for r in p.svc.source_ranges if r.version == p.family)
+    return fw
 
 
 def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeInfo, family: int,
                    config: ProxyConfig) -> Optional[ServiceRules]:
-    """One service port's chains, dispatch rules and reject rules for one family; None if it has no
+    """One service port's chains, dispatch rules and filter rules for one family; None if it has no
     address in that family."""
     cluster_addrs = [a for a in svc.cluster_ips if a.version == family]
-    ext_addrs = [a for a in svc.external_ips + svc.load_balancer_ips if a.version == family]
-    if not cluster_addrs and not ext_addrs:
+    ext_addrs = [a for a in svc.external_ips if a.version == family]
+    lb_addrs = [a for a in svc.load_balancer_ips if a.version == family]
+    if not cluster_addrs and not ext_addrs and not lb_addrs:
         return None
     proto = svc.protocol.lower()
-    comment: Rule = ("-m", "comment", "--comment", safe_comment(str(svc.name)))
-    port_match: Rule = ("-m", proto, "--dport", str(svc.port))
-    eps = [e for e in cluster_endpoints(svc, endpoints, node) if e.ip.version == family]
+    p = _Port(svc, family, config, proto, ("-m", "comment", "--comment", safe_comment(str(svc.name))),
+              ("-m", proto, "--dport", str(svc.port)))
+    # Eligibility comes from netproxy/endpoints.py only.  The cluster-policy chain serves every
+    # eligible endpoint whatever internalTrafficPolicy says (external traffic and ETP Local's
+    # short-circuits use it too), as kube-proxy's clusterPolicyChain does.
+    fam_eps = [e for e in endpoints if e.ip.version == family]
+    everyone = cluster_endpoints(dataclasses.replace(svc, internal_traffic_policy="Cluster"), fam_eps, node)
+    local = local_endpoints(fam_eps, node)
+    internal = cluster_endpoints(svc, fam_eps, node)
+    external = external_endpoints(svc, fam_eps, node)
+    has_endpoints = bool(everyone or local)
+
     svc_chain = names.service_chain(svc.name, svc.protocol)
-    nat: Dict[str, Tuple[Rule, ...]] = {}
-    dispatch: List[DispatchEntry] = []
-    rejects: List[Rule] = []
+    svl_chain = names.service_chain(svc.name, svc.protocol, names.SVL_PREFIX)
+    itp_local = svc.internal_traffic_policy == "Local"
+    etp_local = svc.external_traffic_policy == "Local"
+    has_external = bool(ext_addrs or lb_addrs or svc.node_port)
+    masq = _cluster_masq(p, cluster_addrs)
+    want_svc = bool(everyone) and (not itp_local or (has_external and has_endpoints))
+    want_svl = bool(local) and (itp_local or (etp_local and has_external))
+    if want_svc:
+        p.endpoints_chain(svc_chain, everyone, () if itp_local else masq)
+    if want_svl:
+        p.endpoints_chain(svl_chain, local, masq if itp_local else ())
 
-    def route(addr: IPAddress, chain: Optional[str]) -> None:
-        match = ("-d", host_net(addr), "-p", proto) + comment + port_match
-        if chain is None:
-            reject = "icmp-port-unreachable" if family == 4 else "icmp6-port-unreachable"
-            rejects.append(match + ("-j", "REJECT", "--reject-with", reject))
-        else:
-            dispatch.append(DispatchEntry(int(addr), match + ("-j", chain)))
-
-    if eps:
-        nat[svc_chain] = tuple(_masq_rules(comment, family, config)
-                               + _endpoint_rules(proto, comment, eps, svc, _sep_names(svc, eps)))
+    internal_chain = (svl_chain if itp_local else svc_chain) if internal else None
     for addr in cluster_addrs:
-        route(addr, svc_chain if eps else None)
-    if ext_addrs:
-        ext_chain: Optional[str] = names.service_chain(svc.name, svc.protocol, names.EXT_PREFIX)
-        assert ext_chain is not None
-        if svc.external_traffic_policy == "Local":
-            local = [e for e in external_endpoints(svc, endpoints, node) if e.ip.version == family]
-            if local:
-                nat[ext_chain] = tuple(_endpoint_rules(proto, comment, local, svc, _sep_names(svc, local)))
-            else:
-                ext_chain = None
-        elif eps:
-            nat[ext_chain] = (comment + ("-j", names.MARK_MASQ), comment + ("-j", svc_chain))
-        else:
-            ext_chain = None
-        for addr in ext_addrs:
-            route(addr, ext_chain)
-    return ServiceRules(nat, tuple(dispatch), tuple(rejects))
+        if internal_chain:
+            p.route(addr, internal_chain)
+        else:  # ITP Local without a local endpoint drops; no endpoint at all refuses
+            p.refuse(addr, drop=has_endpoints)
+        # Any other port of an active cluster IP is refused (one rule per address; duplicates of a
+        # multi-port service are merged by assemble).
+        catch_all = ("-d", host_net(addr), "-m", "comment", "--comment",
+                     safe_comment(f"{svc.name.namespace}/{svc.name.name} cluster IP")) + reject_target(family)
+        p.filter.append(DispatchEntry(int(addr), catch_all, RANK_CLUSTER_IP))
 
-
-def build_dispatch(entries: Iterable[DispatchEntry], family: int) -> Tuple[Tuple[Rule, ...], Chains]:
-    """``KUBE-SERVICES`` rules and the second-level ``KUBE-SVCS-`` chains, as a prefix tree.
-
-    Deterministic in the set of addresses, so a one-service change rewrites only the chains on that
-    service's path (a leaf splitting aside).  Per packet: at most 16 jump rules per level plus one leaf.
-    """
-    bits = 32 if family == 4 else 128
-    ordered = sorted(entries, key=lambda e: (e.address, e.rule))
-    sub: Dict[str, Tuple[Rule, ...]] = {}
-
-    def node(group: Sequence[DispatchEntry]) -> Tuple[Rule, ...]:
-        if len(group) <= LEAF_SIZE:
-            return tuple(e.rule for e in group)
-        common = bits - (group[0].address ^ group[-1].address).bit_length()
-        if common == bits:  # one address with many ports: nothing to split on
-            return tuple(e.rule for e in group)
-        split = min(bits, common + FANOUT_BITS)
-        shift = bits - split
-        rules: List[Rule] = []
-        start = 0
-        while start < len(group):
-            key = group[start].address >> shift
-            end = start
-            while end < len(group) and group[end].address >> shift == key:
-                end += 1
-            part = group[start:end]
-            if len(part) <= 2:  # a jump would cost as much as the rules themselves
-                rules.extend(e.rule for e in part)
-            else:
-                net = ipaddress.ip_network((key << shift, split)) if family == 4 else \
-                    ipaddress.IPv6Network((key << shift, split))
-                chain = names.dispatch_chain(str(net))
-                sub[chain] = node(part)
-                rules.append(("-d", str(net), "-m", "comment", "--comment", f"services in {net}", "-j", chain))
-            start = end
-        return tuple(rules)
-
-    return node(ordered), sub
-
-
-def base_chains(config: ProxyConfig) -> Chains:
-    """The nat chains that exist whatever the services: masquerade marking and SNAT."""
-    mark = f"{config.masquerade_mark:#x}"
-    return {
-        names.MARK_MASQ: (("-j", "MARK", "--or-mark", mark),),
-        names.POSTROUTING: (
-            ("-m", "mark", "!", "--mark", f"{mark}/{mark}", "-j", "RETURN"),
-            ("-j", "MARK", "--xor-mark", mark),
-            ("-m", "comment", "--comment", "kubernetes service traffic requiring SNAT", "-j", "MASQUERADE"),
-        ),
-    }
-
-
-def assemble(family: int, services: Iterable[ServiceRules], config: ProxyConfig) -> FamilyRuleset:
-    """One family's desired state from its services' rules (already rendered, possibly cached)."""
-    rendered = list(services)
-    top, sub = build_dispatch((e for s in rendered for e in s.dispatch), family)
-    out = FamilyRuleset(family)
-    nat = out.chains("nat")
-    nat[names.SERVICES] = top
-    nat.update(base_chains(config))
-    nat.update(sub)
-    for s in rendered:
-        nat.update(s.nat)
-    out.chains("filter")[names.SERVICES] = tuple(r for s in rendered for r in s.rejects)
-    return out
+    nodeports: Tuple[Rule, ...] = ()
+    filter_nodeports: Tuple[Rule, ...] = ()
+    if has_external:
+        ext = _external_chain(p, svc_chain if want_svc else None, svl_chain if want_svl else None) \
+            if has_endpoints else None
+        fw = _firewall_chain(p, ext) if ext and lb_addrs and svc.source_ranges else None
+        for addr in ext_addrs + lb_addrs:
+            target = fw if fw and addr in lb_addrs else ext
+            if target:
+                p.route(addr, target)
+            if fw and addr in lb_addrs:
+                p.refuse(addr, drop=True, rank=RANK_FIREWALL)
+            if not external:
+                p.refuse(addr, drop=has_endpoints)
+        if svc.node_port:
+            np_match = ("-p", proto) + p.comment + ("-m", proto, "--dport", str(svc.node_port))
+            if ext:
+                nodeports = (np_match + ("-j", ext),)
+            if not external:
+                filter_nodeports = (np_match + (("-j", "DROP") if has_endpoints else reject_target(family)),)
+    hairpin = tuple(sorted({e.ip for chain_eps in (everyone if want_svc else (), local if want_svl else ())
+                            for e in chain_eps}))
+    return ServiceRules(p.nat, tuple(p.dispatch), nodeports, tuple(p.filter), filter_nodeports, hairpin)

@@ -14,9 +14,9 @@ from typing import Dict, List, Optional, Sequence
 
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.iptables import save
+from netproxy.backends.iptables.assemble import TABLES
 from netproxy.backends.iptables.diff import KernelTable, TableChange
 from netproxy.backends.iptables.payload import ChainTextCache, restore_payload
-from netproxy.backends.iptables.render import TABLES
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,30 @@ def failing_line(stderr: str, payload: str) -> Optional[str]:
     lines = payload.splitlines()
     index = int(match.group(1)) - 1
     return lines[index] if 0 <= index < len(lines) else None
+
+
+_VERSION = re.compile(r"v(\d+)\.(\d+)\.(\d+)")
+RANDOM_FULLY_SINCE = (1, 6, 2)
+"""iptables learnt MASQUERADE --random-fully in 1.6.2 (the kernel in 3.13, older than any we run on)."""
+
+
+def supports_random_fully(flavour: str) -> bool:
+    """Whether this node's iptables takes ``--random-fully``, from ``iptables-<flavour> --version``
+    (no kernel access).  A version we cannot read counts as new enough: every supported distribution
+    ships >= 1.6.2, and a wrong guess is refused by the restore with the line named, not silently."""
+    for name in (f"iptables-{flavour}", "iptables"):
+        path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/local/sbin")
+        if not path:
+            continue
+        try:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return True
+        found = _VERSION.search(out.stdout + out.stderr)
+        if found:
+            return tuple(int(x) for x in found.groups()) >= RANDOM_FULLY_SINCE
+        return True
+    return True
 
 
 class RestoreTools:

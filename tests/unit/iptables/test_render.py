@@ -9,15 +9,9 @@ from typing import Dict, List, Tuple
 import pytest
 
 from netproxy.backends.iptables import names
-from netproxy.backends.iptables.render import (
-    LEAF_SIZE,
-    Rule,
-    assemble,
-    build_dispatch,
-    probability,
-    render_service,
-    safe_comment,
-)
+from netproxy.backends.iptables.assemble import assemble
+from netproxy.backends.iptables.render import Rule, probability, render_service, safe_comment
+from netproxy.backends.iptables.tree import LEAF_SIZE, build_tree
 from netproxy.config import ProxyConfig
 from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName
 
@@ -78,9 +72,10 @@ def test_no_endpoints_rejects_in_filter() -> None:
     rendered = render_service(svc(), (), NodeInfo(), 4, CFG)
     assert rendered is not None
     assert rendered.nat == {} and rendered.dispatch == ()
-    (reject,) = rendered.rejects
-    assert reject[-4:] == ("-j", "REJECT", "--reject-with", "icmp-port-unreachable")
-    assert "10.96.0.10/32" in reject
+    port_reject, catch_all = rendered.filter
+    assert port_reject.rule[-4:] == ("-j", "REJECT", "--reject-with", "icmp-port-unreachable")
+    assert "10.96.0.10/32" in port_reject.rule and "--dport" in port_reject.rule
+    assert catch_all.rule[:2] == ("-d", "10.96.0.10/32") and "--dport" not in catch_all.rule
 
 
 def test_affinity_checks_before_choice_and_sets_where_chosen() -> None:
@@ -117,7 +112,9 @@ def test_external_traffic_policy_local_uses_local_endpoints_only() -> None:
     rendered = render_service(s, endpoints, NodeInfo(name="node"), 4, CFG)
     assert rendered is not None
     ext_rules = rendered.nat[names.service_chain(s.name, "TCP", names.EXT_PREFIX)]
-    assert [r[-1] for r in ext_rules] == ["10.1.0.1:8080"]
+    svl = names.service_chain(s.name, "TCP", names.SVL_PREFIX)
+    assert ext_rules[-1][-1] == svl
+    assert [r[-1] for r in rendered.nat[svl]] == ["10.1.0.1:8080"]
 
 
 def test_families_are_separate() -> None:
@@ -147,7 +144,10 @@ def test_masquerade_all_and_cluster_cidr() -> None:
     assert every is not None and every.nat[names.service_chain(s.name, "TCP")][0][-1] == names.MARK_MASQ
     cidr = ProxyConfig(cluster_cidrs=(ipaddress.ip_network("10.0.0.0/8"),))
     outside = render_service(s, eps("10.1.0.1"), NodeInfo(), 4, cidr)
-    assert outside is not None and outside.nat[names.service_chain(s.name, "TCP")][0][:3] == ("!", "-s", "10.0.0.0/8")
+    assert outside is not None
+    first = outside.nat[names.service_chain(s.name, "TCP")][0]
+    # kube-proxy's rule: qualified by the cluster IP and port, so external traffic passing through is not.
+    assert first[:2] == ("-d", "10.96.0.10/32") and first[-5:] == ("!", "-s", "10.0.0.0/8", "-j", names.MARK_MASQ)
 
 
 def test_dispatch_tree_is_shallow_and_routes_every_service() -> None:
@@ -171,7 +171,7 @@ def test_dispatch_tree_is_shallow_and_routes_every_service() -> None:
 def test_dispatch_small_stays_flat_and_same_address_many_ports_is_a_leaf() -> None:
     entries = [render_service(svc(name="multi", port=p, pname=f"p{p}"), eps("10.1.0.1"), NodeInfo(), 4, CFG)
                for p in range(1, 2 * LEAF_SIZE)]
-    top, sub = build_dispatch([e for r in entries if r for e in r.dispatch], 4)
+    top, sub = build_tree([e for r in entries if r for e in r.dispatch], 4, names.dispatch_chain)
     assert sub == {} and len(top) == 2 * LEAF_SIZE - 1
 
 

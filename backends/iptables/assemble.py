@@ -1,0 +1,130 @@
+"""Rendered service ports → one family's desired tables: dispatch trees, NodePorts, masquerade, hairpin.
+
+Pure, like ``render.py``; the node-wide rules live here because they depend on every service (the
+trees) or on the node (NodePort addresses), not on one service port.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Tuple
+
+from netproxy.backends.iptables import names
+from netproxy.backends.iptables.render import FamilyRuleset, ServiceRules, host_net
+from netproxy.backends.iptables.tree import Chains, DispatchEntry, Rule, build_tree
+from netproxy.config import ProxyConfig
+from netproxy.model import IPAddress, NodeInfo
+
+SERVICE_PORTALS = "kubernetes service portals"
+NAT_JUMPS: Tuple[Tuple[str, str, Rule], ...] = (
+    ("PREROUTING", names.SERVICES, ("-m", "comment", "--comment", SERVICE_PORTALS, "-j", names.SERVICES)),
+    ("OUTPUT", names.SERVICES, ("-m", "comment", "--comment", SERVICE_PORTALS, "-j", names.SERVICES)),
+    ("POSTROUTING", names.POSTROUTING,
+     ("-m", "comment", "--comment", "kubernetes postrouting rules", "-j", names.POSTROUTING)),
+)
+_NEW = ("-m", "conntrack", "--ctstate", "NEW")
+FILTER_JUMPS: Tuple[Tuple[str, str, Rule], ...] = tuple(
+    (hook, names.SERVICES, _NEW + ("-m", "comment", "--comment", SERVICE_PORTALS, "-j", names.SERVICES))
+    for hook in ("INPUT", "FORWARD", "OUTPUT"))
+JUMPS: Dict[str, Tuple[Tuple[str, str, Rule], ...]] = {"nat": NAT_JUMPS, "filter": FILTER_JUMPS}
+"""Per table: (built-in chain, target chain, rule) — the jump rules netproxy adds once, at the top."""
+
+TABLES = ("nat", "filter")
+NODEPORTS_COMMENT = "kubernetes service nodeports; NOTE: this must be the last rule in this chain"
+LOOPBACK = {4: "127.0.0.0/8", 6: "::1/128"}
+_NO_NODE = NodeInfo()
+
+
+def nodeport_jumps(family: int, config: ProxyConfig, node: NodeInfo, chain: str) -> List[Rule]:
+    """The last rules of a ``KUBE-SERVICES``: NodePort traffic is traffic to one of the node's addresses.
+
+    Without ``--nodeport-addresses``: any local address but loopback (kube-proxy >= 1.28 does not serve
+    localhost NodePorts).  With it: the node's addresses inside those CIDRs (the core keeps
+    ``node.addresses`` current and filtered; filtered again here so that a stale list cannot widen it).
+    """
+    comment: Rule = ("-m", "comment", "--comment", NODEPORTS_COMMENT)
+    if not config.nodeport_addresses:
+        return [("!", "-d", LOOPBACK[family]) + comment + ("-m", "addrtype", "--dst-type", "LOCAL", "-j", chain)]
+    cidrs = [c for c in config.nodeport_addresses if c.version == family]
+    addrs = sorted({a for a in node.addresses
+                    if a.version == family and not a.is_loopback and any(a in c for c in cidrs)})
+    return [("-d", host_net(a)) + comment + ("-j", chain) for a in addrs]
+
+
+_hairpin_rules: Dict[IPAddress, Rule] = {}
+
+
+def _hairpin_entries(services: Iterable[ServiceRules]) -> List[DispatchEntry]:
+    """One exact ``-s ep -d ep`` rule per distinct endpoint address; rule tuples cached across syncs."""
+    out: List[DispatchEntry] = []
+    seen = set()
+    for s in services:
+        for addr in s.hairpin:
+            if addr in seen:
+                continue
+            seen.add(addr)
+            rule = _hairpin_rules.get(addr)
+            if rule is None:
+                net = host_net(addr)
+                rule = _hairpin_rules[addr] = ("-s", net, "-d", net, "-j", names.MARK_MASQ)
+            out.append(DispatchEntry(int(addr), rule))
+    return out
+
+
+def base_chains(config: ProxyConfig, family: int = 4, random_fully: bool = True,
+                hairpin: bool = False) -> Chains:
+    """Masquerade marking and SNAT (and the multi-CIDR helper), whatever the services."""
+    mark = f"{config.masquerade_mark:#x}"
+    masquerade: Rule = ("-m", "comment", "--comment", "kubernetes service traffic requiring SNAT",
+                        "-j", "MASQUERADE")
+    postrouting: List[Rule] = []
+    if hairpin:
+        # A pod reaching its own service and DNAT-ed to itself: the source is the destination after
+        # DNAT.  Marked here, after the choice, so that only that endpoint's own traffic is SNAT-ed.
+        postrouting.append(("-m", "conntrack", "--ctstate", "DNAT", "-m", "comment", "--comment",
+                            "hairpin: endpoints reaching themselves", "-j", names.HAIRPIN))
+    postrouting += [
+        ("-m", "mark", "!", "--mark", f"{mark}/{mark}", "-j", "RETURN"),
+        ("-j", "MARK", "--xor-mark", mark),
+        masquerade + (("--random-fully",) if random_fully else ()),
+    ]
+    chains: Chains = {
+        names.MARK_MASQ: (("-j", "MARK", "--or-mark", mark),),
+        names.POSTROUTING: tuple(postrouting),
+    }
+    cidrs = [c for c in config.cluster_cidrs if c.version == family]
+    if len(cidrs) > 1 and not config.masquerade_all:
+        chains[names.MASQ_NONCLUSTER] = tuple(("-s", str(c), "-j", "RETURN") for c in cidrs) + (
+            ("-j", names.MARK_MASQ),)
+    return chains
+
+
+def assemble(family: int, services: Iterable[ServiceRules], config: ProxyConfig,
+             node: NodeInfo = _NO_NODE, random_fully: bool = True) -> FamilyRuleset:
+    """One family's desired state from its services' rules (already rendered, possibly cached)."""
+    rendered = list(services)
+    out = FamilyRuleset(family)
+    nat = out.chains("nat")
+    filt = out.chains("filter")
+
+    top, sub = build_tree((e for s in rendered for e in s.dispatch), family, names.dispatch_chain)
+    nodeports = tuple(r for s in rendered for r in s.nodeports)
+    nat[names.SERVICES] = top + (tuple(nodeport_jumps(family, config, node, names.NODEPORTS))
+                                 if nodeports else ())
+    nat[names.NODEPORTS] = nodeports
+    hp_top, hp_sub = build_tree(_hairpin_entries(rendered), family, names.hairpin_chain, "endpoints")
+    nat[names.HAIRPIN] = hp_top
+    nat.update(base_chains(config, family, random_fully, hairpin=bool(hp_top)))
+    nat.update(sub)
+    nat.update(hp_sub)
+    for s in rendered:
+        nat.update(s.nat)
+
+    # dict.fromkeys: the catch-all REJECT of a multi-port service's cluster IP comes once per port.
+    entries = list(dict.fromkeys(e for s in rendered for e in s.filter))
+    ftop, fsub = build_tree(entries, family, names.dispatch_chain)
+    external = tuple(r for s in rendered for r in s.filter_nodeports)
+    filt[names.SERVICES] = ftop + (tuple(nodeport_jumps(family, config, node, names.EXTERNAL_SERVICES))
+                                   if external else ())
+    filt[names.EXTERNAL_SERVICES] = external
+    filt.update(fsub)
+    return out
