@@ -61,8 +61,40 @@ def snapshot_steps() -> List[object]:
     moved[fifty[7].name] = eps("10.3.7", 5)  # an endpoint change
     del moved[fifty[9].name]  # endpoints gone: reject
     steps.append(Snapshot.build(fifty[:40] + [web], {**moved, web.name: eps("10.1.0", 2)}))  # 10 services deleted
+    steps.append(parity_snapshot())
     steps.append(Snapshot.build([]))
     return steps
+
+
+def parity_snapshot() -> object:
+    """Every rule shape docs/parity.md adds: NodePorts, Local policies (with and without local
+    endpoints), source ranges, no endpoints with external addresses, IPv6 NodePorts."""
+    from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
+
+    ip, net = ipaddress.ip_address, ipaddress.ip_network
+    local = [Endpoint(ip("10.244.1.5"), 8080, node_name="node"), Endpoint(ip("10.244.2.5"), 8080, node_name="x")]
+    remote = local[1:]
+
+    def port(name: str, cip: str, **kw: object) -> ServicePort:
+        return ServicePort(ServicePortName("parity", name, ""), "TCP", 80, 8080, (ip(cip),), **kw)  # type: ignore[arg-type]
+
+    svcs = [
+        port("np", "10.96.1.1", node_port=30001, service_type="NodePort"),
+        port("etp", "10.96.1.2", node_port=30002, external_ips=(ip("203.0.113.2"),), external_traffic_policy="Local",
+             affinity="ClientIP", affinity_timeout=30),
+        port("etp-none", "10.96.1.3", node_port=30003, external_traffic_policy="Local"),
+        port("itp", "10.96.1.4", internal_traffic_policy="Local"),
+        port("itp-none", "10.96.1.5", internal_traffic_policy="Local"),
+        port("fw", "10.96.1.6", load_balancer_ips=(ip("198.51.100.6"),), source_ranges=(net("172.16.0.0/24"),),
+             node_port=30006),
+        port("gone", "10.96.1.7", node_port=30007, external_ips=(ip("203.0.113.7"),)),
+        ServicePort(ServicePortName("parity", "v6", ""), "UDP", 53, 53, (ip("fd00::53"),), node_port=30053),
+    ]
+    eps = {s.name: local for s in svcs[:6]}
+    eps[svcs[2].name] = remote
+    eps[svcs[4].name] = remote
+    eps[svcs[7].name] = [Endpoint(ip("fd01::5"), 53, node_name="node")]
+    return Snapshot.build(svcs, eps, NodeInfo(name="node"))
 
 
 def run_steps(writer: str, out: str) -> None:
@@ -73,7 +105,8 @@ def run_steps(writer: str, out: str) -> None:
     from netproxy.model import Changes
 
     results: Dict[str, str] = {}
-    backend = create("iptables", ProxyConfig(iptables_writer=writer, iptables_flavour="legacy"))
+    backend = create("iptables", ProxyConfig(iptables_writer=writer, iptables_flavour="legacy", hostname="node",
+                                             cluster_cidrs=(ipaddress.ip_network("10.244.0.0/16"),)))
     for i, snap in enumerate(snapshot_steps()):
         backend.sync(snap, Changes(full=(i % 2 == 0), services=frozenset(snap.services)))  # type: ignore[attr-defined]
         results[str(i)] = saved_tables()
@@ -140,7 +173,12 @@ def test_restore_and_libiptc_writers_leave_identical_tables(kernel_env: None, tm
         assert results["libiptc"][step] == text, f"step {step} differs"
     # The matrix is not vacuous: the busy step has many service chains, the last is empty again.
     assert results["restore"]["4"].count(":KUBE-SVC-") >= 50
-    assert ":KUBE-SVC-" not in results["restore"]["6"]
+    last = len(snapshot_steps()) - 1
+    assert ":KUBE-SVC-" not in results["restore"][str(last)]
+    parity = results["restore"][str(last - 1)]
+    for shape in (":KUBE-SVL-", ":KUBE-FW-", "-A KUBE-NODEPORTS", "--random-fully", "-A KUBE-HAIRPIN",
+                  "-A KUBE-EXTERNAL-SERVICES", "--src-type LOCAL", "--ctstate DNAT", "icmp6-port-unreachable"):
+        assert shape in parity, shape
 
 
 SEED = """*nat
