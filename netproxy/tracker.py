@@ -146,6 +146,8 @@ class ChangeTracker:
 
     def _set_service(self, key: Key, ports: Optional[Tuple[ServicePort, ...]]) -> None:
         old = self._services.get(key)
+        if old is ports and ports:
+            return  # the same object again (a cached file part): nothing to compare
         if ports is None or not ports:
             if old is not None:
                 del self._services[key]
@@ -157,7 +159,7 @@ class ChangeTracker:
 
     def _set_slice(self, key: Key, eps: Optional[EndpointSet]) -> None:
         old = self._slices.get(key)
-        if old == eps:
+        if old is eps or old == eps:
             return
         if old is not None:
             service = (old.namespace, old.service)
@@ -184,16 +186,19 @@ class ChangeTracker:
         slices = [self._slices[k] for k in sorted(self._slices_by_service.get(key, ()))]
         names: Set[ServicePortName] = set()
         for sp in ports:
-            seen: Dict[Tuple[object, int], Endpoint] = {}
+            # Keyed by plain ints: ipaddress' __hash__/__lt__ are Python-level and showed up as a
+            # third of a 10k-service resolve.
+            seen: Dict[Tuple[int, int, int], Endpoint] = {}
             for s in slices:
                 for ep in s.for_port(sp.name.port, sp.protocol):
                     # The same address in two slices (during a slice rebalance) counts once; a ready
                     # copy wins over a not-ready one.
-                    prev = seen.get((ep.ip, ep.port))
+                    k = (ep.ip.version, int(ep.ip), ep.port)
+                    prev = seen.get(k)
                     if prev is None or (ep.ready and not prev.ready):
-                        seen[(ep.ip, ep.port)] = ep
+                        seen[k] = ep
             self._ports[sp.name] = sp
-            self._resolved[sp.name] = tuple(sorted(seen.values(), key=lambda e: (e.ip.version, e.ip, e.port)))
+            self._resolved[sp.name] = tuple(seen[k] for k in sorted(seen))
             names.add(sp.name)
         if names:
             self._names_by_service[key] = names

@@ -7,7 +7,7 @@ object's kind, namespace/name and the failing field.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
 
 from netproxy.model import (
@@ -53,11 +53,26 @@ class EndpointSet:
     endpoints: Tuple[Endpoint, ...]
 
     def for_port(self, port_name: str, protocol: str) -> Tuple[Endpoint, ...]:
-        out: List[Endpoint] = []
-        for p in self.ports:
-            if p.name == port_name and p.protocol == protocol:
-                out.extend(replace(e, port=p.port) for e in self.endpoints)
-        return tuple(out)
+        """This set's endpoints with the port that ``port_name``/``protocol`` resolves to here.
+
+        Memoised on the (immutable) set: a sync re-resolves every service whose slices changed, and
+        a slice object that did not change resolves the same way.
+        """
+        cache: Dict[Tuple[str, str], Tuple[Endpoint, ...]] = self.__dict__.setdefault("_for_port", {})
+        key = (port_name, protocol)
+        hit = cache.get(key)
+        if hit is None and len(self.ports) == 1:
+            p = self.ports[0]
+            if p.name == port_name and p.protocol == protocol and all(e.port == p.port for e in self.endpoints):
+                hit = cache[key] = self.endpoints
+        if hit is None:
+            out: List[Endpoint] = []
+            for p in self.ports:
+                if p.name == port_name and p.protocol == protocol:
+                    out.extend(Endpoint(e.ip, p.port, e.ready, e.serving, e.terminating, e.node_name, e.zone,
+                                        e.zone_hints) for e in self.endpoints)
+            hit = cache[key] = tuple(out)
+        return hit
 
 
 def object_ref(obj: Mapping[str, Any]) -> Tuple[str, str, str]:
@@ -85,6 +100,8 @@ def _guard(kind: str, ref: str, fn: Callable[[], T]) -> T:
 
 
 def _list(value: Any, field_path: str) -> List[Any]:
+    if type(value) is list:  # the common case first: typing.Mapping/abc checks are slow at 100k objects
+        return value
     if value is None:
         return []
     if not isinstance(value, list):
@@ -93,6 +110,8 @@ def _list(value: Any, field_path: str) -> List[Any]:
 
 
 def _map(value: Any, field_path: str) -> Mapping[str, Any]:
+    if type(value) is dict:
+        return value
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -227,31 +246,46 @@ def parse_endpoint_slice(obj: Mapping[str, Any], families: Tuple[str, ...] = ("I
             raise FieldError("addressType", f"{addr_type!r} is not IPv4, IPv6 or FQDN")
         if addr_type not in families:
             return None
+        ports = _slice_ports(obj.get("ports"), "ports")
+        # With one port (the common case) endpoints carry it already, so for_port needs no copies.
+        port0 = ports[0].port if len(ports) == 1 else 0
         eps: List[Endpoint] = []
         for i, raw in enumerate(_list(obj.get("endpoints"), "endpoints")):
-            path = f"endpoints[{i}]"
-            e = _map(raw, path)
-            cond = _map(e.get("conditions"), f"{path}.conditions")
-            ready = _bool(cond.get("ready"), True, f"{path}.conditions.ready")
-            serving = _bool(cond.get("serving"), ready, f"{path}.conditions.serving")
-            terminating = _bool(cond.get("terminating"), False, f"{path}.conditions.terminating")
-            node = e.get("nodeName")
-            if node is not None:
-                check_subdomain(node, f"{path}.nodeName")
-            zone = check_zone(e.get("zone"), f"{path}.zone")
-            hints = _map(e.get("hints"), f"{path}.hints")
-            for_zones = _list(hints.get("forZones"), f"{path}.hints.forZones")
-            zone_hints = tuple(check_zone(_map(z, f"{path}.hints.forZones[{k}]").get("name"),
-                                          f"{path}.hints.forZones[{k}].name") or ""
-                               for k, z in enumerate(for_zones))
-            for j, addr in enumerate(_list(e.get("addresses"), f"{path}.addresses")):
-                ip = check_ip(addr, f"{path}.addresses[{j}]")
-                if ("IPv6" if ip.version == 6 else "IPv4") != addr_type:
-                    raise FieldError(f"{path}.addresses[{j}]", f"{addr!r} is not of addressType {addr_type}")
-                eps.append(Endpoint(ip, 0, ready, serving, terminating, node, zone, zone_hints))
-        return EndpointSet(ns, service, _slice_ports(obj.get("ports"), "ports"), tuple(eps))
+            try:
+                _slice_endpoint(raw, addr_type, port0, eps)
+            except FieldError as err:
+                # Field paths are relative inside the loop and prefixed only on error: formatting
+                # "endpoints[i]..." for every field of 100k endpoints cost more than parsing them.
+                sub = f".{err.field_path}" if err.field_path else ""
+                raise FieldError(f"endpoints[{i}]{sub}", err.message) from None
+        return EndpointSet(ns, service, ports, tuple(eps))
 
     return _guard(kind, ref, build)
+
+
+def _slice_endpoint(raw: Any, addr_type: str, port: int, out: List[Endpoint]) -> None:
+    """One EndpointSlice endpoint → one Endpoint per address, appended to ``out``."""
+    e = _map(raw, "")
+    cond = _map(e.get("conditions"), "conditions")
+    ready = _bool(cond.get("ready"), True, "conditions.ready")
+    serving = _bool(cond.get("serving"), ready, "conditions.serving")
+    terminating = _bool(cond.get("terminating"), False, "conditions.terminating")
+    node = e.get("nodeName")
+    if node is not None:
+        check_subdomain(node, "nodeName")
+    zone = check_zone(e.get("zone"), "zone")
+    zone_hints: Tuple[str, ...] = ()
+    hints = e.get("hints")
+    if hints is not None:
+        for_zones = _list(_map(hints, "hints").get("forZones"), "hints.forZones")
+        zone_hints = tuple(check_zone(_map(z, f"hints.forZones[{k}]").get("name"),
+                                      f"hints.forZones[{k}].name") or ""
+                           for k, z in enumerate(for_zones))
+    for j, addr in enumerate(_list(e.get("addresses"), "addresses")):
+        ip = check_ip(addr, f"addresses[{j}]")
+        if ("IPv6" if ip.version == 6 else "IPv4") != addr_type:
+            raise FieldError(f"addresses[{j}]", f"{addr!r} is not of addressType {addr_type}")
+        out.append(Endpoint(ip, port, ready, serving, terminating, node, zone, zone_hints))
 
 
 def parse_endpoints(obj: Mapping[str, Any]) -> EndpointSet:

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 import yaml
 
@@ -47,6 +47,8 @@ class Loaded:
     endpoints: Dict[Key, EndpointSet] = field(default_factory=dict)
     node: Optional[NodeInfo] = None
     errors: List[ValidationError] = field(default_factory=list)
+    legacy: Dict[Key, EndpointSet] = field(default_factory=dict)
+    """v1 Endpoints by service; :func:`merge` uses them only for services without slices."""
 
 
 def manifest_files(path: str) -> List[str]:
@@ -92,15 +94,21 @@ def flatten(docs: Sequence[Any]) -> Iterator[Mapping[str, Any]]:
 
 def parse_objects(objects: Iterator[Mapping[str, Any]], node_name: str = "") -> Loaded:
     """Model objects from Kubernetes objects; each invalid one lands in ``errors``, the rest are used."""
+    return merge([_parse_part(objects, node_name)])
+
+
+def _parse_part(objects: Iterator[Mapping[str, Any]], node_name: str) -> Loaded:
+    """One file's objects, converted; duplicates and legacy Endpoints are settled by :func:`merge`."""
     out = Loaded()
-    legacy: Dict[Key, EndpointSet] = {}
+    seen: Set[Key] = set()
     for obj in objects:
         kind = obj.get("kind")
         try:
             if kind == "Service":
                 _, ns, name = object_ref(obj)
-                if (ns, name) in out.services:
+                if (ns, name) in seen:
                     raise ValidationError(kind, f"{ns}/{name}", "metadata.name", "is defined twice")
+                seen.add((ns, name))
                 out.services[(ns, name)] = parse_service(obj)
             elif kind == "EndpointSlice":
                 _, ns, name = object_ref(obj)
@@ -109,7 +117,7 @@ def parse_objects(objects: Iterator[Mapping[str, Any]], node_name: str = "") -> 
                     out.endpoints[(ns, name)] = eps
             elif kind == "Endpoints":
                 eps = parse_endpoints(obj)
-                legacy[(eps.namespace, eps.service)] = eps
+                out.legacy[(eps.namespace, eps.service)] = eps
             elif kind == "Node":
                 node = _parse_node(obj, node_name)
                 if node is not None:
@@ -118,9 +126,29 @@ def parse_objects(objects: Iterator[Mapping[str, Any]], node_name: str = "") -> 
                 log.debug("ignoring object of kind %r", kind)
         except ValidationError as err:
             out.errors.append(err)
-    # Legacy Endpoints only stand in for services without slices (kube-proxy reads one or the other).
+    return out
+
+
+def merge(parts: Sequence[Loaded]) -> Loaded:
+    """The parts of several files as one load: a service defined in two files is rejected in the
+    later one; legacy Endpoints stand in only for services without slices (kube-proxy reads one
+    or the other)."""
+    if len(parts) == 1 and not parts[0].legacy:
+        return parts[0]
+    out = Loaded()
+    for part in parts:
+        for key, ports in part.services.items():
+            if key in out.services:
+                out.errors.append(ValidationError("Service", f"{key[0]}/{key[1]}", "metadata.name",
+                                                  "is defined twice"))
+                continue
+            out.services[key] = ports
+        out.endpoints.update(part.endpoints)
+        out.legacy.update(part.legacy)
+        out.node = part.node or out.node
+        out.errors.extend(part.errors)
     sliced = {(e.namespace, e.service) for e in out.endpoints.values()}
-    for (ns, svc), eps in legacy.items():
+    for (ns, svc), eps in out.legacy.items():
         if (ns, svc) not in sliced:
             out.endpoints[(ns, f"Endpoints/{svc}")] = eps
     return out
@@ -134,12 +162,40 @@ def _parse_node(obj: Mapping[str, Any], node_name: str) -> Optional[NodeInfo]:
     return parse_node(obj, node_name)
 
 
-def load(path: str, node_name: str = "") -> Loaded:
-    """Load every manifest under ``path``; raises :class:`SourceError` if any file cannot be parsed."""
-    objects: List[Mapping[str, Any]] = []
+FileSig = Tuple[int, int, int]  # (mtime_ns, size, inode)
+
+
+def _signature(path: str) -> Optional[FileSig]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def load(path: str, node_name: str = "", cache: Optional[Dict[str, Tuple[FileSig, Loaded]]] = None) -> Loaded:
+    """Load every manifest under ``path``; raises :class:`SourceError` if any file cannot be parsed.
+
+    With ``cache`` (path → (signature, part)), files whose (mtime, size, inode) did not change are
+    not read again: a directory with a 10k-service file and a small file that changes costs the
+    small file's parse, not the big one's.
+    """
+    parts: List[Loaded] = []
+    fresh: Dict[str, Tuple[FileSig, Loaded]] = {}
     for f in manifest_files(path):
-        objects.extend(flatten(read_documents(f)))
-    return parse_objects(iter(objects), node_name)
+        sig = _signature(f)
+        hit = cache.get(f) if cache is not None else None
+        if hit is not None and sig is not None and hit[0] == sig:
+            part = hit[1]
+        else:
+            part = _parse_part(flatten(read_documents(f)), node_name)
+        if sig is not None:
+            fresh[f] = (sig, part)
+        parts.append(part)
+    if cache is not None:
+        cache.clear()
+        cache.update(fresh)
+    return merge(parts) if parts else Loaded()
 
 
 class FileSource:
@@ -156,6 +212,7 @@ class FileSource:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._signature: Optional[Tuple[Tuple[str, int, int, int], ...]] = None
+        self._cache: Dict[str, Tuple[FileSig, Loaded]] = {}
         self.last_error: Optional[str] = None
 
     def _current_signature(self) -> Tuple[Tuple[str, int, int, int], ...]:
@@ -176,7 +233,7 @@ class FileSource:
         """One load; on a parse error keep the tracker's last good state and remember the error."""
         self._signature = self._current_signature()
         try:
-            loaded = load(self.path, self.node_name)
+            loaded = load(self.path, self.node_name, self._cache)
         except SourceError as err:
             self.last_error = str(err)
             log.error("source not reloaded, keeping the last good state: %s", err)
