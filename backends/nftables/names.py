@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from netproxy.model import Endpoint, ServicePortName
+from netproxy.model import ServicePortName
 
 TABLE = "netproxy"
 MAX_NAME = 255
@@ -66,22 +66,14 @@ def service_comment(name: ServicePortName) -> str:
     return comment(str(name))
 
 
-def endpoint_id(ep: Endpoint) -> str:
-    # ':' cannot appear in an identifier; an IPv6 address keeps its shape with '.' instead.
-    return f"{str(ep.ip).replace(':', '.')}/{ep.port}"
-
-
 def affinity_chain(name: ServicePortName, external: bool) -> str:
     """The chain that applies ClientIP affinity for one service port's cluster or external traffic."""
     return identifier(f"{'ext' if external else 'svc'}-{service_id(name)}")
 
 
-def endpoint_chain(name: ServicePortName, ep: Endpoint) -> str:
-    return identifier(f"ep-{service_id(name)}__{endpoint_id(ep)}")
-
-
-def affinity_set(name: ServicePortName, ep: Endpoint) -> str:
-    return identifier(f"aff-{service_id(name)}__{endpoint_id(ep)}")
+def affinity_set(name: ServicePortName) -> str:
+    """The dynamic set of ``client . endpoint . port`` that a service port's affinity remembers."""
+    return identifier(f"aff-{service_id(name)}")
 
 
 def pick_chain(kind: str, proto: str, count: int) -> str:

@@ -205,31 +205,47 @@ def _dnat_target(ep: Endpoint) -> str:
     return f"[{ep.ip}]:{ep.port}" if ep.ip.version == 6 else f"{ip_text(ep.ip)}:{ep.port}"
 
 
+_ZERO = {"ip": "0.0.0.0", "ip6": "::"}
+
+
 def _affinity_objects(svc: ServicePort, kind: str, eps: Sequence[Endpoint], family: str,
                       config: ProxyConfig, out: ServiceObjects) -> str:
-    """The per-service chain (and its endpoint chains and sets) for ClientIP affinity; returns its name."""
+    """The per-service chain (and its set) for ClientIP affinity; returns the chain's name.
+
+    The iptables backend's shape with one dynamic set per service port, keyed by
+    ``client . endpoint address . endpoint port``: first one rule per endpoint "this client is
+    remembered for this endpoint: refresh it and DNAT there" (``recent --rcheck --seconds T --reap``
+    and ``--set``), then the random choice as iptables' statistic rules, rule i taken with
+    probability 1/(N-i), each remembering the client before its DNAT.  Neither a chain nor a set per
+    endpoint: the kernel looks sets up by name in a list, and 13k per-endpoint sets made a
+    10k-service transaction take 30 s.
+
+    nft cannot type a constant inside a concatenation that is looked up, so the endpoint's
+    address and port are spelled ``(ip saddr & 0.0.0.0 | <address>)`` and ``(th dport & 0 | <port>)``:
+    the kernel computes the constant (bitwise and-zero, xor-constant); ``nft list`` prints it
+    oddly, hence the comment on each rule.
+    """
     cname: str = names.affinity_chain(svc.name, external=kind != CLUSTER)
-    note = str(svc.name)
+    aff: str = names.affinity_set(svc.name)
+    out.sets[aff] = Set(aff, f"{_ADDR_TYPE[family]} . {_ADDR_TYPE[family]} . inet_service",
+                        flags=("dynamic", "timeout"), timeout=svc.affinity_timeout, comment=str(svc.name))
     rules: List[Rule] = []
     masq = _masquerade_rule(cname, kind, family, config)
     if masq is not None:
         rules.append(masq)
     proto = svc.protocol.lower()
-    targets = []
+    steps = []
     for ep in eps:
-        ep_chain = names.endpoint_chain(svc.name, ep)
-        aff = names.affinity_set(svc.name, ep)
-        targets.append(ep_chain)
-        rules.append(Rule(cname, f"{family} saddr @{aff} goto {ep_chain}"))
-        if ep_chain not in out.chains:
-            out.sets[aff] = Set(aff, _ADDR_TYPE[family], flags=("dynamic", "timeout"),
-                                timeout=svc.affinity_timeout, comment=note)
-            out.chains[ep_chain] = (
-                Rule(ep_chain, f"update @{aff} {{ {family} saddr }}"),
-                Rule(ep_chain, f"meta l4proto {proto} dnat {family} to {_dnat_target(ep)}", note),
-            )
-    choice = ", ".join(f"{i} : goto {t}" for i, t in enumerate(targets))
-    rules.append(Rule(cname, f"numgen random mod {len(targets)} vmap {{ {choice} }}"))
+        addr = ip_text(ep.ip)
+        note = f"{svc.name} endpoint {addr} port {ep.port}"
+        step = f"update @{aff} {{ {family} saddr . {addr} . {ep.port} }} dnat {family} to {_dnat_target(ep)}"
+        steps.append((step, note))
+        known = f"{family} saddr . ({family} saddr & {_ZERO[family]} | {addr}) . (th dport & 0 | {ep.port}) @{aff}"
+        rules.append(Rule(cname, f"meta l4proto {proto} {known} {step}", note))
+    n = len(steps)
+    for i, (step, note) in enumerate(steps):
+        chance = f"numgen random mod {n - i} == 0 " if i < n - 1 else ""
+        rules.append(Rule(cname, f"meta l4proto {proto} {chance}{step}", note))
     out.chains[cname] = tuple(rules)
     return cname
 

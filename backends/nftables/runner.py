@@ -215,10 +215,22 @@ def sets_from_json(items: Sequence[Dict[str, Any]]) -> List[Tuple[Set, List[Elem
                 val, expires = raw["elem"].get("val"), raw["elem"].get("expires")
             else:
                 val, expires = raw, None
-            if isinstance(val, str):  # a plain address; anything else is not netproxy's
-                elements.append(Element(spec.name, val, expires=int(expires) if expires is not None else None))
+            key = _value_text(val)
+            if key is not None:
+                elements.append(Element(spec.name, key, expires=int(expires) if expires is not None else None))
         out.append((spec, elements))
     return out
+
+
+def _value_text(val: Any) -> Optional[str]:
+    """nft text for a set key from libnftables JSON: an address, a number, or a concatenation."""
+    if isinstance(val, (str, int)) and not isinstance(val, bool):
+        return str(val)
+    if isinstance(val, dict) and isinstance(val.get("concat"), list):
+        parts = [_value_text(v) for v in val["concat"]]
+        if all(p is not None for p in parts):
+            return " . ".join(str(p) for p in parts)
+    return None  # a range, a prefix...: not something netproxy writes
 
 
 # --- the fake ---------------------------------------------------------------------------------------

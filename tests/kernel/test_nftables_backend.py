@@ -190,13 +190,16 @@ def test_refused_transaction_raises_with_the_command_and_keeps_the_old_ruleset(n
 
 def test_full_sync_keeps_affinity_clients(ns: str, driver: Driver) -> None:
     assert driver.sync([S])["ok"]
-    aff = "aff-default/sticky/p__10.1.3.2/8080"
-    nft(ns, "add", "element", "ip", "netproxy", aff, "{ 172.16.0.5 }")
+    aff = "aff-default/sticky/p"
+    nft(ns, "add", "element", "ip", "netproxy", aff, "{ 172.16.0.5 . 10.1.3.2 . 8080 }")
+    nft(ns, "add", "table", "inet", "someone-else")  # so that the full sync rebuilds the table
     assert driver.sync([S, A], full=True)["ok"]
     listed = nft(ns, "-j", "list", "set", "ip", "netproxy", aff).stdout
     elems = json.loads(listed)["nftables"][1]["set"].get("elem", [])
-    kept = {e["elem"]["val"]: e["elem"].get("expires") for e in elems if isinstance(e, dict)}
-    assert "172.16.0.5" in kept and 0 < kept["172.16.0.5"] <= 60, listed
+    kept = {" . ".join(map(str, e["elem"]["val"]["concat"])): e["elem"].get("expires")
+            for e in elems if isinstance(e, dict)}
+    key = "172.16.0.5 . 10.1.3.2 . 8080"
+    assert key in kept and 0 < kept[key] <= 60, listed
 
 
 def test_plan_is_what_sync_writes(ns: str, driver: Driver) -> None:

@@ -64,19 +64,27 @@ def test_equal_odds_each_endpoint_once_under_one_random_choice() -> None:
 
 def test_affinity_checks_every_endpoint_before_the_random_choice_and_refreshes() -> None:
     b, fake = backend()
-    b.sync(snap((svc("s", "10.96.0.20", affinity=True, timeout=42), eps("10.1.0.4", "10.1.0.5"))), Changes())
-    rules = fake.chain_rules("ip", "svc-ns/s/http")
-    checks = [r for r in rules if r.startswith("ip saddr @aff-")]
-    assert len(checks) == 2 and rules[-1].startswith("numgen random mod 2 vmap")
-    assert rules.index(checks[-1]) < len(rules) - 1
-    for ep in ("10.1.0.4", "10.1.0.5"):
-        chain = f"ep-ns/s/http__{ep}/8080"
-        aff = f"aff-ns/s/http__{ep}/8080"
-        assert fake.chain_rules("ip", chain) == [f"update @{aff} {{ ip saddr }}",
-                                                  f"meta l4proto tcp dnat ip to {ep}:8080"]
-        s = fake.tables["ip"].sets[aff]
-        assert s.timeout == 42 and set(s.flags) == {"dynamic", "timeout"}
+    b.sync(snap((svc("s", "10.96.0.20", affinity=True, timeout=42), eps("10.1.0.4", "10.1.0.5", "10.1.0.6"))),
+           Changes())
+    aff = "aff-ns/s/http"
+    step = [f"update @{aff} {{ ip saddr . 10.1.0.{i} . 8080 }} dnat ip to 10.1.0.{i}:8080" for i in (4, 5, 6)]
+    known = [f"ip saddr . (ip saddr & 0.0.0.0 | 10.1.0.{i}) . (th dport & 0 | 8080) @{aff}" for i in (4, 5, 6)]
+    assert fake.chain_rules("ip", "svc-ns/s/http") == [
+        # every remembered client first (iptables: recent --rcheck, then --set in the endpoint's chain)
+        f"meta l4proto tcp {known[0]} {step[0]}",
+        f"meta l4proto tcp {known[1]} {step[1]}",
+        f"meta l4proto tcp {known[2]} {step[2]}",
+        # then equal odds: 1/3, then 1/2 of the rest, then the last
+        f"meta l4proto tcp numgen random mod 3 == 0 {step[0]}",
+        f"meta l4proto tcp numgen random mod 2 == 0 {step[1]}",
+        f"meta l4proto tcp {step[2]}",
+    ]
+    s = fake.tables["ip"].sets[aff]
+    assert s.timeout == 42 and set(s.flags) == {"dynamic", "timeout"}
+    assert s.key_type == "ipv4_addr . ipv4_addr . inet_service"
+    assert [n for n in fake.tables["ip"].sets if n.startswith("aff-")] == [aff], "one set per service port"
     assert fake.elements("ip", names.SERVICE_IPS) == {"10.96.0.20 . tcp . 80": "goto svc-ns/s/http"}
+    assert not [c for c in fake.tables["ip"].chains if c.startswith("ep-")], "no chain per endpoint"
 
 
 def test_no_endpoints_rejects_and_local_policy_without_local_endpoints_drops() -> None:

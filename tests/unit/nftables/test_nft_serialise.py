@@ -51,7 +51,10 @@ def test_affinity_sets_parsed_from_json_with_time_left() -> None:
     items = [{"metainfo": {}},
              {"set": {"family": "ip", "name": "aff-a", "table": "netproxy", "type": "ipv4_addr",
                       "flags": ["timeout"], "timeout": 60,
-                      "elem": [{"elem": {"val": "10.0.0.5", "expires": 41}}, "10.0.0.6"]}}]
+                      "elem": [{"elem": {"val": "10.0.0.5", "expires": 41}}, "10.0.0.6",
+                               {"elem": {"val": {"concat": ["10.0.0.7", "10.1.0.4", 8080]}, "expires": 7}},
+                               {"elem": {"val": {"prefix": {"addr": "10.0.0.0", "len": 8}}}}]}}]
     [(spec, elements)] = sets_from_json(items)
     assert spec.name == "aff-a" and spec.timeout == 60
-    assert [(e.key, e.expires) for e in elements] == [("10.0.0.5", 41), ("10.0.0.6", None)]
+    assert [(e.key, e.expires) for e in elements] == [
+        ("10.0.0.5", 41), ("10.0.0.6", None), ("10.0.0.7 . 10.1.0.4 . 8080", 7)]

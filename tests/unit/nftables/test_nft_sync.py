@@ -150,24 +150,25 @@ def test_full_sync_repairs_a_table_changed_behind_our_back() -> None:
 def test_full_sync_keeps_affinity_clients_with_their_time_left() -> None:
     b, fake = backend()
     b.sync(_base(), Changes())
-    aff = "aff-ns/sticky/http__10.1.3.2/8080"
-    fake.touch("ip", aff, "172.16.0.5", expires=37)
-    fake.touch("ip", aff, "172.16.0.6", expires=600)  # longer than the timeout: capped
+    aff = "aff-ns/sticky/http"
+    fake.touch("ip", aff, "172.16.0.5 . 10.1.3.2 . 8080", expires=37)
+    fake.touch("ip", aff, "172.16.0.6 . 10.1.3.1 . 8080", expires=600)  # longer than the timeout: capped
     fake.foreign_write()  # someone else's transaction: the full sync must rebuild the table
     b.sync(_base(), Changes())
     kept = fake.tables["ip"].elements[aff]
-    assert {k: e.expires for k, e in kept.items()} == {"172.16.0.5": 37, "172.16.0.6": 60}
+    assert {k: e.expires for k, e in kept.items()} == {"172.16.0.5 . 10.1.3.2 . 8080": 37,
+                                                       "172.16.0.6 . 10.1.3.1 . 8080": 60}
 
 
 def test_incremental_change_of_another_service_leaves_affinity_clients_alone() -> None:
     b, fake = backend()
     b.sync(_base(), Changes())
-    aff = "aff-ns/sticky/http__10.1.3.1/8080"
-    fake.touch("ip", aff, "172.16.0.5", expires=30)
+    aff = "aff-ns/sticky/http"
+    fake.touch("ip", aff, "172.16.0.5 . 10.1.3.1 . 8080", expires=30)
     after = _base()
     after.endpoints[API.name] = eps("10.1.1.4")  # type: ignore[index]
     _incremental(b, after, API)
-    assert "172.16.0.5" in fake.tables["ip"].elements[aff]
+    assert "172.16.0.5 . 10.1.3.1 . 8080" in fake.tables["ip"].elements[aff]
 
 
 def test_first_ipv6_service_creates_the_ip6_table_and_cleanup_removes_both() -> None:
@@ -201,7 +202,7 @@ def test_fake_refuses_like_the_kernel() -> None:
     with pytest.raises(SyncError, match="No such file"):
         fake.apply([("add", "ip", Element(names.SERVICE_IPS, "10.9.9.9 . tcp . 80", "goto nowhere"))])
     with pytest.raises(SyncError, match="busy"):
-        fake.apply([("delete", "ip", Set("aff-ns/sticky/http__10.1.3.1/8080", "ipv4_addr"))])
+        fake.apply([("delete", "ip", Set("aff-ns/sticky/http", "ipv4_addr"))])
     assert dumps(fake) == before, "a refused transaction must change nothing"
 
 
