@@ -107,13 +107,19 @@ class NftablesBackend:
 
     def _full_sync(self, snapshot: Snapshot) -> SyncResult:
         before = self.runner.generation()
-        if self._state is not None and before is not None and before == self._state.generation:
-            # No transaction of anyone's since our last write: the kernel holds exactly what our
-            # record says, so "re-read and rewrite" reduces to writing what changed.
-            changed = self._changed_names(snapshot)
-            log.debug("ruleset generation %d unchanged since our last write; %d service ports changed",
-                      before, len(changed))
-            return self._incremental(snapshot, changed)
+        state = self._state
+        if state is not None and before is not None and state.generation is not None:
+            # The kernel held exactly our record at state.generation.  If nobody committed since,
+            # or others did but (says the kernel's change notifications) not to our tables, the
+            # record still holds: "re-read and rewrite" reduces to writing what changed.
+            intact = before == state.generation or self.runner.others_touched(state.own) is False
+            state.own.clear()
+            if intact:
+                state.generation = before
+                changed = self._changed_names(snapshot)
+                log.debug("netproxy's tables unchanged by others at generation %d; %d service ports changed",
+                          before, len(changed))
+                return self._incremental(snapshot, changed)
         return self._rewrite(snapshot, before)
 
     def _rewrite(self, snapshot: Snapshot, before: Optional[int]) -> SyncResult:
@@ -123,7 +129,11 @@ class NftablesBackend:
         affinity = {fam: self._affinity_to_keep(fam, state) for fam in existing}
         tx = full_transaction(state, existing, self.config, affinity)
         self.last_transaction = tx
+        # Our own rewrite notifies every element (100k at 10k services): stop listening while it
+        # commits, listen again after, and trust the record only if no one committed in between.
+        self.runner.watch(False)
         written = self.runner.apply(tx.ops)
+        self.runner.watch(True)
         state.tables = frozenset(op[1] for op in tx.phases["tables"] if op[0] == "add")
         after = self.runner.generation()
         state.generation = after if before is not None and after == before + 1 else None
@@ -210,11 +220,20 @@ class NftablesBackend:
         self.last_transaction = tx
         written = 0
         if len(tx):
+            before = self.runner.generation()
+            # Read the generation first, then the notifications: those cover every commit up to it.
+            touched = self.runner.others_touched(state.own)
+            state.own.clear()
+            if before is None or (before != state.generation and touched is not False):
+                state.generation = None  # someone else may have touched our tables: next full sync rebuilds
             written = self.runner.apply(tx.ops)
             after = self.runner.generation()
-            expected = None if state.generation is None else state.generation + 1
-            # Another writer between our last write and this one: trust the record no longer.
-            state.generation = after if after is not None and after == expected else None
+            if before is not None and after == before + 1:
+                state.own.add(after)
+                if state.generation is not None:
+                    state.generation = after
+            else:
+                state.generation = None  # cannot tell our transaction from someone else's
         for name, entry in new_entries.items():
             if entry is None:
                 state.entries.pop(name, None)

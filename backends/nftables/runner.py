@@ -15,7 +15,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 try:  # Python 3.8+
     from typing import Protocol
@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover
 
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.nftables import names, serialise
+from netproxy.backends.nftables.monitor import Monitor
 from netproxy.backends.nftables.objects import Chain, Element, ElementRun, Rule, Set, Table
 from netproxy.backends.nftables.serialise import Op
 
@@ -46,6 +47,13 @@ class Runner(Protocol):
     def generation(self) -> Optional[int]:
         """The network namespace's nftables ruleset generation (bumped by every committed
         transaction, of any table, by anyone), or None when it cannot be read."""
+
+    def watch(self, on: bool) -> None:
+        """Start (or stop) listening to nftables change notifications (:mod:`monitor`)."""
+
+    def others_touched(self, own: AbstractSet[int]) -> Optional[bool]:
+        """Whether a transaction not in ``own`` (generations) touched netproxy's tables since the
+        last call; None when that cannot be known (not watching, notifications lost)."""
 
 
 _LOCATE_MAX_BYTES = 1 << 20
@@ -81,6 +89,7 @@ class LibNftRunner:
         self._nft.set_handle_output(False)
         self._check: Optional[Any] = None
         self._gen_socket: Optional[Tuple[Any, int, Any]] = None
+        self._monitor: Optional[Monitor] = None
 
     def _cmd(self, text: str, json_output: bool = False) -> Tuple[int, str, str]:
         self._nft.set_json_output(json_output)
@@ -184,6 +193,28 @@ class LibNftRunner:
             log.debug("cannot read the nftables generation: %s", exc)
         return None
 
+    def watch(self, on: bool) -> None:
+        if self._monitor is not None:
+            self._monitor.close()
+            self._monitor = None
+        if on:
+            try:
+                self._monitor = Monitor()
+            except OSError as exc:
+                log.info("no nftables change notifications (%s): every full sync after a foreign write "
+                         "rebuilds netproxy's tables", exc)
+
+    def others_touched(self, own: AbstractSet[int]) -> Optional[bool]:
+        if self._monitor is None:
+            return None
+        try:
+            touched: Optional[bool] = self._monitor.others_touched(own)
+            return touched
+        except OSError as exc:
+            log.info("nftables change notifications failed: %s", exc)
+            self.watch(False)
+            return None
+
     def probe(self) -> None:
         if self._list("list tables") is None:
             raise BackendUnavailable("libnftables cannot list tables")
@@ -267,6 +298,9 @@ class FakeNft:
         self.fail_next: Optional[str] = None
         self.reads = 0
         self.gen = 1
+        self.watching = False
+        self.events: List[Tuple[int, bool]] = []
+        """(generation, touched netproxy's tables) of each transaction while watching."""
 
     # Runner
     def apply(self, ops: Sequence[Op]) -> int:
@@ -281,7 +315,7 @@ class FakeNft:
                 line = serialise.op_text(op[0], op[1], op[2])
                 raise SyncError(f"fake kernel refused the transaction: {err}", line=line)
         self.tables = work
-        self.gen += 1
+        self._commit(True)
         return len(serialise.ops_text(ops))
 
     def existing_tables(self) -> FrozenSet[str]:
@@ -302,15 +336,33 @@ class FakeNft:
     def delete_tables(self) -> List[str]:
         gone = [f"{f} {names.TABLE}" for f in sorted(self.tables)]
         self.tables = {}
-        self.gen += 1
+        self._commit(bool(gone))
         return gone
 
     def generation(self) -> Optional[int]:
         return self.gen
 
-    def foreign_write(self) -> None:
-        """Another program commits a transaction (to any table)."""
+    def watch(self, on: bool) -> None:
+        self.watching = on
+        self.events = []
+
+    def others_touched(self, own: AbstractSet[int]) -> Optional[bool]:
+        if not self.watching:
+            return None
+        found = any(touched and gen not in own for gen, touched in self.events)
+        self.events = []
+        return found
+
+    def _commit(self, touched_ours: bool) -> None:
         self.gen += 1
+        if self.watching:
+            self.events.append((self.gen, touched_ours))
+
+    def foreign_write(self, ours: bool = True) -> None:
+        """Another program commits a transaction, to netproxy's tables (``ours``) or to another one.
+
+        (Tests that tamper with :attr:`tables` directly call this with ``ours=True``.)"""
+        self._commit(ours)
 
     # semantics
     def _apply_one(self, tables: Dict[str, _FakeTable], op: Op) -> Optional[str]:

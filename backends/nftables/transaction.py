@@ -82,7 +82,9 @@ class State:
     tables: FrozenSet[str] = frozenset()
     """Families whose table exists (written by the last full sync)."""
     generation: Optional[int] = None
-    """The ruleset generation right after our last write, when no other writer came in between."""
+    """A ruleset generation at which the kernel held exactly this record (None: not known)."""
+    own: PySet[int] = field(default_factory=set)
+    """Generations of our own transactions since the last check of the change notifications."""
 
     def family(self, fam: str) -> FamilyState:
         return self.families.setdefault(fam, FamilyState())

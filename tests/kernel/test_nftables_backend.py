@@ -233,7 +233,20 @@ def test_periodic_full_sync_rewrites_only_after_someone_else_wrote(ns: str, driv
         monitor.terminate()
         quiet, _ = monitor.communicate(timeout=10)
     assert not [ln for ln in quiet.splitlines() if ln.strip() and not ln.startswith("#")], quiet
-    nft(ns, "add", "table", "inet", "someone-else")  # any transaction bumps the generation
+    # Another program writes its own table: the generation moves, but the change notifications
+    # show that netproxy's tables were not touched, so the full sync writes nothing.
+    nft(ns, "add", "table", "inet", "someone-else")
+    monitor = subprocess.Popen(["ip", "netns", "exec", ns, "nft", "monitor"], stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True)
+    try:
+        time.sleep(0.5)
+        assert driver.sync([A, B, S], full=True)["ok"]
+        time.sleep(0.5)
+    finally:
+        monitor.terminate()
+        quiet, _ = monitor.communicate(timeout=10)
+    assert not [ln for ln in quiet.splitlines() if ln.strip() and not ln.startswith("#")], quiet
+    # Someone touches netproxy's table: the next full sync rebuilds it.
     nft(ns, "delete", "element", "ip", "netproxy", "service-ips", "{ 10.96.0.11 . tcp . 80 }")
     assert driver.sync([A, B, S], full=True)["ok"]
     assert "10.96.0.11 . tcp . 80" in nft(ns, "list", "map", "ip", "netproxy", "service-ips").stdout

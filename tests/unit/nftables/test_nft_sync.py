@@ -230,3 +230,31 @@ def test_foreign_write_between_incremental_syncs_makes_the_next_full_sync_rebuil
     b.sync(after, Changes())
     assert any(op[0] == "delete" and type(op[2]).__name__ == "Table" for op in fake.transactions[-1])
     assert dumps(fake) == fresh_dumps(after)
+
+
+def test_foreign_write_elsewhere_does_not_rebuild_but_one_to_our_table_does() -> None:
+    b, fake = backend()
+    b.sync(_base(), Changes())
+    n = len(fake.transactions)
+    fake.foreign_write(ours=False)  # e.g. firewalld writing its own table
+    b.sync(_base(), Changes())
+    assert len(fake.transactions) == n, "nothing of ours changed: nothing to write"
+    after = _base()
+    after.endpoints[API.name] = eps("10.1.1.4")  # type: ignore[index]
+    _incremental(b, after, API)
+    fake.foreign_write(ours=False)
+    b.sync(after, Changes())
+    assert len(fake.transactions) == n + 1, "the incremental write only"
+    fake.foreign_write(ours=True)
+    b.sync(after, Changes())
+    assert any(op[0] == "delete" and type(op[2]).__name__ == "Table" for op in fake.transactions[-1])
+    assert dumps(fake) == fresh_dumps(after)
+
+
+def test_lost_notifications_mean_rebuild() -> None:
+    b, fake = backend()
+    b.sync(_base(), Changes())
+    fake.foreign_write(ours=False)
+    fake.watching = False  # as after an overflow: the monitor cannot vouch for our tables
+    b.sync(_base(), Changes())
+    assert any(op[0] == "delete" and type(op[2]).__name__ == "Table" for op in fake.transactions[-1])
