@@ -89,15 +89,24 @@ class Monitor:
                     log.info("nftables notifications overflowed: the next full sync rebuilds")
                     return None
                 raise
-            for msg_type, payload in _messages(data):
-                if msg_type >> 8 != NFNL_SUBSYS_NFTABLES or len(payload) < 4:
-                    continue
-                attrs = _attributes(payload)
-                if msg_type & 0xFF == NFT_MSG_NEWGEN:
-                    gen_id = attrs.get(_ATTR_GEN_ID)
-                    gen = struct.unpack(">I", gen_id)[0] if gen_id is not None and len(gen_id) == 4 else None
-                    if self._touched and gen not in own:
-                        found = True
-                    self._touched = False
-                elif payload[0] in _FAMILIES and attrs.get(_ATTR_TABLE, b"").rstrip(b"\0") == names.TABLE.encode():
-                    self._touched = True
+            hit, self._touched = scan(data, own, self._touched)
+            found = found or hit
+
+
+def scan(data: bytes, own: AbstractSet[int], touched: bool) -> Tuple[bool, bool]:
+    """Notifications in one datagram: (a transaction not in ``own`` touched netproxy's tables,
+    whether the transaction still open at the end of ``data`` has touched them so far)."""
+    found = False
+    for msg_type, payload in _messages(data):
+        if msg_type >> 8 != NFNL_SUBSYS_NFTABLES or len(payload) < 4:
+            continue
+        attrs = _attributes(payload)
+        if msg_type & 0xFF == NFT_MSG_NEWGEN:
+            gen_id = attrs.get(_ATTR_GEN_ID)
+            gen = struct.unpack(">I", gen_id)[0] if gen_id is not None and len(gen_id) == 4 else None
+            if touched and gen not in own:
+                found = True
+            touched = False
+        elif payload[0] in _FAMILIES and attrs.get(_ATTR_TABLE, b"").rstrip(b"\0") == names.TABLE.encode():
+            touched = True
+    return found, touched
