@@ -9,6 +9,7 @@ object still in use) so that unit tests can assert on the resulting state.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import json
@@ -57,6 +58,19 @@ class Runner(Protocol):
 
 
 _LOCATE_MAX_BYTES = 1 << 20
+_TRIM_AFTER_BYTES = 1 << 20
+
+
+def _release_heap() -> None:
+    """Give the heap libnftables just freed back to the kernel.
+
+    Parsing a 100k-element transaction takes libnftables ~230 MB, freed when the command ends,
+    but glibc keeps it mapped: a long-running proxy would sit at its peak forever.
+    """
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 _LINE_MAX = 400
 
 
@@ -99,6 +113,8 @@ class LibNftRunner:
     def apply(self, ops: Sequence[Op]) -> int:
         text = serialise.ops_text(ops)
         rc, _, err = self._cmd(text)
+        if len(text) > _TRIM_AFTER_BYTES:
+            _release_heap()
         if rc != 0:
             line = self.locate_failure(text) or failing_command(err)
             raise SyncError("libnftables refused the transaction", line=_shorten(line), detail=err.strip(),
