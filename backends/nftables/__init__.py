@@ -66,8 +66,10 @@ class NftablesBackend:
             if changes.full or self._state is None:
                 return self._full(snapshot)
             return self._incremental(snapshot, changes.services)
-        except SyncError:
-            self._state = None  # re-read the kernel and rewrite everything next time
+        except Exception:
+            # A refused write, or a bug half-way through updating the record: either way, re-read
+            # the kernel and rewrite everything next time.
+            self._state = None
             raise
 
     def cleanup(self) -> None:
@@ -165,6 +167,24 @@ class NftablesBackend:
                     keep.append(Element(spec.name, e.key, expires=left))
         return keep
 
+    def _apply_incremental(self, tx: Transaction, state: State) -> int:
+        """Apply ``tx`` and keep the record's generation: what the kernel vouches for."""
+        before = self.runner.generation()
+        # Read the generation first, then the notifications: those cover every commit up to it.
+        touched = self.runner.others_touched(state.own)
+        state.own.clear()
+        if before is None or (before != state.generation and touched is not False):
+            state.generation = None  # someone else may have touched our tables: next full sync rebuilds
+        written: int = self.runner.apply(tx.ops)
+        after = self.runner.generation()
+        if before is not None and after == before + 1:
+            state.own.add(after)
+            if state.generation is not None:
+                state.generation = after
+        else:
+            state.generation = None  # cannot tell our transaction from someone else's
+        return written
+
     def _changed_names(self, snapshot: Snapshot) -> FrozenSet[ServicePortName]:
         """Service ports whose inputs differ from what we last wrote (or that came or went)."""
         state = self._state
@@ -218,22 +238,7 @@ class NftablesBackend:
         for fam in sorted(state.families):
             drop_unused_shared(tx, fam, state.family(fam))
         self.last_transaction = tx
-        written = 0
-        if len(tx):
-            before = self.runner.generation()
-            # Read the generation first, then the notifications: those cover every commit up to it.
-            touched = self.runner.others_touched(state.own)
-            state.own.clear()
-            if before is None or (before != state.generation and touched is not False):
-                state.generation = None  # someone else may have touched our tables: next full sync rebuilds
-            written = self.runner.apply(tx.ops)
-            after = self.runner.generation()
-            if before is not None and after == before + 1:
-                state.own.add(after)
-                if state.generation is not None:
-                    state.generation = after
-            else:
-                state.generation = None  # cannot tell our transaction from someone else's
+        written = self._apply_incremental(tx, state) if len(tx) else 0
         for name, entry in new_entries.items():
             if entry is None:
                 state.entries.pop(name, None)
