@@ -47,6 +47,7 @@ class IptablesBackend:
         self._written: Dict[int, Dict[str, Chains]] = {}
         self._need_full = True
         self._random_fully: Optional[bool] = None
+        self._order: List[ServicePortName] = []
 
     @staticmethod
     def _make_writer(config: ProxyConfig) -> Writer:
@@ -61,25 +62,34 @@ class IptablesBackend:
     def _render(self, snapshot: Snapshot) -> Tuple[Dict[int, FamilyRuleset], int]:
         """Desired state per family, re-rendering only service ports whose inputs changed."""
         rerendered = 0
-        for name in [n for n in self._cache if n not in snapshot.services]:
+        gone = [n for n in self._cache if n not in snapshot.services]
+        for name in gone:
             del self._cache[name]
             rerendered += 1
+        renamed = bool(gone) or not self._order
+        node = snapshot.node
         for name, svc in snapshot.services.items():
             eps = snapshot.endpoints_of(name)
             cached = self._cache.get(name)
-            if cached is not None and cached.svc == svc and cached.endpoints == eps and cached.node == snapshot.node:
+            # Identity first: the tracker hands unchanged services over as the same objects, and
+            # comparing 100k endpoint dataclasses field by field cost 0.3 s per sync at 10k.
+            if cached is not None and (cached.svc is svc or cached.svc == svc) and \
+                    (cached.endpoints is eps or cached.endpoints == eps) and cached.node == node:
                 continue
             rules = {}
             for family in FAMILIES:
-                rendered = render_service(svc, eps, snapshot.node, family, self.config)
+                rendered = render_service(svc, eps, node, family, self.config)
                 if rendered is not None:
                     rules[family] = rendered
-            self._cache[name] = _Rendered(svc, eps, snapshot.node, rules)
+            renamed = renamed or cached is None
+            self._cache[name] = _Rendered(svc, eps, node, rules)
             rerendered += 1
-        ordered = [self._cache[n] for n in sorted(self._cache)]
+        if renamed:  # sorted once per change of the set of names, not every sync (10k comparisons)
+            self._order = sorted(self._cache)
+        ordered = [self._cache[n] for n in self._order]
         if self._random_fully is None:
             self._random_fully = supports_random_fully(self.config.iptables_flavour)
-        desired = {f: assemble(f, (r.rules[f] for r in ordered if f in r.rules), self.config, snapshot.node,
+        desired = {f: assemble(f, (r.rules[f] for r in ordered if f in r.rules), self.config, node,
                                self._random_fully) for f in FAMILIES}
         return desired, rerendered
 

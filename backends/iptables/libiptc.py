@@ -344,6 +344,42 @@ def _find_all(blob: bytes, needle: bytes) -> List[int]:
 _BUILTIN = {"nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"), "filter": ("INPUT", "FORWARD", "OUTPUT")}
 
 
+def _open(family: int, table: str) -> Tuple[Any, Any]:
+    call = _iptc(family)[0]
+    handle = call.iptc_init(table.encode())
+    if not handle:
+        raise SyncError(f"libiptc cannot read the IPv{family} {table} table", detail=_strerror(call))
+    return call, handle
+
+
+def read_tables(family: int) -> Dict[str, KernelTable]:
+    """Chain names and (built-in chain, target) jumps of the legacy nat and filter tables, through
+    libiptc (legacy tables only: callers make sure the node is not nf_tables)."""
+    out: Dict[str, KernelTable] = {}
+    for table in TABLES:
+        call, handle = _open(family, table)
+        try:
+            chains = []
+            name = call.iptc_first_chain(handle)
+            while name:
+                chains.append(name.decode())
+                name = call.iptc_next_chain(handle)
+            jumps = set()
+            for chain in _BUILTIN[table]:
+                if chain not in chains:
+                    continue
+                entry = call.iptc_first_rule(chain.encode(), handle)
+                while entry:
+                    target = call.iptc_get_target(entry, handle)
+                    if target:
+                        jumps.add((chain, target.decode()))
+                    entry = call.iptc_next_rule(entry, handle)
+            out[table] = KernelTable(frozenset(chains), frozenset(jumps))
+        finally:
+            call.iptc_free(handle)
+    return out
+
+
 class LibiptcWriter:
     """``--iptables-writer libiptc``: the same changes as the restore writer, one commit per table."""
 
@@ -369,38 +405,9 @@ class LibiptcWriter:
             self._builders[family] = RuleBuilder(family)
         return self._builders[family]
 
-    def _open(self, family: int, table: str) -> Tuple[Any, Any]:
-        call = _iptc(family)[0]
-        handle = call.iptc_init(table.encode())
-        if not handle:
-            raise SyncError(f"libiptc cannot read the IPv{family} {table} table", detail=_strerror(call))
-        return call, handle
-
     def read(self, family: int) -> Dict[str, KernelTable]:
         self._refuse_nft()
-        out: Dict[str, KernelTable] = {}
-        for table in TABLES:
-            call, handle = self._open(family, table)
-            try:
-                chains = []
-                name = call.iptc_first_chain(handle)
-                while name:
-                    chains.append(name.decode())
-                    name = call.iptc_next_chain(handle)
-                jumps = set()
-                for chain in _BUILTIN[table]:
-                    if chain not in chains:
-                        continue
-                    entry = call.iptc_first_rule(chain.encode(), handle)
-                    while entry:
-                        target = call.iptc_get_target(entry, handle)
-                        if target:
-                            jumps.add((chain, target.decode()))
-                        entry = call.iptc_next_rule(entry, handle)
-                out[table] = KernelTable(frozenset(chains), frozenset(jumps))
-            finally:
-                call.iptc_free(handle)
-        return out
+        return read_tables(family)
 
     def apply(self, family: int, changes: List[TableChange]) -> int:
         self._refuse_nft()
@@ -413,7 +420,7 @@ class LibiptcWriter:
     def _apply_table(self, family: int, builder: RuleBuilder, change: TableChange) -> int:
         # A fresh handle per write: libiptc commits the copy it read, so an old copy would undo other
         # programs' changes made since.
-        call, handle = self._open(family, change.table)
+        call, handle = _open(family, change.table)
         total = 0
         current = ""
         try:

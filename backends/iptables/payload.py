@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from netproxy.backends.iptables.diff import TableChange
 from netproxy.backends.iptables.tree import Chains, Rule
@@ -55,15 +55,19 @@ class ChainTextCache:
     rendered services, so unchanged chains are the very same objects on the next sync)."""
 
     def __init__(self) -> None:
-        self._texts: Dict[str, Tuple[Tuple[Rule, ...], List[str]]] = {}
+        self._texts: Dict[str, Tuple[Tuple[Rule, ...], str]] = {}
 
-    def lines(self, chain: str, rules: Tuple[Rule, ...]) -> List[str]:
+    def text(self, chain: str, rules: Tuple[Rule, ...]) -> str:
+        """The chain's ``-A`` lines as one string (each line ending in a newline)."""
         hit = self._texts.get(chain)
         if hit is not None and (hit[0] is rules or hit[0] == rules):
             return hit[1]
-        lines = [rule_line("-A", chain, r) for r in rules]
-        self._texts[chain] = (rules, lines)
-        return lines
+        text = "".join(rule_line("-A", chain, r) + "\n" for r in rules)
+        self._texts[chain] = (rules, text)
+        return text
+
+    def lines(self, chain: str, rules: Tuple[Rule, ...]) -> List[str]:
+        return self.text(chain, rules).splitlines()
 
     def forget(self, chains: Iterable[str]) -> None:
         for chain in chains:
@@ -88,14 +92,24 @@ def table_text(change: TableChange, counters: Optional[Mapping[str, str]] = None
     return lines
 
 
-def restore_payload(changes: Iterable[TableChange], cache: Optional[ChainTextCache] = None) -> str:
-    lines: List[str] = []
+def restore_chunks(changes: Iterable[TableChange], cache: Optional[ChainTextCache] = None) -> Iterator[str]:
+    """The same text as :func:`table_text` for every non-empty change, in pieces (a chain each) so
+    that a writer can stream them into ``iptables-restore`` while the next ones are being made."""
+    cache = cache if cache is not None else ChainTextCache()
     for change in changes:
-        if not change.empty():
-            lines.extend(table_text(change, cache=cache))
-            if cache is not None:
-                cache.forget(change.delete)
-    return "\n".join(lines) + "\n" if lines else ""
+        if change.empty():
+            continue
+        yield "".join([f"*{change.table}\n"] + [f":{chain} - [0:0]\n" for chain in list(change.write) + change.delete])
+        for chain, rules in change.write.items():
+            yield cache.text(chain, rules)
+        tail = [rule_line("-I", f"{hook} 1", rule) for hook, rule in change.jumps]
+        tail += [f"-X {chain}" for chain in change.delete]
+        yield "".join(line + "\n" for line in tail + ["COMMIT"])
+        cache.forget(change.delete)
+
+
+def restore_payload(changes: Iterable[TableChange], cache: Optional[ChainTextCache] = None) -> str:
+    return "".join(restore_chunks(changes, cache))
 
 
 def plan_text(families: Iterable[Tuple[int, Mapping[str, Chains], Mapping[str, Tuple[Tuple[str, Rule], ...]]]]

