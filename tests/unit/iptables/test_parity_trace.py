@@ -269,3 +269,19 @@ def test_endpoints_of_the_other_family_are_ignored() -> None:
     rs: Optional[FamilyRuleset] = ruleset([svc4], (Endpoint(ip("fd01::5"), 8080),))
     assert rs is not None
     assert reach(Tracer(rs, local_addresses=(NODE_IP,)), POD, CLUSTER_IP) == REFUSED
+
+
+def test_hairpin_checks_only_endpoints_that_can_hairpin_through_this_node() -> None:
+    unknown = Endpoint(ip("10.244.9.9"), 8080)  # no nodeName: kept, it might be behind this node
+    rs = ruleset([service()], endpoints(LOCAL_EP, REMOTE_EP) + (unknown,))
+    hairpin = " ".join(" ".join(r) for chain, rules in rs.chains("nat").items()
+                       if chain == names.HAIRPIN or chain.startswith(names.HAIRPIN_PREFIX) for r in rules)
+    assert f"-s {LOCAL_EP}/32 -d {LOCAL_EP}/32" in hairpin and "10.244.9.9/32" in hairpin
+    # An endpoint on another node reaches the service through its own node's proxy, never through ours.
+    assert REMOTE_EP not in hairpin
+    assert reach(Tracer(rs), "10.244.9.9", CLUSTER_IP) >= {Outcome("accept", "10.244.9.9:8080", True)}
+
+
+def test_no_hairpin_jump_when_no_endpoint_can_hairpin() -> None:
+    rs = ruleset([service()], endpoints(REMOTE_EP))
+    assert not any(names.HAIRPIN in r for r in rs.chains("nat")[names.POSTROUTING])

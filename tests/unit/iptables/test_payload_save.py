@@ -124,3 +124,16 @@ def test_failing_line_from_restore_errors() -> None:
     assert failing_line("iptables-restore: line 3 failed", payload) == "-A KUBE-SERVICES -j NOPE"
     assert failing_line("Bad argument `x'\nError occurred at line: 2", payload) == ":KUBE-SERVICES - [0:0]"
     assert failing_line("something else", payload) is None
+
+
+def test_streamed_chunks_are_the_table_text() -> None:
+    from netproxy.backends.iptables.payload import ChainTextCache, restore_chunks, table_text
+
+    change = TableChange("nat", {"KUBE-SERVICES": (("-d", "10.0.0.1/32", "-j", "KUBE-SVC-A"),),
+                                 "KUBE-SVC-A": (("-m", "comment", "--comment", "a b", "-j", "DNAT",
+                                                 "--to-destination", "10.1.0.1:80"),)},
+                         ["KUBE-SVC-OLD"], [("PREROUTING", ("-j", "KUBE-SERVICES"))])
+    cache = ChainTextCache()
+    streamed = "".join(restore_chunks([change, TableChange("filter")], cache))
+    assert streamed == "\n".join(table_text(change)) + "\n"
+    assert "".join(restore_chunks([change], cache)) == streamed  # from the cache: the same text
