@@ -9,6 +9,7 @@ never elements) and rewrites everything, which also repairs a table changed behi
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -96,7 +97,8 @@ def render_entry(svc: ServicePort, eps: Tuple[Endpoint, ...], node: NodeInfo, co
     if previous is not None and previous.service == svc and previous.endpoints == eps and previous.node == node:
         return Entry(svc, eps, node, previous.rendered)
     rendered = {}
-    versions = {ip.version for ip in svc.addresses()}
+    # type() rather than the Python-level .version property: this runs for every service port.
+    versions = {4 if type(ip) is ipaddress.IPv4Address else 6 for ip in svc.addresses()}
     for fam in render.FAMILIES:
         if render.VERSIONS[fam] not in versions:
             continue
@@ -119,7 +121,7 @@ def _drop_keys(objs: render.ServiceObjects, taken: PySet[str]) -> render.Service
 def claim(state: State, fam: str, name: ServicePortName, objs: render.ServiceObjects) -> render.ServiceObjects:
     """Record ``name`` as the owner of its keys; keys owned by another service are left out and logged."""
     owners = state.family(fam).owners
-    taken = {k for k in objs.dispatch_keys if owners.get(k, name) != name}
+    taken = {k for k in objs.dispatch_keys if owners.get(k) not in (None, name)}
     for k in taken:
         log.warning("service port %s: %s is already used by %s; not routed", name, k, owners[k])
     if taken:
