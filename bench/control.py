@@ -59,10 +59,13 @@ def run_worker(ns: str, combo: Combo, n: int, variant: str, pods: Sequence[Tuple
         except ValueError:
             continue
         out[rec.pop("step")] = rec
+    failed = next((s for s in steps if "error" in out.get(s, {})), None)
     for step in steps:
         if step not in out:
             if timed_out:
                 out[step] = {"timeout": round(time.monotonic() - t0, 1)}
+            elif failed is not None:
+                out[step] = {"skipped": f"{failed} failed"}
             else:
                 out[step] = {"error": f"worker exited {proc.returncode} before this step (see {log_path})"}
     return out

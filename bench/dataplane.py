@@ -7,7 +7,8 @@ pods.  Only the first packet of a connection meets the NAT rules, so connect() l
 per-service dispatch cost shows.  Bounded: COUNT connections per target in ROUNDS batches of at
 most BATCH_SECONDS each.  Batches alternate between the big ruleset and a one-service baseline held
 in a second sandbox, and the median batch is reported: on a shared machine the load drifts, and
-alternating makes the N vs N=1 ratio a comparison under the same load.
+alternating makes the N vs N=1 ratio a comparison under the same load; the best batch's p50 (least
+disturbed by other work) is reported next to the median batch's.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import subprocess
 from typing import Any, Dict, List, Sequence, Tuple
 
 COUNT = 3000  # per target, over all rounds
-ROUNDS = 5
+ROUNDS = 10
 BATCH_SECONDS = 1.0
 WARMUP = 50
 SMOKE_COUNT = 300
@@ -76,11 +77,17 @@ def paired(targets: Sequence[Tuple[Any, str, int]], client: Sequence[str], smoke
 
 
 def summarise(batches: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """The median batch by p50, with median p99 and rate (one noisy moment should not move the figure)."""
+    """The median batch by p50 (with median p99 and rate), and the best batch's p50.
+
+    On a shared machine other work only ever adds latency, and it comes and goes between batches:
+    the best batch's p50 is the figure least disturbed by it (the targets' ratios use it; the median
+    batch is shown too).
+    """
     batches = sorted(batches, key=lambda b: b["p50_us"])
     out = dict(batches[len(batches) // 2])
     out["p99_us"] = statistics.median(b["p99_us"] for b in batches)
     out["rate"] = statistics.median(b["rate"] for b in batches)
+    out["best_p50_us"] = batches[0]["p50_us"]
     out["batches"] = [{k: b[k] for k in ("ok", "errors", "p50_us", "p99_us", "rate")} for b in batches]
     errors = sum(b["errors"] for b in batches)
     if errors:

@@ -104,8 +104,12 @@ def _stamp(line: str) -> Optional[float]:
 
 
 def measure(sandbox: Any, combo: Any, n: int, client: Sequence[str], workdir: str, *, changes: int = CHANGES,
-            min_sync: float = 1.0, start_timeout: float = 120.0, node_name: str = "np-node") -> Dict[str, Any]:
-    """``changes`` source-file changes against ``netproxy run``; latency stats in seconds, or ``error``."""
+            min_sync: float = 1.0, start_timeout: float = 120.0, node_name: str = "np-node",
+            deadline: Optional[float] = None) -> Dict[str, Any]:
+    """``changes`` source-file changes against ``netproxy run``; latency stats in seconds, or ``error``.
+
+    No new change starts after ``deadline`` (monotonic); the result then says how many were made.
+    """
     src = os.path.join(workdir, f"latency-{combo.key.replace('/', '-')}-{n}")
     os.makedirs(src, exist_ok=True)
     pods = [(p.ip, 8080) for p in sandbox.pods]
@@ -127,6 +131,8 @@ def measure(sandbox: Any, combo: Any, n: int, client: Sequence[str], workdir: st
         lat: List[float] = []
         misses = 0
         for k in range(changes):
+            if deadline is not None and time.monotonic() > deadline:
+                break
             time.sleep(rng.uniform(0, 1.5 * min_sync))
             svc, eps = gen.extra_service(k, [pods[k % len(pods)]])
             poller = _poll(sandbox, client, gen.extra_ip(k), gen.PORT, 30.0 + min_sync)
@@ -148,7 +154,8 @@ def measure(sandbox: Any, combo: Any, n: int, client: Sequence[str], workdir: st
     lat.sort()
     syncs, reloads = _log_times(log_path)
     return {"median": statistics.median(lat), "p95": lat[min(len(lat) - 1, int(round(0.95 * (len(lat) - 1))))],
-            "max": lat[-1], "runs": lat, "changes": len(lat), "missed": misses, "min_sync_period": min_sync,
+            "max": lat[-1], "runs": lat, "changes": len(lat), "wanted": changes, "missed": misses,
+            "min_sync_period": min_sync,
             "sync_median": statistics.median(syncs) if syncs else None,
             "reload_median": statistics.median(reloads) if reloads else None,
             "run_vmhwm_mib": hwm / 1024 if hwm else None}

@@ -134,7 +134,8 @@ def _dp(cell: Cell) -> str:
         return "-"
     if "p50_us" in cell:
         warn = " ⚠" if cell.get("warning") else ""
-        return f"{cell['p50_us']:.0f} / {cell['p99_us']:.0f} µs · {cell['rate']:.0f}/s{warn}"
+        best = f" (best {cell['best_p50_us']:.0f})" if "best_p50_us" in cell else ""
+        return f"{cell['p50_us']:.0f}{best} / {cell['p99_us']:.0f} µs · {cell['rate']:.0f}/s{warn}"
     return _sec(cell)
 
 
@@ -147,16 +148,17 @@ def dataplane_table(results: Results) -> List[str]:
             continue
         pairs = results.get("dataplane_pairs", {}).get(key, {})
         ordered = sorted(pairs.items(), key=lambda x: int(x[0]))
-        ratios = ", ".join(f"{p['ratio']:.2f}× at N={int(n):,}" for n, p in ordered)
+        ratios = ", ".join(f"{p['best_ratio']:.2f}× (median batch {p['ratio']:.2f}×) at N={int(n):,}"
+                           for n, p in ordered if "best_ratio" in p)
         rows.append((key, [_dp(per.get(str(n))) for n in dp_sizes] + [ratios or "-"]))
     client = results["meta"].get("client", "?")
     return _table("Data plane: connect() p50 / p99 and new connections per second to the last service", rows,
-                  _ncols(dp_sizes) + ["p50 ÷ N=1 alongside"],
+                  _ncols(dp_sizes) + ["best-batch p50 ÷ N=1 alongside"],
                   f"Sequential connections from the client namespace through the node (nat PREROUTING) to one of "
                   f"10 pods; {client} client; {results['meta'].get('dp_count')} connections per figure in "
                   f"{results['meta'].get('dp_rounds')} batches alternating with the one-service baseline (a second "
-                  "sandbox), median batch. The N=1 column is the baseline measured alongside the largest N; the "
-                  "ratio divides figures taken under the same load.")
+                  "sandbox): median batch, best batch in brackets. The N=1 column is the baseline measured alongside "
+                  "the largest N; the ratio divides figures taken under the same load.")
 
 
 def latency_table(results: Results) -> List[str]:
@@ -171,6 +173,8 @@ def latency_table(results: Results) -> List[str]:
                 sync = f"; sync {cell['sync_median'] * 1000:.0f} ms" if cell.get("sync_median") is not None else ""
                 if cell.get("reload_median") is not None:
                     sync += f"; reload+sync {cell['reload_median'] * 1000:.0f} ms"
+                if cell.get("wanted") and cell["changes"] < cell["wanted"]:
+                    sync += f" ({cell['changes']} of {cell['wanted']} changes: time budget)"
                 cells.append(f"{cell['median'] * 1000:.0f} / {cell['p95'] * 1000:.0f} ms{sync}")
             else:
                 cells.append(_sec(cell))
@@ -202,8 +206,8 @@ def rss_table(results: Results) -> List[str]:
                          [f"{run[str(n)]['run_vmhwm_mib']:.0f} MiB" if str(n) in run and
                           run[str(n)].get("run_vmhwm_mib") else "-" for n in sizes]))
     return _table("Peak RSS of the netproxy process", rows, _ncols(sizes),
-                  "`netproxy sync` (whole process: start-up, JSON source, full sync) as its own process: ru_maxrss "
-                  "from wait4(), with the wall time in brackets; `run` rows: VmHWM of `netproxy run` after the "
+                  "`netproxy sync` (whole process: start-up, JSON source, full sync) as its own process: its VmHWM "
+                  "sampled every 10 ms, with the wall time in brackets; `run` rows: VmHWM of `netproxy run` after the "
                   "latency changes.")
 
 
@@ -236,6 +240,11 @@ def markdown(results: Results) -> str:
     head = [f"## netproxy benchmark — {meta['started']}", "",
             f"{meta['host']}: {meta['cpus']} CPUs, kernel {meta['kernel']}, {meta['iptables']}, {meta['nft']}, "
             f"Python {meta['python']}; commit {meta['commit']}; {meta['duration']:.0f} s wall.", ""]
+    load = meta.get("loadavg")
+    if load:
+        busy = " — the machine was busy: figures are slower than on an idle one" if max(load) > meta["cpus"] else ""
+        head += [f"Load average (1 min) at start / end: {load[0]:.1f} / {load[-1]:.1f} on {meta['cpus']} CPUs{busy}.",
+                 ""]
     for key, why in results.get("unavailable", {}).items():
         head.append(f"- {key}: not measured — {why}")
     if results.get("unavailable"):
