@@ -45,7 +45,9 @@ def run_worker(ns: str, combo: Combo, n: int, variant: str, pods: Sequence[Tuple
     with open(log_path, "ab") as log:
         proc = netns.spawn(ns, args, stdout=subprocess.PIPE, stderr=log, env=_bench_env())
         lines: List[str] = []
-        reader = threading.Thread(target=lambda: lines.extend(ln.decode() for ln in proc.stdout), daemon=True)
+        stdout = proc.stdout
+        assert stdout is not None
+        reader = threading.Thread(target=lambda: lines.extend(ln.decode() for ln in stdout), daemon=True)
         reader.start()
         t0 = time.monotonic()
         with contextlib.suppress(subprocess.TimeoutExpired):

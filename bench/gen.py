@@ -116,7 +116,7 @@ def cluster(n: int, variant: str = "uniform", pods: Optional[Sequence[PodAddr]] 
 def replaced_endpoint(objects: Sequence[Obj], index: int, generation: int) -> Obj:
     """A copy of service ``index``'s slice with its first endpoint moved to a new address."""
     old = objects[2 * index + 1]
-    new = json.loads(json.dumps(old))
+    new: Obj = json.loads(json.dumps(old))
     new["endpoints"][0]["addresses"] = [str(REPLACED_NET + 1 + 4096 * generation + index % 4096)]
     return new
 

@@ -116,7 +116,7 @@ def spawn(ns: str, args: Sequence[str], **kwargs: object) -> subprocess.Popen:  
     """Start ``args`` inside ``ns`` in its own process group, remembered for cleanup."""
     install_handlers()
     proc = subprocess.Popen(exec_args(ns, args), start_new_session=True, **kwargs)  # type: ignore[call-overload]
-    proc.bench_netns = ns  # type: ignore[attr-defined]
+    proc.bench_netns = ns
     _children[proc.pid] = proc
     return proc  # type: ignore[no-any-return]
 

@@ -1,0 +1,1 @@
+"""netproxy's benchmark: ``python -m bench`` (see bench/README.md)."""
