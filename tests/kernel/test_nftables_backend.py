@@ -250,3 +250,24 @@ def test_periodic_full_sync_rewrites_only_after_someone_else_wrote(ns: str, driv
     nft(ns, "delete", "element", "ip", "netproxy", "service-ips", "{ 10.96.0.11 . tcp . 80 }")
     assert driver.sync([A, B, S], full=True)["ok"]
     assert "10.96.0.11 . tcp . 80" in nft(ns, "list", "map", "ip", "netproxy", "service-ips").stdout
+
+
+def test_ipv6_sctp_udp_and_affinity_are_accepted_and_listed_readably(ns: str, driver: Driver) -> None:
+    services = [
+        {"name": "web6", "ip": "fd00::10", "eps": ["fd01::1", "fd01::2"], "external": ["2001:db8::10"]},
+        {"name": "sticky6", "ip": "fd00::20", "eps": ["fd01::3", "fd01::4"], "affinity": 30},
+        {"name": "sctp", "ip": "10.96.0.40", "port": 5000, "proto": "SCTP", "eps": ["10.1.5.1"]},
+        U, S,
+    ]
+    assert driver.sync(services)["ok"]
+    v6 = nft(ns, "list", "table", "ip6", "netproxy").stdout
+    assert 'fd00::10 . tcp . 80 comment "default/web6:p" : goto cluster-tcp-pick-2' in v6
+    assert "2001:db8::10 . tcp . 80" in v6 and "external-tcp-pick-2" in v6
+    assert "set aff-default/sticky6/p" in v6 and "timeout 30s" in v6
+    v4 = nft(ns, "list", "table", "ip", "netproxy").stdout
+    assert "10.96.0.40 . sctp . 5000" in v4 and "10.96.0.53 . udp . 53" in v4
+    # and the same in an incremental sync: change every service's endpoints at once
+    moved = [dict(s, eps=[e.replace("::", "::a") if ":" in e else e[:-1] + "9" for e in s["eps"]]) for s in services]
+    reply = driver.sync(moved, full=False, changed=[s["name"] for s in services])
+    assert reply["ok"] and reply["result"]["full"] is False, reply
+    assert "fd01::a1 . 8080" in nft(ns, "list", "table", "ip6", "netproxy").stdout
