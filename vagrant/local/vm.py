@@ -287,7 +287,7 @@ def build_wheelhouse(nodes: List[Node], timer: Timer) -> Path:
         reqs = requirements(wheel)
         key = sha(json.dumps(sorted(reqs)), *sorted({n.pytag + n.glibc for n in nodes}))
         stamp = wh / "stamp"
-        if stamp.exists() and stamp.read_text() == key and all((wh / f"{n.pytag}.requirements").exists()
+        if stamp.exists() and stamp.read_text() == key and all((wh / f"{n.pytag}.constraints").exists()
                                                                 for n in nodes):
             log(f"wheelhouse up to date ({wh})")
             return wh
@@ -302,29 +302,42 @@ def build_wheelhouse(nodes: List[Node], timer: Timer) -> Path:
 
 
 def _download_for(wh: Path, built: Path, reqs: List[str], target: List[str], pytag: str) -> None:
-    """pip download binaries for one target Python; sdist-only packages are built on the host."""
-    cmd = host_pip() + ["download", "-q", "--only-binary=:all:", "-d", str(wh), "--find-links", str(wh)]
-    cmd += target + reqs
-    while True:
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode == 0:
-            return
-        m = re.search(r"No matching distribution found for ([A-Za-z0-9_.\-]+)", res.stderr)
-        if not m or (built / m.group(1)).exists():
-            die(f"pip cannot fetch the guest requirements for {pytag}:\n{res.stderr}")
-        # An sdist-only dependency: build it on the host and make it usable by every Python.
-        name = m.group(1)
-        log(f"wheelhouse: {name} has no binary wheel, building it on the host")
-        (built / name).mkdir()
-        run(host_pip() + ["wheel", "-q", "--no-deps", "-w", str(built / name), name], stdout=subprocess.DEVNULL)
-        for w in (built / name).glob("*.whl"):
-            if w.name.endswith("-none-any.whl"):
-                shutil.copy(w, wh)
-            elif has_python_extension(w):
-                die(f"{w.name} is a CPython extension without a wheel for {pytag}; "
-                    "it would need a compiler in the guest")
-            else:
-                retag_ctypes_wheel(w, wh)
+    """Resolve and fetch binary wheels for one target Python; sdist-only packages are built on the host.
+
+    The resolution (a dry-run install with a report) pins the versions the host's resolver picked
+    for this Python; they become the guest's constraints, because the guest's pip does not
+    backtrack past a distribution that is missing from the wheelhouse.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        cmd = host_pip() + ["install", "-q", "--dry-run", "--ignore-installed", "--only-binary=:all:",
+                            "--find-links", str(wh), "--target", tmp + "/t", "--report", str(report)]
+        cmd += target + reqs
+        while True:
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode == 0:
+                break
+            m = re.search(r"No matching distribution found for ([A-Za-z0-9_.\-]+)", res.stderr)
+            if not m or (built / m.group(1)).exists():
+                die(f"pip cannot resolve the guest requirements for {pytag}:\n{res.stderr}")
+            # An sdist-only dependency: build it on the host and make it usable by every Python.
+            name = m.group(1)
+            log(f"wheelhouse: {name} has no binary wheel, building it on the host")
+            (built / name).mkdir()
+            run(host_pip() + ["wheel", "-q", "--no-deps", "-w", str(built / name), name], stdout=subprocess.DEVNULL)
+            for w in (built / name).glob("*.whl"):
+                if w.name.endswith("-none-any.whl"):
+                    shutil.copy(w, wh)
+                elif has_python_extension(w):
+                    die(f"{w.name} is a CPython extension without a wheel for {pytag}; "
+                        "it would need a compiler in the guest")
+                else:
+                    retag_ctypes_wheel(w, wh)
+        pins = sorted(f"{it['metadata']['name']}=={it['metadata']['version']}"
+                      for it in json.loads(report.read_text())["install"])
+    run(host_pip() + ["download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(wh), "--find-links", str(wh)]
+        + target + pins, stdout=subprocess.DEVNULL)
+    (wh / f"{pytag}.constraints").write_text("\n".join(pins) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,7 +452,7 @@ def install_deps(node: Node, root: Path, wh: Path, timer: Timer) -> None:
     is frozen into the wheelhouse as <tag>.lock. The guest still gets the wheelhouse over 9p and
     installs netproxy itself from it at every boot.
     """
-    reqs = (wh / f"{node.pytag}.requirements").read_text()
+    reqs = (wh / f"{node.pytag}.requirements").read_text() + (wh / f"{node.pytag}.constraints").read_text()
     key = sha(reqs, (wh / f"{node.pytag}.lock").read_text() if (wh / f"{node.pytag}.lock").exists() else "")
     stamp = node.dir / "deps.stamp"
     if stamp.exists() and stamp.read_text() == key:
@@ -450,7 +463,7 @@ def install_deps(node: Node, root: Path, wh: Path, timer: Timer) -> None:
 rm -rf {VENV_IN_GUEST}
 python3 -m venv {VENV_IN_GUEST}
 {VENV_IN_GUEST}/bin/pip install -q --disable-pip-version-check --no-index --find-links /mnt/wheels \\
-    -r /mnt/wheels/{node.pytag}.requirements
+    -r /mnt/wheels/{node.pytag}.requirements -c /mnt/wheels/{node.pytag}.constraints
 {VENV_IN_GUEST}/bin/pip freeze --exclude-editable --disable-pip-version-check >/tmp/freeze
 cat /tmp/freeze
 """
@@ -540,6 +553,7 @@ class Result:
     failed: int = 0
     skipped: int = 0
     combos: List[str] = field(default_factory=list)
+    guest_stages: List[str] = field(default_factory=list)
     boot_s: float = 0.0
     total_s: float = 0.0
     note: str = ""
@@ -589,6 +603,9 @@ def boot(node: Node, wh: Path, timer: Timer) -> Result:
                 m = re.match(r"netproxy-combo: (.*)", line)
                 if m:
                     res.combos.append(m.group(1))
+                m = re.match(r"netproxy-stage: (.*)", line)
+                if m:
+                    res.guest_stages.append(m.group(1))
                 m = re.match(r"^(?:\w+: )?(\d+) passed, (\d+) failed(?:, (\d+) skipped)?$", line)
                 if m:
                     res.passed, res.failed, res.skipped = int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
@@ -654,6 +671,8 @@ def print_summary(results: List[Result], timer: Timer) -> None:
               f"  boot {r.boot_s:.0f} s, total {r.total_s:.0f} s  {verdict} {r.note}")
         for c in r.combos:
             print(f"{'':16}{c}")
+        if r.guest_stages:
+            print(f"{'':16}in the guest: {'; '.join(r.guest_stages)}")
     print("stage wall times:")
     for s in timer.stages:
         print(f"  {s['seconds']:7.1f} s  {s['stage']}")
@@ -661,14 +680,14 @@ def print_summary(results: List[Result], timer: Timer) -> None:
         {"results": [r.__dict__ for r in results], "stages": timer.stages}, indent=2))
 
 
-def cmd_run(names: List[str], matrix: bool) -> int:
+def cmd_run(names: List[str]) -> int:
     preflight()
     common, nodes = load_nodes()
     chosen = pick(nodes, names)
     timer = Timer()
     results: List[Result] = []
     with Lock():
-        wh = build_wheelhouse(nodes if matrix else chosen, timer)
+        wh = build_wheelhouse(nodes, timer)  # keyed on every node, so a one-node run keeps it
         for node in chosen:
             build(node, common, wh, timer)
         # One guest after another: two cores are shared, and TCG would starve a parallel guest.
@@ -726,9 +745,9 @@ def main() -> int:
     if args.cmd == "build":
         return cmd_build(args.nodes)
     if args.cmd == "run":
-        return cmd_run(args.nodes, matrix=False)
+        return cmd_run(args.nodes)
     if args.cmd == "matrix":
-        return cmd_run([], matrix=True)
+        return cmd_run([])
     return cmd_stop()
 
 
