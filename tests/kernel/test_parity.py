@@ -1,0 +1,593 @@
+"""kube-proxy parity (issue 8, docs/parity.md): one test body per behaviour, on every backend/writer.
+
+Each test syncs (or runs) real netproxy in the sandbox's node and sends real traffic from the
+in-cluster client (10.244.1.2), the off-cluster ``ext`` namespace (192.0.2.100, reaching the node
+on 192.0.2.1), the node itself or a pod.  Pods answer with their name *and* the source address they
+saw, so masquerade (a node address) and source preservation (the client's own address) are
+asserted, not assumed.
+
+Pods 0-2 are on this node (:data:`NODE_NAME`), pods 3-4 on another (:data:`REMOTE_NODE_NAME`).
+
+Outcomes are told apart: *refused* (an ICMP error or a reset, at once), *dropped* (every attempt
+times out) and *answered*.  The kernel rate-limits ICMP errors per destination (a burst of about
+six, then one a second), so every refusal check sends two or three connections, each from a
+source address of its own (:meth:`Sandbox.client_addresses`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import pytest
+from harness import (
+    Manifest,
+    Proxy,
+    assert_only_and_all,
+    port,
+    service,
+    wait_for,
+    write_manifests,
+)
+
+from netproxy.sandbox import (
+    CLIENT4,
+    CLIENT6,
+    EXT4,
+    GATEWAY4,
+    NODE_EXT4,
+    NODE_NAME,
+    ConnectResult,
+    Pod,
+    Sandbox,
+)
+
+pytestmark = pytest.mark.kernel
+log = logging.getLogger(__name__)
+
+SVC_IP = "10.96.1.10"
+SVC_IP6 = "fd00:10:96::10"
+UDP_IP = "10.96.1.53"
+EXTERNAL_IP = "203.0.113.10"
+LB_IP = "198.51.100.10"
+NODE_PORT = 30080
+UDP_NODE_PORT = 30053
+HC_PORT = 30999
+ZONE_LABEL = "topology.kubernetes.io/zone"
+NODE_ADDRESSES = {NODE_EXT4, GATEWAY4}
+"""What a masqueraded connection's source is: one of the node's own IPv4 addresses."""
+
+
+@pytest.fixture(scope="module")
+def sandbox(kernel_env: None, combo: Any) -> Any:
+    """Five pods: 0-2 on this node, 3-4 labelled as on another node (traffic-policy tests)."""
+    with Sandbox(pods=5, remote_pods=2, tcp_ports=(8080,), udp_ports=(8080,)) as sb:
+        yield sb
+
+
+# ---- manifests ---------------------------------------------------------------------------------
+
+
+def local(sb: Sandbox) -> List[Pod]:
+    return [p for p in sb.pods if p.node_name == NODE_NAME]
+
+
+def remote(sb: Sandbox) -> List[Pod]:
+    return [p for p in sb.pods if p.node_name != NODE_NAME]
+
+
+def ep(pod: Pod, *, ready: bool = True, serving: Optional[bool] = None, terminating: bool = False,
+       zone: Optional[str] = None, hints: Sequence[str] = (), ipv6: bool = False) -> Manifest:
+    """One EndpointSlice endpoint for ``pod`` with explicit conditions, zone and zone hints."""
+    out: Manifest = {"addresses": [pod.ip6 if ipv6 else pod.ip], "nodeName": pod.node_name,
+                     "conditions": {"ready": ready, "serving": ready if serving is None else serving,
+                                    "terminating": terminating},
+                     "targetRef": {"kind": "Pod", "name": pod.name, "namespace": "default"}}
+    if zone:
+        out["zone"] = zone
+    if hints:
+        out["hints"] = {"forZones": [{"name": z} for z in hints]}
+    return out
+
+
+def slice_of(service_name: str, endpoints: Sequence[Manifest], ports: Sequence[Manifest], *,
+             suffix: str = "a", address_type: str = "IPv4") -> Manifest:
+    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": f"{service_name}-{suffix}", "namespace": "default",
+                         "labels": {"kubernetes.io/service-name": service_name}},
+            "addressType": address_type, "ports": list(ports), "endpoints": list(endpoints)}
+
+
+def http_port(node_port: int = 0) -> Manifest:
+    out = port(80, 8080, name="http")
+    if node_port:
+        out["nodePort"] = node_port
+    return out
+
+
+def web(pods: Sequence[Pod], *, node_port: int = 0, name: str = "web", cluster_ip: str = SVC_IP,
+        **spec: Any) -> List[Manifest]:
+    """``default/<name>``: TCP 80 → the pods' 8080 (and ``node_port`` when given)."""
+    if node_port and "type" not in spec:
+        spec["type"] = "NodePort"
+    return [service(name, cluster_ip, [http_port(node_port)], **spec),
+            slice_of(name, [ep(p) for p in pods], [port(8080, name="http")])]
+
+
+def node_object(zone: str) -> Manifest:
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE_NAME, "labels": {ZONE_LABEL: zone}}}
+
+
+# ---- outcomes ----------------------------------------------------------------------------------
+
+
+def sources_of(res: ConnectResult) -> set:  # type: ignore[type-arg]
+    return set(res.source_addresses())
+
+
+def assert_masqueraded(res: ConnectResult, client: str) -> None:
+    seen = sources_of(res)
+    assert seen and seen <= NODE_ADDRESSES, \
+        f"pods saw sources {res.sources}: expected only node addresses {sorted(NODE_ADDRESSES)}, not {client}"
+
+
+def assert_preserved(res: ConnectResult, client: str) -> None:
+    assert sources_of(res) == {client}, f"pods saw sources {res.sources}: expected the client's own {client}"
+
+
+def assert_dropped(res: ConnectResult, total: int) -> None:
+    """Not answered and not refused: every attempt timed out (a DROP, not a REJECT)."""
+    assert res.answered == 0, f"expected no answer, got {res.counts} (sources {res.sources})"
+    assert res.errors == {"timeout": total}, f"expected {total} timeouts (dropped), got {res.errors}"
+
+
+def assert_refused(res: ConnectResult, total: int, timeout: float) -> None:
+    """Refused at once (ICMP port-unreachable or a reset), not left to time out."""
+    assert res.answered == 0, f"expected a refusal, got answers {res.counts}"
+    kinds = set(res.errors)
+    assert kinds <= {"refused", "reset"} and res.failed == total, \
+        f"expected {total} refused at once, got {res.errors} (timeout = not refused)"
+    assert res.elapsed < timeout, f"took {res.elapsed:.2f}s: not refused at once"
+
+
+class Addresses:
+    """Fresh client source addresses, one per refusal check (ICMP errors are rate-limited per peer)."""
+
+    next_index = 0
+
+    @classmethod
+    def take(cls, sb: Sandbox) -> str:
+        cls.next_index += 1
+        return sb.client_addresses(cls.next_index)[-1]
+
+
+def refused_check(sb: Sandbox, address: str, port_number: int, *, proto: str = "tcp", count: int = 2,
+                  source: Optional[str] = None) -> None:
+    timeout = 2.0
+    sources = [] if source is not None else [Addresses.take(sb)]
+    res = sb.connect(address, port_number, proto=proto, count=count, timeout=timeout, source=source,
+                     sources=sources)
+    assert_refused(res, count, timeout)
+
+
+DROP_TIMEOUT = 0.6
+"""Seconds an attempt may take before it counts as dropped (answers in the sandbox take milliseconds)."""
+
+
+def dropped_check(sb: Sandbox, address: str, port_number: int, *, source: Optional[str] = None,
+                  count: int = 2, proto: str = "tcp") -> None:
+    res = sb.connect(address, port_number, proto=proto, count=count, timeout=DROP_TIMEOUT, source=source)
+    assert_dropped(res, count)
+
+
+Call = Tuple[str, int, Dict[str, Any]]
+
+
+def connect_all(sb: Sandbox, *calls: Call) -> List[ConnectResult]:
+    """Several client batches at once (each is a process start: overlapping them keeps the suite fast)."""
+    pending = [sb.start_connect(address, port_number, **kwargs) for address, port_number, kwargs in calls]
+    return [p.result() for p in pending]
+
+
+HTTP_GET = """
+import json, sys, urllib.error, urllib.request
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=2) as r:
+        code, body = r.status, r.read().decode()
+except urllib.error.HTTPError as e:
+    code, body = e.code, e.read().decode()
+except OSError as e:
+    code, body = 0, repr(e)
+print(json.dumps({"code": code, "body": body}))
+"""
+
+
+def http_get(sb: Sandbox, ns: str, url: str) -> Tuple[int, str]:
+    proc = sb.exec(ns, [sys.executable, "-c", HTTP_GET, url], check=True, timeout=10)
+    out = json.loads(proc.stdout)
+    return int(out["code"]), str(out["body"])
+
+
+def alive(proxy: Proxy) -> None:
+    if proxy.running() is False:
+        raise AssertionError(f"netproxy run exited:\n{proxy.run_output()[-3000:]}")
+
+
+def run_wait(proxy: Proxy, check: Callable[[], Optional[str]], timeout: float, step: float = 0.2) -> float:
+    """:func:`wait_for` on a ``netproxy run``; a failure shows the end of its log."""
+    try:
+        return wait_for(check, timeout=timeout, step=step)
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n--- netproxy run log ---\n{proxy.run_output()[-3000:]}") from None
+
+
+# ---- NodePort ----------------------------------------------------------------------------------
+
+
+def test_nodeport_on_node_addresses_from_outside_and_from_the_node(proxy: Proxy, sandbox: Sandbox) -> None:
+    pods = local(sandbox)
+    objects = [
+        service("np", SVC_IP, [http_port(NODE_PORT),
+                               {**port(53, 8080, name="dns", protocol="UDP"), "nodePort": UDP_NODE_PORT}],
+                type="NodePort"),
+        slice_of("np", [ep(p) for p in pods], [port(8080, name="http"), port(8080, name="dns", protocol="UDP")]),
+        *web(pods, name="lb", cluster_ip="10.96.1.11", node_port=NODE_PORT + 1, type="LoadBalancer"),
+    ]
+    proxy.sync(objects)
+    ext, node = {"source": sandbox.ext}, {"source": sandbox.node}
+    results = connect_all(
+        sandbox,
+        (NODE_EXT4, NODE_PORT, {"count": 90, **ext}),
+        (NODE_EXT4, UDP_NODE_PORT, {"proto": "udp", "count": 90, **ext}),
+        (NODE_EXT4, NODE_PORT + 1, {"count": 90, **ext}),  # a LoadBalancer's NodePort
+        (GATEWAY4, NODE_PORT, {"count": 90}),  # every local address: the client's side of the node too
+        (NODE_EXT4, NODE_PORT, {"count": 90, **node}),  # from the node itself (nat OUTPUT)
+        (GATEWAY4, NODE_PORT, {"count": 90, **node}),
+    )
+    for res in results:
+        assert_only_and_all(res, pods, total=90)
+    # Loopback NodePorts are not served (kube-proxy >= 1.28).
+    res = sandbox.connect("127.0.0.1", NODE_PORT, count=2, timeout=0.5, source=sandbox.node)
+    assert res.answered == 0, f"127.0.0.1:{NODE_PORT} answered {res.counts}"
+
+
+def test_nodeport_addresses(proxy: Proxy, sandbox: Sandbox) -> None:
+    """netproxy run --nodeport-addresses: NodePorts only on listed node addresses, following address changes."""
+    pods = local(sandbox)
+    added = "192.0.2.5"
+    proxy.start_run(web(pods, node_port=NODE_PORT), "--nodeport-addresses", "192.0.2.0/24")
+
+    def answers(address: str, source: str) -> Optional[str]:
+        alive(proxy)
+        res = sandbox.connect(address, NODE_PORT, count=5, timeout=0.5, source=source)
+        return None if res.answered == 5 else f"{address}:{NODE_PORT} answered {res.counts}, errors {res.errors}"
+
+    run_wait(proxy, lambda: answers(NODE_EXT4, sandbox.ext), timeout=15)
+    assert answers(NODE_EXT4, sandbox.node) is None
+    # 10.244.1.1 is the node's too, but outside --nodeport-addresses.
+    for source in (sandbox.client, sandbox.node):
+        res = sandbox.connect(GATEWAY4, NODE_PORT, count=2, timeout=0.5, source=source)
+        assert res.answered == 0, f"{GATEWAY4}:{NODE_PORT} (not listed) answered {res.counts} from {source}"
+    assert_only_and_all(sandbox.connect(SVC_IP, 80, count=90), pods, total=90)  # the ClusterIP is unaffected
+    assert answers(added, sandbox.ext) is not None, f"{added} is not a node address yet, and answered"
+    sandbox.exec(sandbox.node, ["ip", "addr", "add", f"{added}/32", "dev", "ext0"], check=True)
+    try:
+        took = run_wait(proxy, lambda: answers(added, sandbox.ext), timeout=8)
+        log.info("%s: a new node address took NodePorts after %.2fs", proxy.combo.name, took)
+    finally:
+        sandbox.exec(sandbox.node, ["ip", "addr", "del", f"{added}/32", "dev", "ext0"])
+
+
+# ---- masquerade --------------------------------------------------------------------------------
+
+
+def test_masquerade_external_traffic_with_etp_cluster(proxy: Proxy, sandbox: Sandbox) -> None:
+    pods = local(sandbox) + remote(sandbox)
+    proxy.sync(web(pods, node_port=NODE_PORT, type="LoadBalancer", externalIPs=[EXTERNAL_IP],
+                   load_balancer_ips=[LB_IP]))
+    targets = ((NODE_EXT4, NODE_PORT), (EXTERNAL_IP, 80), (LB_IP, 80))
+    results = connect_all(sandbox, *((a, p, {"count": 150, "source": sandbox.ext}) for a, p in targets))
+    for res in results:
+        assert_only_and_all(res, pods, total=150)
+        assert_masqueraded(res, EXT4)
+
+
+def test_masquerade_all(proxy: Proxy, sandbox: Sandbox) -> None:
+    """--masquerade-all SNATs in-cluster ClusterIP traffic too; --masquerade-bit moves the mark."""
+    pods = local(sandbox)
+    proxy.base_flags = [*proxy.base_flags, "--masquerade-all", "--masquerade-bit", "5"]
+    proxy.sync(web(pods))
+    res = sandbox.connect(SVC_IP, 80, count=90)
+    assert_only_and_all(res, pods, total=90)
+    assert_masqueraded(res, CLIENT4)
+    rules = proxy.ruleset()
+    assert re.search(r"\b0x0*20\b", rules), "--masquerade-bit 5: no 0x20 mark in the ruleset"
+    assert not re.search(r"\b0x0*4000\b", rules), "--masquerade-bit 5: the default bit 0x4000 is still used"
+
+
+def test_masquerade_cluster_traffic_from_outside_cluster_cidr(proxy: Proxy, sandbox: Sandbox) -> None:
+    """--cluster-cidr (two CIDRs): ClusterIP traffic from outside all of them is SNATed, from inside not."""
+    pods = local(sandbox)
+    proxy.base_flags = [*proxy.base_flags, "--cluster-cidr", "10.250.0.0/16,10.244.0.0/16"]
+    proxy.sync(web(pods))
+    inside, outside = connect_all(sandbox, (SVC_IP, 80, {"count": 90}),
+                                  (SVC_IP, 80, {"count": 90, "source": sandbox.ext}))
+    assert_only_and_all(inside, pods, total=90)
+    assert_preserved(inside, CLIENT4)
+    assert_only_and_all(outside, pods, total=90)
+    assert_masqueraded(outside, EXT4)
+
+
+def test_no_masquerade_for_in_cluster_clusterip_traffic(proxy: Proxy, sandbox: Sandbox) -> None:
+    pods = local(sandbox)[:2]
+    other = sandbox.pods[3]  # a pod that is not an endpoint, as a client
+    proxy.sync(web(pods))
+    from_client, from_pod = connect_all(sandbox, (SVC_IP, 80, {"count": 30}),
+                                        (SVC_IP, 80, {"count": 30, "source": other.netns}))
+    assert_only_and_all(from_client, pods, total=30)
+    assert_preserved(from_client, CLIENT4)
+    assert_only_and_all(from_pod, pods, total=30)
+    assert_preserved(from_pod, other.ip)
+
+
+# ---- externalTrafficPolicy: Local ---------------------------------------------------------------
+
+
+def test_etp_local(proxy: Proxy, sandbox: Sandbox) -> None:
+    """Only local endpoints, client address kept; none local → dropped, except from the node or the cluster."""
+    here, there = local(sandbox)[:2], remote(sandbox)
+    proxy.base_flags = [*proxy.base_flags, "--cluster-cidr", "10.244.0.0/16"]
+    proxy.sync([
+        *web([*here, *there], node_port=NODE_PORT, type="LoadBalancer", externalTrafficPolicy="Local",
+             load_balancer_ips=[LB_IP]),
+        *web(there, name="far", cluster_ip="10.96.1.11", node_port=NODE_PORT + 1, externalTrafficPolicy="Local"),
+    ])
+    ext = {"source": sandbox.ext}
+    results = connect_all(
+        sandbox,
+        (NODE_EXT4, NODE_PORT, {"count": 60, **ext}),
+        (LB_IP, 80, {"count": 60, **ext}),
+        (SVC_IP, 80, {"count": 150}),  # cluster traffic is not restricted
+        # No local endpoint: from the node itself and from inside --cluster-cidr it is cluster traffic.
+        (NODE_EXT4, NODE_PORT + 1, {"count": 30, "source": sandbox.node}),
+        (GATEWAY4, NODE_PORT + 1, {"count": 30}),
+        (NODE_EXT4, NODE_PORT + 1, {"count": 2, "timeout": DROP_TIMEOUT, **ext}),
+    )
+    for res in results[:2]:
+        assert_only_and_all(res, here, total=60, at_least=10)
+        assert_preserved(res, EXT4)
+    assert_only_and_all(results[2], [*here, *there], total=150)
+    assert_only_and_all(results[3], there, total=30)
+    assert_only_and_all(results[4], there, total=30)
+    assert_dropped(results[5], 2)
+
+
+def test_health_check_node_port(proxy: Proxy, sandbox: Sandbox) -> None:
+    """netproxy run: healthCheckNodePort answers 200 with the local count, 503 with none; /healthz 200."""
+    here, there = local(sandbox)[:2], remote(sandbox)[:1]
+    spec: Dict[str, Any] = {"node_port": NODE_PORT, "type": "LoadBalancer", "externalTrafficPolicy": "Local",
+                            "healthCheckNodePort": HC_PORT}
+    proxy.start_run(web([*here, *there], **spec), "--healthz-bind-address", "0.0.0.0:10256")
+    url = f"http://{NODE_EXT4}:{HC_PORT}/"
+
+    def status(code: int, count: int) -> Optional[str]:
+        alive(proxy)
+        got, body = http_get(sandbox, sandbox.ext, url)
+        if got != code:
+            return f"{url}: HTTP {got} {body!r}, want {code}"
+        try:
+            local_count = json.loads(body).get("localEndpoints")
+        except ValueError:
+            return f"{url}: not JSON: {body!r}"
+        return None if local_count == count else f"{url}: localEndpoints {local_count}, want {count} ({body})"
+
+    run_wait(proxy, lambda: status(200, 2), timeout=15, step=0.3)
+    code, body = http_get(sandbox, sandbox.ext, f"http://{NODE_EXT4}:10256/healthz")
+    assert code == 200, f"/healthz: {code} {body}"
+    write_manifests(proxy.source, web(there, **spec))
+    took = run_wait(proxy, lambda: status(503, 0), timeout=8, step=0.3)
+    log.info("%s: health check turned 503 after %.2fs", proxy.combo.name, took)
+
+
+# ---- internalTrafficPolicy: Local ---------------------------------------------------------------
+
+
+def test_itp_local(proxy: Proxy, sandbox: Sandbox) -> None:
+    here, there = local(sandbox)[:1], remote(sandbox)
+    proxy.sync([*web([*here, *there], node_port=NODE_PORT, internalTrafficPolicy="Local"),
+                *web(there, name="far", cluster_ip="10.96.1.11", internalTrafficPolicy="Local")])
+    cluster, external, none_local = connect_all(
+        sandbox,
+        (SVC_IP, 80, {"count": 30}),
+        (NODE_EXT4, NODE_PORT, {"count": 150, "source": sandbox.ext}),  # external traffic: not restricted
+        ("10.96.1.11", 80, {"count": 2, "timeout": DROP_TIMEOUT}),
+    )
+    assert_only_and_all(cluster, here, total=30)
+    assert_only_and_all(external, [*here, *there], total=150)
+    assert_dropped(none_local, 2)
+
+
+# ---- loadBalancerSourceRanges ------------------------------------------------------------------
+
+
+def test_load_balancer_source_ranges(proxy: Proxy, sandbox: Sandbox) -> None:
+    pods = local(sandbox)
+    proxy.sync(web(pods, node_port=NODE_PORT, load_balancer_ips=[LB_IP],
+                   loadBalancerSourceRanges=[f"{EXT4}/32"]))
+    allowed, denied, cluster_ip, node_port = connect_all(
+        sandbox,
+        (LB_IP, 80, {"count": 90, "source": sandbox.ext}),
+        (LB_IP, 80, {"count": 2, "timeout": DROP_TIMEOUT}),  # the client is outside the ranges
+        (SVC_IP, 80, {"count": 90}),  # ClusterIP and NodePort are not restricted
+        (GATEWAY4, NODE_PORT, {"count": 90}),
+    )
+    assert_only_and_all(allowed, pods, total=90)
+    assert_dropped(denied, 2)
+    assert_only_and_all(cluster_ip, pods, total=90)
+    assert_only_and_all(node_port, pods, total=90)
+
+
+# ---- refusals ----------------------------------------------------------------------------------
+
+
+def test_no_endpoints_refused(proxy: Proxy, sandbox: Sandbox) -> None:
+    objects = [
+        service("empty", SVC_IP, [http_port(NODE_PORT), port(53, 8080, name="dns", protocol="UDP")],
+                type="NodePort"),
+        slice_of("empty", [], [port(8080, name="http"), port(8080, name="dns", protocol="UDP")]),
+    ]
+    proxy.sync(objects)
+    refused_check(sandbox, SVC_IP, 80)
+    refused_check(sandbox, SVC_IP, 53, proto="udp")
+    refused_check(sandbox, SVC_IP, 80, source=sandbox.node)
+    refused_check(sandbox, NODE_EXT4, NODE_PORT, source=sandbox.ext)
+
+
+def test_unknown_port_on_active_clusterip_refused(proxy: Proxy, sandbox: Sandbox) -> None:
+    pods = local(sandbox)
+    proxy.sync(web(pods))
+    assert_only_and_all(sandbox.connect(SVC_IP, 80, count=90), pods, total=90)
+    refused_check(sandbox, SVC_IP, 81)
+    refused_check(sandbox, SVC_IP, 80, proto="udp")
+
+
+# ---- endpoint eligibility (netproxy/endpoints.py, through both backends) -----------------------
+
+
+def test_terminating_endpoints_only_without_ready_ones(proxy: Proxy, sandbox: Sandbox) -> None:
+    p0, p1, p2 = local(sandbox)
+    http = [port(8080, name="http")]
+    terminating = [ep(p0, ready=False, serving=True, terminating=True),
+                   ep(p1, ready=False, serving=True, terminating=True)]
+    gone = [ep(p, ready=False, serving=False, terminating=True) for p in (p0, p1, p2)]
+    proxy.sync([
+        service("mixed", SVC_IP, [http_port()]), slice_of("mixed", [*terminating, ep(p2)], http),
+        # No ready endpoint: the serving-and-terminating ones (not the non-serving one).
+        service("draining", "10.96.1.11", [http_port()]), slice_of("draining", [*terminating, gone[2]], http),
+        # Nothing serving at all: no endpoints.
+        service("gone", "10.96.1.12", [http_port()]), slice_of("gone", gone, http),
+    ])
+    mixed, draining = connect_all(sandbox, (SVC_IP, 80, {"count": 30}), ("10.96.1.11", 80, {"count": 60}))
+    assert_only_and_all(mixed, [p2], total=30)
+    assert_only_and_all(draining, [p0, p1], total=60)
+    refused_check(sandbox, "10.96.1.12", 80)
+
+
+TOPOLOGY = [
+    # (cluster IP, spec, [(pod index, zone, hints)], pods that must answer); this node is in zone-a
+    ("10.96.1.20", {"trafficDistribution": "PreferClose"},
+     [(0, "zone-a", ()), (1, "zone-b", ()), (2, "zone-a", ())], [0, 2]),
+    ("10.96.1.21", {}, [(0, "zone-a", ("zone-b",)), (1, "zone-b", ("zone-a",)), (2, "zone-b", ("zone-b",))], [1]),
+    ("10.96.1.22", {"trafficDistribution": "PreferClose"},  # none in this zone: all
+     [(0, "zone-b", ()), (1, "zone-c", ()), (2, "zone-b", ())], [0, 1, 2]),
+]
+
+
+def test_topology_prefers_this_nodes_zone(proxy: Proxy, sandbox: Sandbox) -> None:
+    """A `kind: Node` object puts this node in zone-a: PreferClose and zone hints keep cluster traffic to
+    endpoints for zone-a, and use all endpoints when none is for zone-a."""
+    pods = sandbox.pods
+    objects = [node_object("zone-a")]
+    for k, (ip, spec, layout, _) in enumerate(TOPOLOGY):
+        objects += [service(f"topo{k}", ip, [http_port()], **spec),
+                    slice_of(f"topo{k}", [ep(pods[i], zone=z, hints=h) for i, z, h in layout],
+                             [port(8080, name="http")])]
+    proxy.sync(objects)
+    results = connect_all(sandbox, *((ip, 80, {"count": 90}) for ip, _, _, _ in TOPOLOGY))
+    for (ip, spec, layout, want), res in zip(TOPOLOGY, results):
+        try:
+            assert_only_and_all(res, [pods[i] for i in want], total=90)
+        except AssertionError as err:
+            raise AssertionError(f"{ip} {spec} endpoints {layout}: {err}") from None
+
+
+# ---- dual-stack --------------------------------------------------------------------------------
+
+
+def test_dual_stack_service(proxy: Proxy, sandbox: Sandbox) -> None:
+    pods = local(sandbox)
+    http = [port(8080, name="http")]
+    proxy.sync([
+        service("web", SVC_IP, [http_port()], clusterIPs=[SVC_IP, SVC_IP6], ipFamilies=["IPv4", "IPv6"],
+                ipFamilyPolicy="RequireDualStack"),
+        slice_of("web", [ep(p) for p in pods], http, suffix="v4"),
+        slice_of("web", [ep(p, ipv6=True) for p in pods], http, suffix="v6", address_type="IPv6"),
+    ])
+    v4, v6 = connect_all(sandbox, (SVC_IP, 80, {"count": 90}), (SVC_IP6, 80, {"count": 90}))
+    assert_only_and_all(v4, pods, total=90)
+    assert_preserved(v4, CLIENT4)  # reached over IPv4: a v4 endpoint
+    assert_only_and_all(v6, pods, total=90)
+    assert_preserved(v6, CLIENT6)  # reached over IPv6: a v6 endpoint
+
+
+# ---- UDP conntrack (netproxy run) --------------------------------------------------------------
+
+UDP_INTERVAL = 0.1
+FRESH_IP = "10.96.1.54"
+
+
+def dns(pods: Sequence[Pod], name: str = "dns", cluster_ip: str = UDP_IP) -> List[Manifest]:
+    return [service(name, cluster_ip, [port(53, 8080, name="dns", protocol="UDP")]),
+            slice_of(name, [ep(p) for p in pods], [port(8080, name="dns", protocol="UDP")])]
+
+
+def test_udp_conntrack(proxy: Proxy, sandbox: Sandbox) -> None:
+    """Two fixed-source-port UDP clients sending every 100 ms, through one edit of the source:
+    - one whose endpoint is deleted is answered by the new endpoint within about a sync;
+    - one to a service that did not exist (going nowhere) is answered once it appears with an endpoint."""
+    old, new, fresh = local(sandbox)
+    proxy.start_run(dns([old]))
+
+    def answered_by_old() -> Optional[str]:
+        alive(proxy)
+        res = sandbox.connect(UDP_IP, 53, proto="udp", count=1, timeout=0.3)
+        return None if res.counts == {old.name: 1} else f"{res.counts} {res.errors}"
+
+    run_wait(proxy, answered_by_old, timeout=15)
+    count, fresh_timeout = 40, 0.3
+    moving = sandbox.start_connect(UDP_IP, 53, proto="udp", count=count, interval=UDP_INTERVAL, timeout=0.5,
+                                   bind=":40053")
+    reviving = sandbox.start_connect(FRESH_IP, 53, proto="udp", count=count // 2, interval=UDP_INTERVAL,
+                                     timeout=fresh_timeout, bind=":40054")
+    started = time.monotonic()
+    time.sleep(1.0)
+    edited = time.monotonic() - started
+    write_manifests(proxy.source, dns([new]) + dns([fresh], name="dns2", cluster_ip=FRESH_IP))
+    moved, revived = moving.result(), reviving.result()
+
+    seq = moved.sequence
+    edit_at = int(edited / UDP_INTERVAL)
+    assert set(seq[:edit_at - 2]) == {old.name}, f"the flow was not on {old.name} before the edit: {seq}"
+    assert moved.errors == {}, f"the flow lost packets: {moved.errors}: {seq}"
+    last_old = max(i for i, who in enumerate(seq) if who == old.name)
+    assert set(seq[last_old + 1:]) == {new.name}, f"the flow did not settle on {new.name}: {seq}"
+    assert last_old < count - 5, f"still answered by the deleted endpoint at the end: {seq}"
+    moved_after = (last_old + 1) * UDP_INTERVAL - edited
+    log.info("%s: UDP flow moved %.2fs after the edit", proxy.combo.name, moved_after)
+    assert moved_after < 2.5, f"the flow moved {moved_after:.1f}s after its endpoint was deleted: {seq}"
+
+    seq = revived.sequence
+    assert seq[0].startswith("!"), f"answered before the service existed: {seq}"
+    answered = [i for i, who in enumerate(seq) if not who.startswith("!")]
+    assert answered, f"never answered after the service got its endpoint: {revived.errors}: {seq}"
+    assert set(seq[answered[0]:]) == {fresh.name}, f"not steadily answered once it started: {seq}"
+    # Unanswered attempts cost `fresh_timeout` each: about when did answers start?
+    waited = answered[0] * fresh_timeout - edited
+    log.info("%s: new UDP service answered %.2fs after the edit", proxy.combo.name, waited)
+    assert waited < 2.5, f"answers started {waited:.1f}s after the service got its endpoint: {seq}"
+
+
+# ---- hairpin -----------------------------------------------------------------------------------
+
+
+def test_hairpin(proxy: Proxy, sandbox: Sandbox) -> None:
+    """A pod reaching its own service, DNAT-ed back to itself, gets an answer (masqueraded)."""
+    pod = local(sandbox)[0]
+    proxy.sync(web([pod]))
+    res = sandbox.connect(SVC_IP, 80, count=10, source=pod.netns)
+    assert_only_and_all(res, [pod], total=10)
+    assert_masqueraded(res, pod.ip)
