@@ -16,9 +16,13 @@ from netproxy.backends.nftables.transaction import (
     State,
     Transaction,
     claim,
+    count_refs,
     drop_unused_shared,
     full_transaction,
     incremental_transaction,
+    node_changes,
+    node_elements,
+    ref_changes,
     release,
     render_entry,
     shared_changes,
@@ -90,10 +94,14 @@ class NftablesBackend:
             for fam, objs in entry.rendered.items():
                 written = claim(state, fam, name, objs)
                 entry.objects[fam] = written
-                shared = state.family(fam).shared
+                fstate = state.family(fam)
+                shared = fstate.shared
                 for chain in written.shared:
                     shared[chain] = shared.get(chain, 0) + 1
+                count_refs(fstate, written.refs, 1)
             state.entries[name] = entry
+        for fam in render.FAMILIES:
+            state.family(fam).node = node_elements(snapshot.node, fam, self.config)
         return state
 
     def _full(self, snapshot: Snapshot) -> SyncResult:
@@ -205,11 +213,13 @@ class NftablesBackend:
         tx = Transaction()
         changed = sorted(names)
         new_entries: Dict[ServicePortName, Optional[Entry]] = {}
+        ref_before: Dict[str, Dict[Tuple[str, str], int]] = {}
         for name in changed:
             old = state.entries.get(name)
             if old is not None:
                 for fam, objs in old.objects.items():
                     release(state, fam, name, objs)
+                    self._count(state, fam, objs.refs, -1, ref_before)
         for name in changed:
             svc = snapshot.services.get(name)
             if svc is None:
@@ -221,8 +231,38 @@ class NftablesBackend:
                 self._state = None
                 return self._rewrite(snapshot, self.runner.generation())
             for fam, objs in entry.rendered.items():
-                entry.objects[fam] = claim(state, fam, name, objs)
+                entry.objects[fam] = written = claim(state, fam, name, objs)
+                self._count(state, fam, written.refs, 1, ref_before)
             new_entries[name] = entry
+        written_services = self._service_changes(tx, state, new_entries)
+        for fam in sorted(state.families):
+            fstate = state.family(fam)
+            ref_changes(tx, fam, fstate, ref_before.get(fam, {}))
+            drop_unused_shared(tx, fam, fstate)
+            if fam in state.tables:
+                node_changes(tx, fam, fstate, node_elements(snapshot.node, fam, self.config))
+        self.last_transaction = tx
+        written = self._apply_incremental(tx, state) if len(tx) else 0
+        for name, entry in new_entries.items():
+            if entry is None:
+                state.entries.pop(name, None)
+            else:
+                state.entries[name] = entry
+        return SyncResult(full=False, services_written=written_services, bytes_written=written)
+
+    @staticmethod
+    def _count(state: State, fam: str, refs: FrozenSet[Tuple[str, str]], step: int,
+               before: Dict[str, Dict[Tuple[str, str], int]]) -> None:
+        """Count ``refs`` users up or down, remembering each element's count before this sync."""
+        fstate = state.family(fam)
+        seen = before.setdefault(fam, {})
+        for r in refs:
+            seen.setdefault(r, fstate.refs.get(r, 0))
+        count_refs(fstate, refs, step)
+
+    def _service_changes(self, tx: Transaction, state: State,
+                         new_entries: Dict[ServicePortName, Optional[Entry]]) -> int:
+        """Add to ``tx`` what turns each changed service port's old objects into its new ones."""
         written_services = 0
         for name, entry in new_entries.items():
             old_entry = state.entries.get(name)
@@ -235,13 +275,4 @@ class NftablesBackend:
                 o, n = before.get(fam, empty), after.get(fam, empty)
                 incremental_transaction(tx, fam, o, n)
                 shared_changes(tx, fam, state.family(fam), o.shared, n.shared, self.config)
-        for fam in sorted(state.families):
-            drop_unused_shared(tx, fam, state.family(fam))
-        self.last_transaction = tx
-        written = self._apply_incremental(tx, state) if len(tx) else 0
-        for name, entry in new_entries.items():
-            if entry is None:
-                state.entries.pop(name, None)
-            else:
-                state.entries[name] = entry
-        return SyncResult(full=False, services_written=written_services, bytes_written=written)
+        return written_services

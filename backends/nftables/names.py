@@ -29,6 +29,15 @@ SERVICES = "services"
 REJECT = "reject-packet"
 SERVICE_IPS = "service-ips"
 NO_ENDPOINTS = "no-endpoint-services"
+SERVICE_NODEPORTS = "service-nodeports"
+NO_ENDPOINT_NODEPORTS = "no-endpoint-nodeports"
+EXEMPT_IPS = "exempt-ips"
+EXEMPT_NODEPORTS = "exempt-nodeports"
+CLUSTER_IPS = "cluster-ips"
+NODEPORT_IPS = "nodeport-ips"
+FIREWALL_IPS = "firewall-ips"
+FIREWALL_ALLOW = "firewall-allow"
+HAIRPIN = "hairpin"
 
 # What an unquoted nft identifier may contain (nft's scanner: a letter first, then letters, digits,
 # '/', '-', '_' and '.').
@@ -66,9 +75,13 @@ def service_comment(name: ServicePortName) -> str:
     return comment(str(name))
 
 
-def affinity_chain(name: ServicePortName, external: bool) -> str:
-    """The chain that applies ClientIP affinity for one service port's cluster or external traffic."""
-    return identifier(f"{'ext' if external else 'svc'}-{service_id(name)}")
+AFFINITY_PREFIX = {"cluster": "svc", "external": "ext", "local": "ext", "exempt": "all"}
+
+
+def affinity_chain(name: ServicePortName, kind: str) -> str:
+    """The chain that applies ClientIP affinity for one service port's traffic of ``kind``
+    (``svc-``: cluster, ``ext-``: external, ``all-``: externalTrafficPolicy Local's exceptions)."""
+    return identifier(f"{AFFINITY_PREFIX[kind]}-{service_id(name)}")
 
 
 def affinity_set(name: ServicePortName) -> str:
@@ -76,11 +89,11 @@ def affinity_set(name: ServicePortName) -> str:
     return identifier(f"aff-{service_id(name)}")
 
 
-def pick_chain(kind: str, proto: str, count: int) -> str:
+def pick_chain(kind: str, proto: str, count: int, nodeport: bool = False) -> str:
     """The shared chain that picks one of ``count`` endpoints for ``proto`` traffic of ``kind``."""
-    return f"{kind}-{proto}-pick-{count}"
+    return f"{kind}-{proto}{'-nodeport' if nodeport else ''}-pick-{count}"
 
 
-def endpoints_map(kind: str, proto: str, count: int) -> str:
-    """The map that ``pick_chain(kind, proto, count)`` looks endpoints up in."""
-    return f"{kind}-{proto}-endpoints-{count}"
+def endpoints_map(kind: str, proto: str, count: int, nodeport: bool = False) -> str:
+    """The map that ``pick_chain(kind, proto, count, nodeport)`` looks endpoints up in."""
+    return f"{kind}-{proto}{'-nodeport' if nodeport else ''}-endpoints-{count}"

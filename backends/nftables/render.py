@@ -1,56 +1,60 @@
-"""Pure rendering: a snapshot (or one service port of it) to the nftables objects netproxy wants.
+"""Pure rendering: one service port (in one family) to the nftables objects it owns.
 
-Layout (PERF-NOTES.md's compact layout; README.md has the picture):
+The fixed part of the tables and the shared pick chains are in :mod:`layout` (its docstring has the
+packet path).  A service port owns:
 
-- ``services`` (jumped to from nat prerouting and output) does one lookup in the ``service-ips``
-  verdict map, ``address . protocol . port`` -> ``goto <kind>-pick-<N>``, whatever the number of
-  services;
-- ``<kind>-<proto>-pick-<N>`` is shared by every service address with N endpoints: it marks for
-  masquerade when ``kind`` needs it and DNATs through its own ``<kind>-<proto>-endpoints-<N>`` map,
-  keyed by ``address . port . numgen random mod N`` -- equal odds, one lookup.  The protocol picks
-  the map rather than being a key field: each concatenated field costs libnftables ~3 us per
-  element, 0.3 s of a 10k-service sync (measured: 4 fields 1.8 s, 3 fields 1.45 s).  One map per pick
-  chain (rather than one for all) because nft 1.0.x cannot add a rule that refers to a ``typeof``
-  map holding ``th dport`` once that map is in the kernel ("conflicting protocols specified: ip vs.
-  th" when it rebuilds the type from the kernel), so a pick chain's rule is only ever added in the
-  transaction that creates its map;
-- ClientIP affinity: the address goes to a per-service chain instead, which checks one dynamic
-  timeout set per endpoint (as iptables ``recent --rcheck --seconds T``) before the random choice,
-  and each endpoint chain refreshes its set (``recent --set``) before the DNAT;
-- an address without endpoints goes into ``no-endpoint-services`` (filter hooks): reject, or drop
-  for externalTrafficPolicy Local.
+- its dispatch elements: ``service-ips`` (``address . protocol . port``) and ``service-nodeports``
+  (``protocol . nodePort``) -> ``goto <kind>-<proto>[-nodeport]-pick-<N>``, shared by every service
+  port with N endpoints of that kind, or -> its own affinity chain;
+- its endpoints: one :class:`~objects.ElementRun` per dispatch key in the pick chain's map
+  (``address . port . i`` or ``nodePort . i`` -> ``endpoint . port``);
+- externalTrafficPolicy Local: a second run and an ``exempt-ips``/``exempt-nodeports`` element
+  that the ``local`` pick chain sends pods' and the node's own traffic through (every endpoint);
+- refusals: ``no-endpoint-services``/``no-endpoint-nodeports`` (reject; drop for internalTrafficPolicy
+  Local without a local endpoint);
+- loadBalancerSourceRanges: ``firewall-ips`` and ``firewall-allow`` elements;
+- elements other service ports may hold too (``refs``, reference-counted by the backend): its cluster
+  IPs in ``cluster-ips`` (reject other ports) and ``endpoint . endpoint`` pairs in ``hairpin``.
 
-Few chains and few rules bound to each map keep the kernel's transaction cost linear.
+Eligible endpoints come from :mod:`netproxy.endpoints` only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import operator
 import socket
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from netproxy.backends.nftables import names
-from netproxy.backends.nftables.objects import Chain, Element, ElementRun, Hook, Rule, Set, Table
+from netproxy.backends.nftables.layout import (  # noqa: F401 - re-exported for transaction.py and tests
+    ADDR_TYPE,
+    CLUSTER,
+    EXEMPT,
+    EXTERNAL,
+    FAMILIES,
+    LOCAL,
+    VERSIONS,
+    Pick,
+    base_chains,
+    base_sets,
+    endpoints_map,
+    exemption_rules,
+    masquerade_rule,
+    parse_pick_chain,
+    pick_chain,
+    table,
+)
+from netproxy.backends.nftables.objects import Element, ElementRun, Rule, Set
 from netproxy.config import ProxyConfig
 from netproxy.endpoints import cluster_endpoints, external_endpoints
 from netproxy.model import Endpoint, IPAddress, NodeInfo, ServicePort
 
-FAMILIES = ("ip", "ip6")
-_ADDR_TYPE = {"ip": "ipv4_addr", "ip6": "ipv6_addr"}
-VERSIONS = {"ip": 4, "ip6": 6}
-
-CLUSTER, EXTERNAL, LOCAL = "cluster", "external", "local"
-"""Kinds of service address: a ClusterIP; an external/LB IP with externalTrafficPolicy Cluster
-(masqueraded); the same with policy Local (client address kept, local endpoints only)."""
-
-NAT_PRIORITY_DSTNAT = -100
-NAT_PRIORITY_SRCNAT = 100
-# Before DNAT (-100), so that the no-endpoints check sees the service address.
-FILTER_PRIORITY = -110
-
-TABLE_COMMENT = "managed by netproxy: changes made here are overwritten"
+RunKey = Tuple[str, str]
+"""(role, dispatch key) of an endpoint run: role "main" (the dispatch element's own endpoints) or
+"exempt" (externalTrafficPolicy Local's every-endpoint exception)."""
 
 
 @dataclass
@@ -58,124 +62,24 @@ class ServiceObjects:
     """Everything one service port owns in one family's table."""
 
     elements: Dict[Tuple[str, str], Element] = field(default_factory=dict)
-    """``service-ips`` and ``no-endpoint-services`` elements, keyed by (map, key)."""
-    runs: Dict[str, ElementRun] = field(default_factory=dict)
-    """Endpoint-map elements per dispatch key (``address . protocol . port``)."""
+    """Verdict-map and set elements it alone owns, keyed by (set, key)."""
+    runs: Dict[RunKey, ElementRun] = field(default_factory=dict)
+    """Endpoint-map elements per (role, dispatch key)."""
     chains: Dict[str, Tuple[Rule, ...]] = field(default_factory=dict)
     sets: Dict[str, Set] = field(default_factory=dict)
     shared: FrozenSet[str] = frozenset()
-    """Names of the shared pick chains this service's map elements jump to."""
+    """Names of the shared pick chains its elements jump to."""
     dispatch_keys: Tuple[str, ...] = ()
-    """``address . protocol . port`` keys this service claims (one owner per key)."""
+    """``address . protocol . port`` and ``protocol . nodePort`` keys it claims (one owner per key)."""
+    refs: FrozenSet[Tuple[str, str]] = frozenset()
+    """(set, key) elements it needs that other service ports may need too (reference-counted)."""
 
     def is_empty(self) -> bool:
-        return not (self.elements or self.runs or self.chains or self.sets)
+        return not (self.elements or self.runs or self.chains or self.sets or self.refs)
 
 
 def family_of(ip: IPAddress) -> str:
     return "ip" if ip.version == 4 else "ip6"
-
-
-def table(family: str) -> Table:
-    return Table(family, names.TABLE, TABLE_COMMENT)
-
-
-def base_chains(family: str) -> List[Tuple[Chain, Tuple[Rule, ...]]]:
-    """The chains every table has, with their rules (rendered as a whole on each full sync)."""
-    fam = family
-    dispatch = f"{fam} daddr . meta l4proto . th dport"
-    no_ep = Rule("", f"ct state new {dispatch} vmap @{names.NO_ENDPOINTS}")
-    out = [
-        (Chain(names.NAT_PREROUTING, Hook("nat", "prerouting", NAT_PRIORITY_DSTNAT)),
-         (Rule(names.NAT_PREROUTING, f"jump {names.SERVICES}"),)),
-        (Chain(names.NAT_OUTPUT, Hook("nat", "output", NAT_PRIORITY_DSTNAT)),
-         (Rule(names.NAT_OUTPUT, f"jump {names.SERVICES}"),)),
-        (Chain(names.NAT_POSTROUTING, Hook("nat", "postrouting", NAT_PRIORITY_SRCNAT)), ()),
-        (Chain(names.FILTER_INPUT, Hook("filter", "input", FILTER_PRIORITY)),
-         (no_ep._replace(chain=names.FILTER_INPUT),)),
-        (Chain(names.FILTER_FORWARD, Hook("filter", "forward", FILTER_PRIORITY)),
-         (no_ep._replace(chain=names.FILTER_FORWARD),)),
-        (Chain(names.FILTER_OUTPUT, Hook("filter", "output", FILTER_PRIORITY)),
-         (no_ep._replace(chain=names.FILTER_OUTPUT),)),
-        (Chain(names.SERVICES), (Rule(names.SERVICES, f"{dispatch} vmap @{names.SERVICE_IPS}"),)),
-        (Chain(names.REJECT), (Rule(names.REJECT, "reject"),)),
-    ]
-    return out
-
-
-def postrouting_rules(config: ProxyConfig) -> Tuple[Rule, ...]:
-    mark = config.masquerade_mark
-    return (Rule(names.NAT_POSTROUTING,
-                 f"meta mark & {mark:#010x} == {mark:#010x} meta mark set meta mark ^ {mark:#010x} "
-                 "masquerade fully-random", "masquerade traffic marked by netproxy"),)
-
-
-def base_sets(family: str) -> List[Set]:
-    addr = _ADDR_TYPE[family]
-    dispatch = f"{addr} . inet_proto . inet_service"
-    return [
-        Set(names.SERVICE_IPS, dispatch, "verdict", comment="service address . protocol . port"),
-        Set(names.NO_ENDPOINTS, dispatch, "verdict", comment="service ports without endpoints"),
-    ]
-
-
-class Pick(NamedTuple):
-    """What a shared pick chain serves: a kind of address, a protocol, a number of endpoints."""
-
-    kind: str
-    proto: str
-    size: int
-    """The number of endpoints."""
-
-    @property
-    def chain(self) -> str:
-        name: str = names.pick_chain(self.kind, self.proto, self.size)
-        return name
-
-    @property
-    def map(self) -> str:
-        name: str = names.endpoints_map(self.kind, self.proto, self.size)
-        return name
-
-
-def parse_pick_chain(name: str) -> Optional[Pick]:
-    """The :class:`Pick` a shared chain name stands for, or None."""
-    head, sep, count = name.partition("-pick-")
-    kind, _, proto = head.partition("-")
-    if sep and kind in (CLUSTER, EXTERNAL, LOCAL) and proto in ("tcp", "udp", "sctp") and count.isdigit():
-        return Pick(kind, proto, int(count))
-    return None
-
-
-def endpoints_map(pick: Pick, family: str) -> Set:
-    """The map a pick chain DNATs through: ``address . port . index`` -> ``endpoint . port``."""
-    return Set(pick.map, f"{family} daddr . th dport . numgen random mod 1", f"{family} daddr . th dport",
-               typeof=True, comment=f"{pick.kind} {pick.proto} service address . port . index: endpoint")
-
-
-def _masquerade_rule(chain: str, kind: str, family: str, config: ProxyConfig) -> Optional[Rule]:
-    mark = f"meta mark set meta mark | {config.masquerade_mark:#010x}"
-    if kind == EXTERNAL or (kind == CLUSTER and config.masquerade_all):
-        return Rule(chain, mark)
-    if kind == CLUSTER:
-        cidrs = [str(c) for c in config.cluster_cidrs if c.version == VERSIONS[family]]
-        if cidrs:
-            return Rule(chain, f"{family} saddr != {{ {', '.join(cidrs)} }} {mark}")
-    return None
-
-
-def pick_chain(pick: Pick, family: str, config: ProxyConfig) -> Tuple[Chain, Tuple[Rule, ...], Set]:
-    """The shared chain (with its rules and its map) for ``pick``."""
-    name = pick.chain
-    rules: List[Rule] = []
-    masq = _masquerade_rule(name, pick.kind, family, config)
-    if masq is not None:
-        rules.append(masq)
-    emap = endpoints_map(pick, family)
-    # The protocol match gives nft the context a DNAT to a port needs (the key has no protocol).
-    rules.append(Rule(name, f"meta l4proto {pick.proto} dnat {family} to {family} daddr . th dport . "
-                            f"numgen random mod {pick.size} map @{emap.name}"))
-    return Chain(name), tuple(rules), emap
 
 
 def ip_text(ip: IPAddress) -> str:
@@ -208,9 +112,79 @@ def _dnat_target(ep: Endpoint) -> str:
 _ZERO = {"ip": "0.0.0.0", "ip6": "::"}
 
 
-def _affinity_objects(svc: ServicePort, kind: str, eps: Sequence[Endpoint], family: str,
-                      config: ProxyConfig, out: ServiceObjects) -> str:
-    """The per-service chain (and its set) for ClientIP affinity; returns the chain's name.
+
+
+@dataclass
+class _Port:
+    """One service port in one family while it renders: its inputs and what it has produced so far."""
+
+    svc: ServicePort
+    family: str
+    config: ProxyConfig
+    choices: Dict[str, Tuple[_Choice, ...]]
+    """Eligible endpoints per kind of traffic (netproxy/endpoints.py's answers)."""
+    has_endpoints: bool
+    out: ServiceObjects = field(default_factory=ServiceObjects)
+    shared: List[str] = field(default_factory=list)
+    keys: List[str] = field(default_factory=list)
+
+    @property
+    def proto(self) -> str:
+        return self.svc.protocol.lower()
+
+    def put(self, set_name: str, key: str, value: Optional[str] = None) -> None:
+        self.out.elements[(set_name, key)] = Element(set_name, key, value, names.service_comment(self.svc.name))
+
+    def dispatch(self, key: str, run_prefix: str, kind: str, nodeport: bool) -> None:
+        """Route ``key`` (``address . proto . port`` or ``proto . nodePort``) for traffic of ``kind``."""
+        if key in self.keys:
+            return  # the same address listed twice (e.g. as external and LB IP): the first wins
+        self.keys.append(key)
+        choices = self.choices[kind]
+        refuse = names.NO_ENDPOINT_NODEPORTS if nodeport else names.NO_ENDPOINTS
+        if not self.has_endpoints:
+            self.put(refuse, key, f"goto {names.REJECT}")
+            return
+        if kind == CLUSTER and not choices:  # internalTrafficPolicy Local, no endpoint on this node
+            self.put(refuse, key, "drop")
+            return
+        if self.svc.client_ip_affinity:
+            verdict = f"goto {self.affinity_chain(kind)}"
+        else:
+            if kind == LOCAL:
+                self.exempt(key, run_prefix, nodeport)
+            pick = Pick(kind, self.proto, len(choices), nodeport)
+            self.shared.append(pick.chain)
+            verdict = f"goto {pick.chain}"
+            if choices:
+                self.out.runs[("main", key)] = ElementRun(pick.map, run_prefix, tuple(v for v, _ in choices))
+        self.put(names.SERVICE_NODEPORTS if nodeport else names.SERVICE_IPS, key, verdict)
+
+    def exempt(self, key: str, run_prefix: str, nodeport: bool) -> None:
+        """externalTrafficPolicy Local's exception path for ``key``: every endpoint, via exempt-*."""
+        choices = self.choices[EXEMPT]
+        pick = Pick(EXEMPT, self.proto, len(choices), nodeport)
+        self.shared.append(pick.chain)
+        self.put(names.EXEMPT_NODEPORTS if nodeport else names.EXEMPT_IPS, key, f"goto {pick.chain}")
+        self.out.runs[("exempt", key)] = ElementRun(pick.map, run_prefix, tuple(v for v, _ in choices))
+
+    def affinity_chain(self, kind: str) -> str:
+        """The per-service ClientIP affinity chain for ``kind`` (built once)."""
+        cname: str = names.affinity_chain(self.svc.name, kind)
+        if cname not in self.out.chains:
+            to_all = f"goto {self.affinity_chain(EXEMPT)}" if kind == LOCAL else None
+            eps = [ep for _, ep in self.choices[kind]]
+            self.out.chains[cname] = _affinity_rules(self.svc, cname, kind, eps, self.family, self.config, to_all)
+            aff: str = names.affinity_set(self.svc.name)
+            self.out.sets[aff] = Set(aff, f"{ADDR_TYPE[self.family]} . {ADDR_TYPE[self.family]} . inet_service",
+                                     flags=("dynamic", "timeout"), timeout=self.svc.affinity_timeout,
+                                     comment=str(self.svc.name))
+        return cname
+
+
+def _affinity_rules(svc: ServicePort, cname: str, kind: str, eps: Sequence[Endpoint], family: str,
+                    config: ProxyConfig, to_all: Optional[str]) -> Tuple[Rule, ...]:
+    """One service port's ClientIP affinity chain for traffic of ``kind``.
 
     The iptables backend's shape with one dynamic set per service port, keyed by
     ``client . endpoint address . endpoint port``: first one rule per endpoint "this client is
@@ -218,21 +192,21 @@ def _affinity_objects(svc: ServicePort, kind: str, eps: Sequence[Endpoint], fami
     and ``--set``), then the random choice as iptables' statistic rules, rule i taken with
     probability 1/(N-i), each remembering the client before its DNAT.  Neither a chain nor a set per
     endpoint: the kernel looks sets up by name in a list, and 13k per-endpoint sets made a
-    10k-service transaction take 30 s.
+    10k-service transaction take 30 s.  The chains of one service port (cluster, external, and
+    externalTrafficPolicy Local's exceptions) share its set, as iptables' KUBE-SVC-/KUBE-SVL- do.
 
     nft cannot type a constant inside a concatenation that is looked up, so the endpoint's
     address and port are spelled ``(ip saddr & 0.0.0.0 | <address>)`` and ``(th dport & 0 | <port>)``:
     the kernel computes the constant (bitwise and-zero, xor-constant); ``nft list`` prints it
     oddly, hence the comment on each rule.
     """
-    cname: str = names.affinity_chain(svc.name, external=kind != CLUSTER)
     aff: str = names.affinity_set(svc.name)
-    out.sets[aff] = Set(aff, f"{_ADDR_TYPE[family]} . {_ADDR_TYPE[family]} . inet_service",
-                        flags=("dynamic", "timeout"), timeout=svc.affinity_timeout, comment=str(svc.name))
     rules: List[Rule] = []
-    masq = _masquerade_rule(cname, kind, family, config)
+    masq = masquerade_rule(cname, kind, family, config)
     if masq is not None:
         rules.append(masq)
+    if to_all is not None:
+        rules.extend(exemption_rules(cname, family, config, to_all))
     proto = svc.protocol.lower()
     steps = []
     for ep in eps:
@@ -246,54 +220,71 @@ def _affinity_objects(svc: ServicePort, kind: str, eps: Sequence[Endpoint], fami
     for i, (step, note) in enumerate(steps):
         chance = f"numgen random mod {n - i} == 0 " if i < n - 1 else ""
         rules.append(Rule(cname, f"meta l4proto {proto} {chance}{step}", note))
-    out.chains[cname] = tuple(rules)
-    return cname
+    if not steps:
+        rules.append(Rule(cname, "drop", "no local endpoint"))
+    return tuple(rules)
+
+
+def _hairpin_refs(node: NodeInfo, choices: Sequence[Tuple[_Choice, ...]]) -> List[Tuple[str, str]]:
+    """``hairpin`` elements: endpoints that can reach their own service *through this node* (on this
+    node, or of unknown node), as the iptables backend (docs/parity.md).  An endpoint on another
+    node reaches its services through its own node's proxy; listing it here would be dead weight."""
+    found = {ip_text(ep.ip) for group in choices for _, ep in group
+             if not ep.node_name or ep.node_name == node.name}
+    return [(names.HAIRPIN, f"{a} . {a}") for a in found]
 
 
 def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeInfo, family: str,
                    config: ProxyConfig) -> ServiceObjects:
     """The objects one service port owns in ``family``'s table (empty if it has no such address)."""
-    out = ServiceObjects()
     version = VERSIONS[family]
-    addrs = [(ip, CLUSTER) for ip in svc.cluster_ips if ip.version == version]
+    cluster_addrs = [ip for ip in svc.cluster_ips if ip.version == version]
+    ext_addrs = [ip for ip in svc.external_ips + svc.load_balancer_ips if ip.version == version]
+    if not cluster_addrs and not ext_addrs:
+        return ServiceObjects()
+    fam_eps = [e for e in endpoints if e.ip.version == version]
+    internal = cluster_endpoints(svc, fam_eps, node)
+    # Every eligible endpoint, whatever internalTrafficPolicy says: what external traffic with
+    # policy Cluster and policy Local's exceptions reach (kube-proxy's cluster-policy chain).
+    everyone = internal if svc.internal_traffic_policy != "Local" else cluster_endpoints(
+        dataclasses.replace(svc, internal_traffic_policy="Cluster"), fam_eps, node)
+    has_external = bool(ext_addrs or svc.node_port)
     ext_kind = LOCAL if svc.external_traffic_policy == "Local" else EXTERNAL
-    if svc.external_ips or svc.load_balancer_ips:
-        addrs += [(ip, ext_kind) for ip in svc.external_ips + svc.load_balancer_ips if ip.version == version]
-    if not addrs:
-        return out
-    family_eps = [e for e in endpoints if e.ip.version == version]
-    by_kind: Dict[str, Tuple[_Choice, ...]] = {}
-    if any(k == CLUSTER for _, k in addrs):
-        by_kind[CLUSTER] = _choices(cluster_endpoints(svc, family_eps, node))
-    if any(k != CLUSTER for _, k in addrs):
-        by_kind[ext_kind] = _choices(external_endpoints(svc, family_eps, node))
-    note = names.service_comment(svc.name)
-    proto = svc.protocol.lower()
-    shared = set()
-    keys: List[str] = []
-    verdicts: Dict[str, str] = {}
-    elements = out.elements
-    for ip, kind in addrs:
+    choices = {CLUSTER: _choices(internal)}
+    if has_external:
+        choices[ext_kind] = _choices(external_endpoints(svc, fam_eps, node))
+        choices[EXEMPT] = choices[CLUSTER] if everyone is internal else _choices(everyone)
+    p = _Port(svc, family, config, choices, bool(everyone))
+    proto, port = p.proto, svc.port
+    refs = []
+    for ip in cluster_addrs:
         addr = ip_text(ip)
-        key = f"{addr} . {proto} . {svc.port}"
-        if key in keys:
-            continue  # the same address listed twice (e.g. as external and LB IP): first wins
-        keys.append(key)
-        choices = by_kind[kind]
-        if not choices:
-            verdict = "drop" if kind == LOCAL else f"goto {names.REJECT}"
-            elements[(names.NO_ENDPOINTS, key)] = Element(names.NO_ENDPOINTS, key, verdict, note)
-            continue
-        if svc.client_ip_affinity:
-            if kind not in verdicts:
-                eps = [ep for _, ep in choices]
-                verdicts[kind] = f"goto {_affinity_objects(svc, kind, eps, family, config, out)}"
-        else:
-            pick = Pick(kind, proto, len(choices))
-            shared.add(pick.chain)
-            verdicts[kind] = f"goto {pick.chain}"
-            out.runs[key] = ElementRun(pick.map, f"{addr} . {svc.port}", tuple(v for v, _ in choices))
-        elements[(names.SERVICE_IPS, key)] = Element(names.SERVICE_IPS, key, verdicts[kind], note)
-    out.shared = frozenset(shared)
-    out.dispatch_keys = tuple(keys)
+        p.dispatch(f"{addr} . {proto} . {port}", f"{addr} . {port}", CLUSTER, nodeport=False)
+        refs.append((names.CLUSTER_IPS, addr))
+    for ip in ext_addrs:
+        addr = ip_text(ip)
+        p.dispatch(f"{addr} . {proto} . {port}", f"{addr} . {port}", ext_kind, nodeport=False)
+    if svc.node_port:
+        p.dispatch(f"{proto} . {svc.node_port}", str(svc.node_port), ext_kind, nodeport=True)
+    _firewall(p, [ip for ip in svc.load_balancer_ips if ip.version == version])
+    if p.has_endpoints:
+        refs.extend(_hairpin_refs(node, list(choices.values())))
+    out = p.out
+    out.shared = frozenset(p.shared)
+    out.dispatch_keys = tuple(p.keys)
+    out.refs = frozenset(refs)
     return out
+
+
+def _firewall(p: _Port, lb_addrs: Sequence[IPAddress]) -> None:
+    """loadBalancerSourceRanges: traffic to the LB IPs from outside the ranges is dropped (nat
+    prerouting/output, before DNAT); the ClusterIP and NodePort are not restricted."""
+    svc = p.svc
+    if not svc.source_ranges or not lb_addrs:
+        return
+    ranges = [str(r) for r in svc.source_ranges if r.version == VERSIONS[p.family]]
+    for ip in lb_addrs:
+        key = f"{ip_text(ip)} . {p.proto} . {svc.port}"
+        p.put(names.FIREWALL_IPS, key)
+        for r in ranges:
+            p.put(names.FIREWALL_ALLOW, f"{key} . {r}")

@@ -73,7 +73,12 @@ class Entry:
 @dataclass
 class FamilyState:
     shared: Dict[str, int] = field(default_factory=dict)
+    """Users of each shared pick chain."""
     owners: Dict[str, ServicePortName] = field(default_factory=dict)
+    refs: Dict[Tuple[str, str], int] = field(default_factory=dict)
+    """Users of each shared element ((set, key): cluster IPs, hairpin pairs)."""
+    node: FrozenSet[Element] = frozenset()
+    """Elements that come from the node rather than a service (``nodeport-ips``)."""
 
 
 @dataclass
@@ -108,14 +113,19 @@ def render_entry(svc: ServicePort, eps: Tuple[Endpoint, ...], node: NodeInfo, co
     return Entry(svc, eps, node, rendered)
 
 
+def _owned_by(key: str, taken: PySet[str]) -> bool:
+    """Whether element ``key`` belongs to a dispatch key in ``taken`` (``firewall-allow`` keys extend
+    the LB address's dispatch key with the source range)."""
+    return key in taken or any(key.startswith(f"{t} . ") for t in taken)
+
+
 def _drop_keys(objs: render.ServiceObjects, taken: PySet[str]) -> render.ServiceObjects:
     """``objs`` without the dispatch keys another service owns (a duplicate address . port)."""
-    keep = {k: e for k, e in objs.elements.items() if e.key not in taken}
-    runs = {k: r for k, r in objs.runs.items() if k not in taken}
-    shared = frozenset(str(e.value)[len("goto "):] for e in keep.values()
-                       if e.set == names.SERVICE_IPS and str(e.value)[len("goto "):] in objs.shared)
-    return render.ServiceObjects(keep, runs, objs.chains, objs.sets, shared,
-                                 tuple(k for k in objs.dispatch_keys if k not in taken))
+    keep = {k: e for k, e in objs.elements.items() if not _owned_by(e.key, taken)}
+    runs = {k: r for k, r in objs.runs.items() if k[1] not in taken}
+    targets = {str(e.value)[len("goto "):] for e in keep.values() if str(e.value).startswith("goto ")}
+    return render.ServiceObjects(keep, runs, objs.chains, objs.sets, objs.shared & frozenset(targets),
+                                 tuple(k for k in objs.dispatch_keys if k not in taken), objs.refs)
 
 
 def claim(state: State, fam: str, name: ServicePortName, objs: render.ServiceObjects) -> render.ServiceObjects:
@@ -136,6 +146,45 @@ def release(state: State, fam: str, name: ServicePortName, objs: render.ServiceO
     for k in objs.dispatch_keys:
         if owners.get(k) == name:
             del owners[k]
+
+
+def count_refs(fstate: FamilyState, refs: Iterable[Tuple[str, str]], step: int) -> None:
+    counts = fstate.refs
+    for r in refs:
+        counts[r] = counts.get(r, 0) + step
+
+
+def ref_changes(tx: Transaction, fam: str, fstate: FamilyState, before: Mapping[Tuple[str, str], int]) -> None:
+    """Add the shared elements that gained their first user, delete those that lost their last.
+
+    ``before`` holds the counts, before this sync, of the elements whose count changed."""
+    for ref, was in sorted(before.items()):
+        now = fstate.refs.get(ref, 0)
+        if was <= 0 < now:
+            tx.put("elements", "add", fam, Element(*ref))
+        elif now <= 0 < was:
+            tx.put("delete-elements", "delete", fam, Element(*ref))
+        if now <= 0:
+            fstate.refs.pop(ref, None)
+
+
+def node_elements(node: NodeInfo, fam: str, config: ProxyConfig) -> FrozenSet[Element]:
+    """``nodeport-ips``: with --nodeport-addresses, the node's addresses inside those CIDRs (the core
+    fills ``node.addresses`` already filtered; filtered again here by family and CIDR)."""
+    if not config.nodeport_addresses:
+        return frozenset()
+    version = render.VERSIONS[fam]
+    return frozenset(Element(names.NODEPORT_IPS, render.ip_text(a)) for a in node.addresses
+                     if a.version == version and any(a.version == c.version and a in c
+                                                     for c in config.nodeport_addresses))
+
+
+def node_changes(tx: Transaction, fam: str, fstate: FamilyState, wanted: FrozenSet[Element]) -> None:
+    for e in sorted(fstate.node - wanted):
+        tx.put("delete-elements", "delete", fam, e)
+    for e in sorted(wanted - fstate.node):
+        tx.put("elements", "add", fam, e)
+    fstate.node = wanted
 
 
 def _add_chain(tx: Transaction, fam: str, chain: Chain, rules: Iterable[Rule]) -> None:
@@ -176,9 +225,7 @@ def _create_family(tx: Transaction, fam: str, objs: Sequence[render.ServiceObjec
     tx.put("tables", "add", fam, render.table(fam))
     for s in render.base_sets(fam):
         tx.put("containers", "add", fam, s)
-    for chain, rules in render.base_chains(fam):
-        if chain.name == names.NAT_POSTROUTING:
-            rules = render.postrouting_rules(config)
+    for chain, rules in render.base_chains(fam, config):
         _add_chain(tx, fam, chain, rules)
     for name in sorted(fstate.shared):
         _add_shared(tx, fam, name, config)
@@ -195,6 +242,11 @@ def _create_family(tx: Transaction, fam: str, objs: Sequence[render.ServiceObjec
             if bucket is None:
                 bucket = buckets[item.set] = []
             bucket.append(("add", fam, item))
+    for ref, count in sorted(fstate.refs.items()):
+        if count > 0:
+            buckets.setdefault(ref[0], []).append(("add", fam, Element(*ref)))
+    for e in sorted(fstate.node):
+        buckets.setdefault(e.set, []).append(("add", fam, e))
     for bucket in buckets.values():
         tx.phases["elements"].extend(bucket)
 
@@ -204,7 +256,8 @@ def _add_shared(tx: Transaction, fam: str, name: str, config: ProxyConfig) -> No
     if pick is None:
         raise ValueError(f"not a shared chain: {name}")
     chain, rules, emap = render.pick_chain(pick, fam, config)
-    tx.put("containers", "add", fam, emap)
+    if emap is not None:
+        tx.put("containers", "add", fam, emap)
     _add_chain(tx, fam, chain, rules)
 
 
@@ -244,7 +297,8 @@ def incremental_transaction(tx: Transaction, fam: str, old: render.ServiceObject
     _diff_runs(tx, fam, old.runs, new.runs)
 
 
-def _diff_runs(tx: Transaction, fam: str, old: Dict[str, ElementRun], new: Dict[str, ElementRun]) -> None:
+def _diff_runs(tx: Transaction, fam: str, old: Dict[render.RunKey, ElementRun],
+               new: Dict[render.RunKey, ElementRun]) -> None:
     """Endpoint elements: a whole run when its map changes, else only the indexes whose endpoint changed."""
     for key, run in old.items():
         now = new.get(key)
@@ -280,6 +334,6 @@ def drop_unused_shared(tx: Transaction, fam: str, fstate: FamilyState) -> None:
         pick = render.parse_pick_chain(name)
         tx.put("flush", "flush", fam, Chain(name))
         tx.put("delete", "delete", fam, Chain(name))
-        if pick is not None:
+        if pick is not None and pick.size > 0:
             tx.put("delete", "delete", fam, render.endpoints_map(pick, fam))
         del fstate.shared[name]

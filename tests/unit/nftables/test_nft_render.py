@@ -92,11 +92,18 @@ def test_no_endpoints_rejects_and_local_policy_without_local_endpoints_drops() -
     s1 = svc("empty", "10.96.0.30")
     s2 = svc("local", "10.96.0.31", external=["192.0.2.31"], ext_policy="Local")
     b.sync(snap((s1, ()), (s2, eps("10.1.0.9", node="node-b")), node="node-a"), Changes())
-    assert fake.elements("ip", names.NO_ENDPOINTS) == {
-        "10.96.0.30 . tcp . 80": f"goto {names.REJECT}",
-        "192.0.2.31 . tcp . 80": "drop",
-    }
-    assert fake.elements("ip", names.SERVICE_IPS) == {"10.96.0.31 . tcp . 80": "goto cluster-tcp-pick-1"}
+    assert fake.elements("ip", names.NO_ENDPOINTS) == {"10.96.0.30 . tcp . 80": f"goto {names.REJECT}"}
+    # No local endpoint: the local pick chain of size 0 drops -- after the exceptions (the node
+    # itself, and pods with --cluster-cidr) that reach every endpoint through exempt-ips.  Not in
+    # no-endpoint-services: filter-output would drop the node's own connections there.
+    assert fake.elements("ip", names.SERVICE_IPS) == {"10.96.0.31 . tcp . 80": "goto cluster-tcp-pick-1",
+                                                     "192.0.2.31 . tcp . 80": "goto local-tcp-pick-0"}
+    mark = "meta mark set meta mark | 0x00004000"
+    assert fake.chain_rules("ip", "local-tcp-pick-0") == [
+        f"fib saddr type local {mark} ip daddr . meta l4proto . th dport vmap @{names.EXEMPT_IPS}", "drop"]
+    assert fake.elements("ip", names.EXEMPT_IPS) == {"192.0.2.31 . tcp . 80": "goto exempt-tcp-pick-1"}
+    assert fake.elements("ip", "exempt-tcp-endpoints-1") == {"192.0.2.31 . 80 . 0": "10.1.0.9 . 8080"}
+    assert not any("meta mark" in r for r in fake.chain_rules("ip", "exempt-tcp-pick-1"))
     assert fake.chain_rules("ip", names.REJECT) == ["reject"]
 
 
@@ -106,7 +113,11 @@ def test_local_policy_uses_local_endpoints_without_masquerade() -> None:
     endpoints = eps("10.1.0.8", node="node-a") + eps("10.1.0.9", node="node-b")
     b.sync(snap((s, endpoints), node="node-a"), Changes())
     assert fake.elements("ip", "local-tcp-endpoints-1") == {"192.0.2.31 . 80 . 0": "10.1.0.8 . 8080"}
-    assert not any("meta mark" in r for r in fake.chain_rules("ip", "local-tcp-pick-1"))
+    rules = fake.chain_rules("ip", "local-tcp-pick-1")
+    # Only the node's own connections (fib saddr type local) are marked; the rest keep their source.
+    assert [r for r in rules if "meta mark" in r] == [r for r in rules if r.startswith("fib saddr type local")]
+    assert rules[-1] == ("meta l4proto tcp dnat ip to ip daddr . th dport . numgen random mod 1 "
+                         "map @local-tcp-endpoints-1")
     assert len(fake.elements("ip", "cluster-tcp-endpoints-2")) == 2
 
 
@@ -118,7 +129,7 @@ def test_external_addresses_are_marked_for_masquerade_cluster_ones_only_from_out
     assert fake.chain_rules("ip", "external-tcp-pick-1")[0] == mark
     assert fake.chain_rules("ip", "cluster-tcp-pick-1")[0] == f"ip saddr != {{ 10.0.0.0/8 }} {mark}"
     post = fake.chain_rules("ip", names.NAT_POSTROUTING)
-    assert post and "masquerade" in post[0] and f"{config.masquerade_mark:#010x}" in post[0]
+    assert post[-1].startswith(f"meta mark & {config.masquerade_mark:#010x}") and "masquerade" in post[-1]
 
 
 def test_masquerade_all_marks_cluster_traffic() -> None:
@@ -155,7 +166,7 @@ def test_terminating_endpoints_used_only_when_none_ready() -> None:
 
 def test_names_are_readable_and_safe() -> None:
     s = svc("my-svc", "10.96.0.1", namespace="team-a", port_name="https")
-    assert names.affinity_chain(s.name, external=False) == "svc-team-a/my-svc/https"
+    assert names.affinity_chain(s.name, "cluster") == "svc-team-a/my-svc/https"
     assert names.identifier('bad name"; drop') == "bad_name___drop"
     assert re.fullmatch(r"[A-Za-z][A-Za-z0-9/_.\-]*", names.identifier("9" + "x" * 400))
     assert len(names.identifier("a" * 400)) <= names.MAX_NAME
