@@ -197,6 +197,10 @@ class LibNftRunner:
         # libnftables does not expose NFT_MSG_GETGEN; pyroute2 (already a dependency) does.
         try:
             if self._gen_socket is None:
+                # The package first: importing the submodule directly takes its import lock before
+                # pyroute2's, the reverse of `import pyroute2` in another thread (the core's node
+                # address watcher), and Python aborted that thread with a _DeadlockError.
+                import pyroute2  # noqa: F401
                 from pyroute2.netlink.nfnetlink.nftsocket import NFT_MSG_GETGEN, NFTSocket, nft_gen_msg
 
                 self._gen_socket = (NFTSocket(), NFT_MSG_GETGEN, nft_gen_msg)
