@@ -237,7 +237,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     backend, config = make_backend(args)
     backend.probe()
-    tracker = ChangeTracker()
+    tracker = ChangeTracker(NodeInfo(name=config.hostname))  # ETP/ITP Local need the node name from the start
     proxier = Proxier(tracker, backend, config)
     runner = BoundedFrequencyRunner(proxier.sync, config.min_sync_period, config.sync_period)
     proxier.retry = runner.retry_after
