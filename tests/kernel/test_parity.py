@@ -580,8 +580,8 @@ def test_udp_conntrack(proxy: Proxy, sandbox: Sandbox) -> None:
     assert set(seq[:4]) == {old.name}, f"the flow was not on {old.name} before the edit: {seq}"
     assert moved.errors == {}, f"the flow lost packets: {moved.errors}: {seq}"
     last_old = max(i for i, who in enumerate(seq) if who == old.name)
-    assert set(seq[last_old + 1:]) == {new.name}, f"the flow did not settle on {new.name}: {seq}"
     assert last_old < count - 5, f"still answered by the deleted endpoint at the end: {seq}"
+    assert set(seq[last_old + 1:]) == {new.name}, f"the flow did not settle on {new.name}: {seq}"
     moved_after = (last_old + 1) * UDP_INTERVAL - edited
     log.info("%s: UDP flow moved %.2fs after the edit", proxy.combo.name, moved_after)
     assert moved_after < 2.5, f"the flow moved {moved_after:.1f}s after its endpoint was deleted: {seq}"
