@@ -124,9 +124,13 @@ def test_one_endpoint_change_touches_only_that_service(ns: str, driver: Driver) 
         events, _ = monitor.communicate(timeout=10)
     lines = [ln for ln in events.splitlines() if ln.strip() and not ln.startswith("#")]
     assert any("10.1.1.9" in ln for ln in lines), f"the new endpoint was not written:\n{events}"
+    # The driver's endpoints have no node, so they may hairpin here: the removed and the added
+    # endpoint's `ep . ep` pairs in `hairpin` change too, and nothing else.
+    hairpin = ("hairpin { 10.1.1.2 . 10.1.1.2 }", "hairpin { 10.1.1.9 . 10.1.1.9 }")
     for ln in lines:
-        assert "10.96.0.12" in ln, f"an event outside bravo's objects:\n{ln}\nall events:\n{events}"
-    assert len(lines) <= 4, f"more than the changed endpoint was rewritten:\n{events}"
+        assert "10.96.0.12" in ln or ln.endswith(hairpin), \
+            f"an event outside bravo's objects:\n{ln}\nall events:\n{events}"
+    assert len(lines) <= 6, f"more than the changed endpoint was rewritten:\n{events}"
     listed = nft(ns, "list", "table", "ip", "netproxy").stdout
     assert "10.1.1.9 . 8080" in listed and "10.1.1.2 . 8080" not in listed
 
