@@ -70,6 +70,28 @@ def _wait_poll(proc: subprocess.Popen, timeout: float) -> Optional[float]:  # ty
     return float(rec["t"]) if rec.get("ok") else None
 
 
+def _started(poller: subprocess.Popen, proc: subprocess.Popen, timeout: float) -> bool:  # type: ignore[type-arg]
+    """Wait for the start-up poller to connect, giving up as soon as netproxy itself has exited."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            poller.wait(0.2)
+            return _wait_poll(poller, 1.0) is not None
+        except subprocess.TimeoutExpired:
+            if proc.poll() is not None:
+                return False
+    return False
+
+
+def _tail(log_path: str) -> str:
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as fh:
+            lines = [ln.strip() for ln in fh if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][-300:] if lines else ""
+
+
 def _log_times(log_path: str) -> Tuple[List[float], List[float]]:
     """(partial sync seconds, seconds from "source changed" to the next finished sync) from netproxy's log."""
     syncs: List[float] = []
@@ -124,9 +146,13 @@ def measure(sandbox: Any, combo: Any, n: int, client: Sequence[str], workdir: st
         proc = netns.spawn(sandbox.node, [*netproxy_command(), *args], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         first = _poll(sandbox, client, gen.cluster_ip(n - 1), gen.PORT, start_timeout)
-        if _wait_poll(first, start_timeout + 5) is None:
+        if not _started(first, proc, start_timeout + 5):
+            netns.stop(first)
+            if proc.poll() is not None:
+                return {"error": f"netproxy run exited {proc.returncode} before programming the last service: "
+                                 f"{_tail(log_path)} (log {log_path})"}
             return {"error": f"netproxy run did not program the last service within {start_timeout:.0f} s "
-                             f"(exit {proc.poll()}; log {log_path})"}
+                             f"(log {log_path})"}
         rng = random.Random(n)
         lat: List[float] = []
         misses = 0

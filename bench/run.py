@@ -159,6 +159,9 @@ class Bench:
             self.measure_dataplane(combo.key, n, self.base_netproxy(combo))
         self.measure_rss(combo, n, steps)
         sb.reset_netfilter()
+        if "seconds" not in steps.get("plan", {}):
+            cell["raw"] = self._skip("no plan payload: the plan step did not finish")
+            return
         raw = control.raw_own_payload(combo, plan, self.workdir, self.budget.timeout(timeout),
                                       reset=sb.reset_netfilter, ns=sb.node)
         cell["raw"] = raw
@@ -320,8 +323,8 @@ class Bench:
                     continue
                 source = report.seconds(report.control_cell(self.results, combo.key, n, "source")) or 0.0
                 cold = report.seconds(report.control_cell(self.results, combo.key, n, "cold")) or 0.0
-                # Each change waits 0-1.5 min-sync-periods, then the file source re-reads every service.
-                need = self.changes * (self.min_sync * 0.75 + 1.5 * source + ep) + 2 * (source + cold) + 20
+                # Each change waits 0-1.5 min-sync-periods, then the file source re-reads the changed file.
+                need = self.changes * (self.min_sync * 0.75 + 0.3 * source + ep) + 2 * (source + cold) + 20
                 if self._out_of_time(need):
                     cell.update(self._skip("out of time budget"))
                     continue
