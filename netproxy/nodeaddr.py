@@ -56,7 +56,7 @@ class NodeAddressWatcher:
             while True:
                 try:
                     now = local_addresses(self.cidrs)
-                except OSError as err:
+                except Exception as err:  # noqa: BLE001 - one bad read must not end address following
                     log.warning("cannot read node addresses: %s", err)
                     now = last or ()
                 if now != last:
