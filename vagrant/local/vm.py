@@ -572,7 +572,8 @@ def boot(node: Node, wh: Path, timer: Timer) -> Result:
     kill_pidfile(pidfile)
     logfile = CACHE / "logs" / f"{node.name}.log"
     logfile.parent.mkdir(parents=True, exist_ok=True)
-    append = f"console=ttyS0 panic=-1 quiet loglevel=4 netproxy.node={node.name} {node.kernel_args}".strip()
+    full = " netproxy.full=1" if os.environ.get("NETPROXY_VM_FULL", "") == "1" else ""
+    append = f"console=ttyS0 panic=-1 quiet loglevel=4 netproxy.node={node.name}{full} {node.kernel_args}".strip()
     cmd = [
         "qemu-system-x86_64", "-accel", "tcg,thread=multi", "-m", str(MEMORY_MB), "-smp", str(CPUS),
         "-nodefaults", "-no-reboot", "-display", "none", "-monitor", "none", "-serial", "stdio",
