@@ -267,26 +267,31 @@ def plot(results: Results, path: str) -> Optional[str]:
     except ImportError:
         return "matplotlib is not installed (pip install -e '.[bench]')"
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    keys = [c["key"] for c in _combos(results)] + list(REF_ROWS)
+    colour = {k: f"C{i}" for i, k in enumerate(keys)}  # one colour per row in both plots
     sizes = _sizes(results)
-    series = [(c["key"], [seconds(control_cell(results, c["key"], n, "cold")) for n in sizes], "-o")
-              for c in _combos(results)]
-    series += [(ref, [seconds(ref_cell(results, ref, n, "cold")) for n in sizes], "--s") for ref in REF_ROWS
-               if ref in results["reference"]]
-    for label, ys, style in series:
+    for key in keys:
+        ref = key.startswith("kube-proxy")
+        ys = [seconds(ref_cell(results, key, n, "cold") if ref else control_cell(results, key, n, "cold"))
+              for n in sizes]
         pts = [(n, y) for n, y in zip(sizes, ys) if y is not None]
         if pts:
-            left.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
+            left.plot([p[0] for p in pts], [p[1] for p in pts], "--s" if ref else "-o", color=colour[key], label=key)
     left.set(xscale="log", yscale="log", xlabel="services (10 endpoints each)", ylabel="cold full sync (s)",
              title="Full sync time")
     left.grid(True, which="both", alpha=0.3)
     left.legend(fontsize=7)
     dp_sizes = [int(n) for n in results["meta"]["dp_sizes"]]
-    for key, per in results["dataplane"].items():
-        pts = [(n, per[str(n)]["p50_us"]) for n in dp_sizes if str(n) in per and "p50_us" in per[str(n)]]
+    for key in keys:
+        per = results["dataplane"].get(key, {})
+        pts = [(n, per[str(n)].get("best_p50_us", per[str(n)]["p50_us"])) for n in dp_sizes
+               if str(n) in per and "p50_us" in per[str(n)]]
         if pts:
             right.plot([p[0] for p in pts], [p[1] for p in pts], "--s" if key.startswith("kube-proxy") else "-o",
-                       label=key)
-    right.set(xscale="log", xlabel="services", ylabel="connect() p50 (µs)", title="Connect latency to the last service")
+                       color=colour[key], label=key)
+    right.set(xscale="log", xlabel="services", ylabel="connect() p50, best batch (µs)",
+              title="Connect latency to the last service")
+    right.set_ylim(bottom=0)
     right.grid(True, which="both", alpha=0.3)
     right.legend(fontsize=7)
     fig.tight_layout()
