@@ -72,6 +72,18 @@ def supports_random_fully(flavour: str) -> bool:
     return True
 
 
+def _run(cmd: List[str], payload: Optional[str] = None) -> subprocess.CompletedProcess[str]:
+    """Run a save/restore tool; a stuck tool (e.g. waiting on another writer's xtables lock) or a
+    missing one is a SyncError like any refused write, so the proxy retries instead of dying."""
+    try:
+        return subprocess.run(cmd, input=payload, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    except subprocess.TimeoutExpired:
+        raise SyncError(f"{cmd[0]} did not finish within {TIMEOUT:.0f} s (xtables lock held by another writer?)",
+                        payload=payload) from None
+    except OSError as err:
+        raise SyncError(f"cannot run {cmd[0]}: {err.strerror}", payload=payload) from None
+
+
 class RestoreTools:
     """The save/restore binaries for one iptables flavour ("legacy" or "nft")."""
 
@@ -84,7 +96,7 @@ class RestoreTools:
 
     def save(self, family: int, table: str) -> str:
         cmd = [tool(family, self.flavour, "save"), "-t", table]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+        proc = _run(cmd)
         if proc.returncode != 0:
             raise SyncError(f"{' '.join(cmd)} failed", detail=proc.stderr.strip())
         return proc.stdout
@@ -130,7 +142,7 @@ class RestoreTools:
 
     def restore(self, family: int, payload: str, extra: Sequence[str] = ()) -> None:
         cmd = [tool(family, self.flavour, "restore"), "--noflush", "--counters", "--wait", *extra]
-        proc = subprocess.run(cmd, input=payload, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+        proc = _run(cmd, payload)
         if proc.returncode != 0:
             stderr = proc.stderr.strip()
             line = failing_line(stderr, payload)
