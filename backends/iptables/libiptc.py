@@ -102,7 +102,14 @@ def _prepare_targets() -> None:
     for name in _MULTI_FAMILY_TARGETS:
         if not x4.find_target(name):
             raise BackendUnavailable(f"iptables extension {name} is not available")
-        real = os.path.realpath(os.path.join(xt_mod._xtables_libdir, f"libxt_{name}.so"))
+        shared = os.path.join(xt_mod._xtables_libdir, f"libxt_{name}.so")
+        if not os.path.exists(shared):
+            # iptables < 1.8.8 (Debian 11's 1.8.7) ships one library per family (libipt_DNAT.so,
+            # libip6t_DNAT.so) that xtables finds on its own: no private copy needed.
+            if not x6.find_target(name):
+                raise BackendUnavailable(f"iptables extension {name} is not available for IPv6")
+            continue
+        real = os.path.realpath(shared)
         with tempfile.TemporaryDirectory(prefix="netproxy-xt-") as tmp:
             copy = os.path.join(tmp, f"libxt_{name}_ipv6.so")
             shutil.copyfile(real, copy)

@@ -175,7 +175,9 @@ class RestoreWriter:
                 tables: Dict[str, KernelTable] = read_tables(family)
                 self._libiptc = True
                 return tables
-            except BackendUnavailable as exc:
+            except (BackendUnavailable, OSError) as exc:
+                # The libiptc read is only a shortcut; any trouble with it (an older iptables'
+                # library layout, a missing extension) falls back to iptables-save for good.
                 log.info("reading tables with iptables-save: %s", exc)
                 self._libiptc = False
         return self._read_saved(family)
