@@ -4,7 +4,9 @@ Two variants, both deterministic (a seeded RNG) so that every backend sees the s
 
 - ``uniform``: N services ``bench/svc-00000`` … each with one TCP port (80 → 8080) and one
   EndpointSlice of 10 ready endpoints — the workload of ``shared/PERF-NOTES.md``;
-- ``mixed``: 1–50 endpoints per service, one service in five UDP, one in ten with ClientIP affinity.
+- ``mixed``: 1–50 endpoints per service, one service in five UDP, one in ten with ClientIP affinity,
+  one in four a NodePort (a fifth of those externalTrafficPolicy: Local), one in twenty
+  internalTrafficPolicy: Local; every other endpoint on another node.
 
 Service ``i`` has ClusterIP ``10.96.0.0 + 1 + i`` (room for 65k services); endpoint ``j`` of service
 ``i`` is ``10.64.0.0 + 1 + 64 i + j`` (room for 64 endpoints each).  Names sort in index order, so the
@@ -40,6 +42,13 @@ class Shape:
     endpoints: int
     protocol: str = "TCP"
     affinity: bool = False
+    node_port: int = 0
+    etp_local: bool = False
+    itp_local: bool = False
+
+
+NODE_PORT_MIN, NODE_PORT_MAX = 30000, 32767
+LOCAL_NODE = "np-node"  # the --hostname-override the benchmark runs netproxy with (bench/worker.py)
 
 
 def service_name(i: int) -> str:
@@ -61,10 +70,19 @@ def shapes(n: int, variant: str = "uniform", seed: int = 6) -> List[Shape]:
         return [Shape(10)] * n
     rng = random.Random(seed)
     out = []
+    next_node_port = NODE_PORT_MIN
     for _ in range(n):
         count = rng.randint(1, MAX_ENDPOINTS)
         proto = "UDP" if rng.random() < 0.2 else "TCP"
-        out.append(Shape(count, proto, rng.random() < 0.1))
+        affinity = rng.random() < 0.1
+        # Issue 8's features in the mixed cluster: one service in four gets a NodePort (while the
+        # range lasts), one NodePort service in five has externalTrafficPolicy: Local, one service
+        # in twenty internalTrafficPolicy: Local.
+        node_port = 0
+        if rng.random() < 0.25 and next_node_port <= NODE_PORT_MAX:
+            node_port, next_node_port = next_node_port, next_node_port + 1
+        etp_local = bool(node_port) and rng.random() < 0.2
+        out.append(Shape(count, proto, affinity, node_port, etp_local, rng.random() < 0.05))
     return out
 
 
@@ -73,6 +91,13 @@ def service(name: str, ip: str, shape: Shape, port: int = PORT, target_port: int
         "type": "ClusterIP", "clusterIP": ip, "clusterIPs": [ip],
         "ports": [{"name": "p", "protocol": shape.protocol, "port": port, "targetPort": target_port}],
     }
+    if shape.node_port:
+        spec["type"] = "NodePort"
+        spec["ports"][0]["nodePort"] = shape.node_port
+        if shape.etp_local:
+            spec["externalTrafficPolicy"] = "Local"
+    if shape.itp_local:
+        spec["internalTrafficPolicy"] = "Local"
     if shape.affinity:
         spec["sessionAffinity"] = "ClientIP"
         spec["sessionAffinityConfig"] = {"clientIP": {"timeoutSeconds": 600}}
@@ -91,8 +116,9 @@ def endpoint_slice(service_name_: str, addrs: Sequence[PodAddr], protocol: str =
                      "labels": {"kubernetes.io/service-name": service_name_}},
         "addressType": "IPv4",
         "ports": [{"name": "p", "protocol": protocol, "port": ports.pop()}],
+        # Every other endpoint on another node, so that the Local policies have something to filter.
         "endpoints": [{"addresses": [ip], "conditions": {"ready": True, "serving": True, "terminating": False},
-                       "nodeName": "bench-node"} for ip, _ in addrs],
+                       "nodeName": LOCAL_NODE if j % 2 == 0 else "np-other-node"} for j, (ip, _) in enumerate(addrs)],
     }
 
 
