@@ -243,8 +243,16 @@ def _explain(headline: str, proc: subprocess.CompletedProcess) -> str:  # type: 
     return f"{headline}\n--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
 
 
+# Waits are stretched by NETPROXY_TEST_TIME_SCALE (vagrant/guest-test sets 4 under QEMU's software
+# emulation, where a process start costs seconds); 1 on real hardware, so host runs stay strict.
+TIME_SCALE = float(os.environ.get("NETPROXY_TEST_TIME_SCALE", "1") or "1")
+
+
 def wait_for(check: Callable[[], Optional[str]], timeout: float, step: float = 0.2) -> float:
-    """Poll ``check`` (None = done, else why not yet) until done; the seconds it took; asserts."""
+    """Poll ``check`` (None = done, else why not yet) until done; the seconds it took; asserts.
+
+    ``timeout`` is multiplied by :data:`TIME_SCALE`."""
+    timeout *= TIME_SCALE
     t0 = time.monotonic()
     why: Optional[str] = "never checked"
     while time.monotonic() - t0 < timeout:

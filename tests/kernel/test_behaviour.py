@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence
 
 import pytest
 from harness import (
+    TIME_SCALE,
     Manifest,
     Proxy,
     assert_only_and_all,
@@ -255,7 +256,7 @@ def test_run_follows_source_edits(proxy: Proxy, sandbox: Sandbox) -> None:
     took = wait_for(lambda: _only(sandbox, second, proxy), timeout=6, step=0.1)
     # The default --min-sync-period is 1 s and the file is polled: a few seconds at most.
     log.info("%s: run followed the edit in %.2fs", proxy.combo.name, took)
-    assert took < 5, took
+    assert took < 5 * TIME_SCALE, took
     assert proc.poll() is None, "netproxy run exited on its own"
     assert proxy.stop_runs() == [0], proxy.run_output()[-3000:]
 
