@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, FrozenSet, Iterable, Optional, Set, Tuple
 
 from netproxy.endpoints import cluster_endpoints
-from netproxy.model import IPAddress, Snapshot
+from netproxy.model import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,3 @@ class ConntrackCleaner:
         served = gone.get((str(reply.saddr), reply.sport))
         return served is not None and (dest in served or node_dest in served)
 
-
-def addresses_of(snap: Snapshot) -> Set[IPAddress]:
-    """Every service address in a snapshot (for tests and logs)."""
-    return {a for svc in snap.services.values() for a in svc.addresses()}

@@ -211,23 +211,17 @@ class FileSource:
         self.poll_interval = poll_interval
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._signature: Optional[Tuple[Tuple[str, int, int, int], ...]] = None
+        self._signature: Optional[Tuple[Tuple[str, FileSig], ...]] = None
         self._cache: Dict[str, Tuple[FileSig, Loaded]] = {}
         self.last_error: Optional[str] = None
 
-    def _current_signature(self) -> Tuple[Tuple[str, int, int, int], ...]:
-        sig = []
+    def _current_signature(self) -> Tuple[Tuple[str, FileSig], ...]:
         try:
             files = manifest_files(self.path)
         except SourceError:
             return ()
-        for f in files:
-            try:
-                st = os.stat(f)
-            except OSError:
-                continue
-            sig.append((f, st.st_mtime_ns, st.st_size, st.st_ino))
-        return tuple(sig)
+        sigs = ((f, _signature(f)) for f in files)
+        return tuple((f, sig) for f, sig in sigs if sig is not None)
 
     def load_into(self, tracker: Any) -> Optional[Loaded]:
         """One load; on a parse error keep the tracker's last good state and remember the error."""
