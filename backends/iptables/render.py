@@ -124,11 +124,13 @@ def _endpoint_rules(chain_proto: str, comment: Rule, eps: Sequence[Endpoint], sv
     if affinity:
         seconds = str(svc.affinity_timeout)
         for ep, sep in zip(eps, sep_names):
-            # --rcheck then --set in one rule: a returning client refreshes its timestamp, as the seed's
-            # KUBE-SEP chain did by running --set after the KUBE-SVC chain's --rcheck.
-            rules.append(proto + comment + ("-m", "recent", "--name", sep, "--rcheck", "--seconds", seconds,
-                                            "--reap", "-m", "recent", "--name", sep, "--set",
-                                            "-j", "DNAT", "--to-destination", destination(ep)))
+            # --update: seen within --seconds, and then (only then) its timestamp refreshed — the seed's
+            # --rcheck here plus --set in its KUBE-SEP chain, in one match (xt_recent.c: recent_mt).
+            # One match, not two: a legacy table swap looks every -m recent up by name in a linked
+            # list of all lists, so each match costs O(affinity endpoints) on every write (at 23k
+            # affinity endpoints, ~85 s of kernel time per swap with three matches per endpoint).
+            rules.append(proto + comment + ("-m", "recent", "--name", sep, "--update", "--seconds", seconds,
+                                            "--reap", "-j", "DNAT", "--to-destination", destination(ep)))
     n = len(eps)
     for i, (ep, sep) in enumerate(zip(eps, sep_names)):
         args = proto + comment

@@ -188,8 +188,7 @@ def _affinity_rules(svc: ServicePort, cname: str, kind: str, eps: Sequence[Endpo
 
     The iptables backend's shape with one dynamic set per service port, keyed by
     ``client . endpoint address . endpoint port``: first one rule per endpoint "this client is
-    remembered for this endpoint: refresh it and DNAT there" (``recent --rcheck --seconds T --reap``
-    and ``--set``), then the random choice as iptables' statistic rules, rule i taken with
+    remembered for this endpoint: refresh it and DNAT there" (``recent --update --seconds T --reap``), then the random choice as iptables' statistic rules, rule i taken with
     probability 1/(N-i), each remembering the client before its DNAT.  Neither a chain nor a set per
     endpoint: the kernel looks sets up by name in a list, and 13k per-endpoint sets made a
     10k-service transaction take 30 s.  The chains of one service port (cluster, external, and

@@ -174,7 +174,7 @@ class Tracer:
                 ok = None
                 if float(value) < 1.0:
                     result = "maybe"
-            elif arg == "--rcheck":
+            elif arg in ("--rcheck", "--update"):  # --update refreshes on a hit: the same answer here
                 name = rule[i - 1] if rule[i - 2] == "--name" else _unknown(arg, "")
                 ok = pkt.src in self.recent.get(str(name), set())
                 step = 1

@@ -86,8 +86,10 @@ def test_affinity_checks_before_choice_and_sets_where_chosen() -> None:
     seps = [names.endpoint_name(s.name, "TCP", e) for e in eps("10.1.0.1", "10.1.0.2")]
     checks, choices = rules[:2], rules[2:]
     for rule, sep in zip(checks, seps):
-        assert ("--name", sep, "--rcheck", "--seconds", "77", "--reap") == rule[rule.index("--rcheck") - 2:
+        # one match checks and refreshes (--update only refreshes a client seen within --seconds)
+        assert ("--name", sep, "--update", "--seconds", "77", "--reap") == rule[rule.index("--update") - 2:
                                                                                    rule.index("--reap") + 1]
+        assert rule.count("recent") == 1 and "--rcheck" not in rule and "--set" not in rule
         assert "--probability" not in rule
     for rule, sep in zip(choices, seps):
         assert rule[rule.index("--set") - 2:rule.index("--set") + 1] == ("--name", sep, "--set")
