@@ -21,6 +21,11 @@ class Combo:
         """Which kube-proxy reference it is compared with: "iptables" or "nft"."""
         return "nft" if self.backend == "nftables" or self.flavour == "nft" else "iptables"
 
+    @property
+    def slug(self) -> str:
+        """The key as a file-name part."""
+        return self.key.replace("/", "-")
+
     def cli_args(self) -> List[str]:
         return ["--backend", self.backend, "--iptables-writer", self.writer, "--iptables-flavour", self.flavour]
 

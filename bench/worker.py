@@ -10,6 +10,7 @@ step by step, one JSON line per step on stdout (so that a step that times out lo
 - ``cold``: the first full sync into an empty kernel (repeated after ``cleanup()`` while cheap; min);
 - ``resync``: a full sync with nothing changed (what every ``--sync-period`` costs);
 - ``endpoint``: one endpoint of one service moved: parse the slice, tracker, partial sync;
+- ``endpoint-affinity``: the same for a ClientIP-affinity service (the mixed cluster has them);
 - ``add`` / ``remove``: one service (and its slice) added, then removed again;
 - ``plan``: the full payload as text, written to ``--plan-out`` for the raw-tool reference.
 
@@ -62,6 +63,7 @@ class Run:
         self.pods = pods or [("10.244.1.10", 8080)]
         self.objects = gen.cluster(args.n, args.variant, pods)
         self.n = args.n
+        self.variant = args.variant
         self.backend = create(args.backend, self.config)
         self.tracker = ChangeTracker()
 
@@ -130,11 +132,25 @@ class Run:
              backend_seconds=statistics.median(r["backend"] for r in runs), runs=[r["total"] for r in runs],
              written=runs[-1]["written"])
 
-    def endpoint(self) -> None:
+    def _service_index(self, affinity: bool) -> Optional[int]:
+        """The first service from the middle on with (or without) ClientIP affinity, never the last
+        (its endpoints are the real pods); ``None`` when the cluster has no such service."""
+        shapes = gen.shapes(self.n, self.variant)
         mid = self.n // 2 if self.n > 1 else 0
-        if self.n > 1 and mid == self.n - 1:
-            mid = 0
-        self._repeat("endpoint", lambda k: self._change([gen.replaced_endpoint(self.objects, mid, k)]))
+        for i in list(range(mid, self.n - 1)) + list(range(0, mid)):
+            if shapes[i].affinity == affinity:
+                return i
+        return 0 if self.n == 1 and not affinity else None
+
+    def endpoint(self, affinity: bool = False) -> None:
+        """One endpoint of a service moved.  Affinity services are measured apart (``endpoint-affinity``):
+        their per-endpoint rules make a change cost more than an element swap on both backends."""
+        step = "endpoint-affinity" if affinity else "endpoint"
+        index = self._service_index(affinity)
+        if index is None:
+            emit(step, skipped=f"no service {'with' if affinity else 'without'} affinity in this cluster")
+            return
+        self._repeat(step, lambda k: self._change([gen.replaced_endpoint(self.objects, index, k)]))
 
     def add_remove(self) -> None:
         adds: List[Dict[str, float]] = []
@@ -181,7 +197,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     wanted = args.steps.split(",")
     steps: List[Tuple[str, Callable[[], None]]] = [
         ("probe", run.probe), ("source", run.source), ("cold", run.cold), ("resync", run.resync),
-        ("endpoint", run.endpoint), ("add", run.add_remove), ("plan", lambda: run.plan(args.plan_out))]
+        ("endpoint", run.endpoint), ("endpoint-affinity", lambda: run.endpoint(affinity=True)),
+        ("add", run.add_remove), ("plan", lambda: run.plan(args.plan_out))]
     status = 0
     for name, fn in steps:
         if name not in wanted:
