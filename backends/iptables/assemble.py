@@ -10,7 +10,7 @@ from typing import Dict, Iterable, List, Tuple
 
 from netproxy.backends.iptables import names
 from netproxy.backends.iptables.render import FamilyRuleset, ServiceRules, host_net
-from netproxy.backends.iptables.tree import Chains, DispatchEntry, Rule, build_tree
+from netproxy.backends.iptables.tree import Chains, DispatchEntry, Rule, build_port_tree, build_tree
 from netproxy.config import ProxyConfig
 from netproxy.model import IPAddress, NodeInfo
 
@@ -107,7 +107,9 @@ def assemble(family: int, services: Iterable[ServiceRules], config: ProxyConfig,
     filt = out.chains("filter")
 
     top, sub = build_tree((e for s in rendered for e in s.dispatch), family, names.dispatch_chain)
-    nodeports = tuple(r for s in rendered for r in s.nodeports)
+    # KUBE-NODEPORTS is walked by every new connection to a node address, not only NodePort traffic:
+    # a (protocol, port-range) tree above LEAF_SIZE rules, kube-proxy's flat list below.
+    nodeports, np_sub = build_port_tree((e for s in rendered for e in s.nodeports), names.nodeport_chain)
     nat[names.SERVICES] = top + (tuple(nodeport_jumps(family, config, node, names.NODEPORTS))
                                  if nodeports else ())
     nat[names.NODEPORTS] = nodeports
@@ -115,6 +117,7 @@ def assemble(family: int, services: Iterable[ServiceRules], config: ProxyConfig,
     nat[names.HAIRPIN] = hp_top
     nat.update(base_chains(config, family, random_fully, hairpin=bool(hp_top)))
     nat.update(sub)
+    nat.update(np_sub)
     nat.update(hp_sub)
     for s in rendered:
         nat.update(s.nat)
@@ -122,9 +125,12 @@ def assemble(family: int, services: Iterable[ServiceRules], config: ProxyConfig,
     # dict.fromkeys: the catch-all REJECT of a multi-port service's cluster IP comes once per port.
     entries = list(dict.fromkeys(e for s in rendered for e in s.filter))
     ftop, fsub = build_tree(entries, family, names.dispatch_chain)
-    external = tuple(r for s in rendered for r in s.filter_nodeports)
+    # The same for filter's per-NodePort verdicts: jumped to for every new connection to a node address
+    # (INPUT, OUTPUT), so a long list of endpoint-less NodePorts would tax all of the node's traffic.
+    external, ext_sub = build_port_tree((e for s in rendered for e in s.filter_nodeports), names.nodeport_chain)
     filt[names.SERVICES] = ftop + (tuple(nodeport_jumps(family, config, node, names.EXTERNAL_SERVICES))
                                    if external else ())
     filt[names.EXTERNAL_SERVICES] = external
     filt.update(fsub)
+    filt.update(ext_sub)
     return out

@@ -53,6 +53,7 @@ _S_COMMENT = "npx-sentinel-comment-7f3a9c"
 _S_RECENT = "NPX-SENTINEL-RECENT-4D2B"
 _S_CHAIN = "KUBE-NPX-SENTINEL-9E1"
 _S_PORT = 0xC3A7
+_S_PORT_HI = 0xC3B9
 _S_PROB = "0.3141592653"
 _S_DEST = {4: ipaddress.ip_address("198.51.100.213"), 6: ipaddress.ip_address("2001:db8:7a3c::c3a5")}
 _S_DEST_PORT = 0xA7C5
@@ -118,6 +119,12 @@ def _prepare_targets() -> None:
         if not x6.find_target(name):
             raise BackendUnavailable(f"iptables extension {name} is not available for IPv6")
     _prepared = True
+
+
+def _port_range(value: str) -> Tuple[int, int]:
+    """``"80"`` or ``"30720:30975"`` → (first, last): what xt_tcp/xt_udp store for ``--dport``."""
+    lo, _, hi = value.partition(":")
+    return int(lo), int(hi or lo)
 
 
 def _dest_port(value: str) -> Tuple[str, int]:
@@ -217,7 +224,8 @@ class RuleBuilder:
             elif prev == "--comment":
                 kind = "comment"
             elif prev == "--dport":
-                kind = "dport"
+                # A range (the NodePort tree's "LO:HI") is its own shape: its sentinel is a pair.
+                kind = "dports" if ":" in arg else "dport"
             elif prev == "--probability":
                 kind = "prob"
             elif prev == "--to-destination":
@@ -241,16 +249,16 @@ class RuleBuilder:
             base = _S_DEST[self.family]
             return str(ipaddress.ip_network(f"{base}/{prefix}", strict=False))
         dest = _S_DEST[self.family]
-        return {"comment": _S_COMMENT, "dport": str(_S_PORT), "prob": _S_PROB, "recent": _S_RECENT,
-                "chain": _S_CHAIN,
+        return {"comment": _S_COMMENT, "dport": str(_S_PORT), "dports": f"{_S_PORT}:{_S_PORT_HI}",
+                "prob": _S_PROB, "recent": _S_RECENT, "chain": _S_CHAIN,
                 "dest": f"{dest}:{_S_DEST_PORT}" if self.family == 4 else f"[{dest}]:{_S_DEST_PORT}"}[kind]
 
     def _encoded(self, kind: str, value: str) -> List[Tuple[str, bytes]]:
         """(field, bytes) that a value of this kind leaves in a blob; used to find the sentinels."""
         if kind in ("comment", "recent", "chain"):
             return [(kind, value.encode() + b"\0")]
-        if kind == "dport":
-            return [(kind, struct.pack("=HH", int(value), int(value)))]
+        if kind in ("dport", "dports"):
+            return [(kind, struct.pack("=HH", *_port_range(value)))]
         if kind == "prob":
             return [(kind, struct.pack("=I", _probability_u32(value)))]
         if kind == "dest":
@@ -309,8 +317,8 @@ class RuleBuilder:
                 data = value.encode().ljust(RECENT_NAME_LEN, b"\0")
             elif name == "chain":
                 data = value.encode().ljust(TARGET_NAME_LEN, b"\0")
-            elif name == "dport":
-                data = struct.pack("=HH", int(value), int(value))
+            elif name in ("dport", "dports"):
+                data = struct.pack("=HH", *_port_range(value))
             elif name == "prob":
                 data = struct.pack("=I", _probability_u32(value))
             elif name == "dest_addr":

@@ -26,6 +26,8 @@ SVL_PREFIX = "KUBE-SVL-"
 FW_PREFIX = "KUBE-FW-"
 DISPATCH_PREFIX = "KUBE-SVCS-"
 HAIRPIN_PREFIX = "KUBE-HP-"
+NODEPORT_PREFIX = "KUBE-NPS-"
+"""(protocol, port-range) tree chains under nat ``KUBE-NODEPORTS`` and filter ``KUBE-EXTERNAL-SERVICES``."""
 NODEPORTS = "KUBE-NODEPORTS"
 EXTERNAL_SERVICES = "KUBE-EXTERNAL-SERVICES"
 HAIRPIN = "KUBE-HAIRPIN"
@@ -41,7 +43,7 @@ SEED_USERSPACE_CHAINS = ("KUBE-PORTALS-CONTAINER", "KUBE-PORTALS-HOST", "KUBE-NO
 OWNED_CHAINS = (SERVICES, POSTROUTING, MARK_MASQ, NODEPORTS, EXTERNAL_SERVICES, HAIRPIN,
                 MASQ_NONCLUSTER) + SEED_USERSPACE_CHAINS
 OWNED_PREFIXES = (SVC_PREFIX, SEP_PREFIX, EXT_PREFIX, DISPATCH_PREFIX, FW_PREFIX, "KUBE-XLB-", SVL_PREFIX,
-                  HAIRPIN_PREFIX)
+                  HAIRPIN_PREFIX, NODEPORT_PREFIX)
 """Only chains named here (exactly, or by prefix) are ever flushed or deleted. Not "KUBE-" as a
 whole: kubelet owns KUBE-FIREWALL, KUBE-KUBELET-CANARY and friends in the same tables."""
 
@@ -83,7 +85,8 @@ def endpoint_name(name: ServicePortName, protocol: str, endpoint: Endpoint) -> s
 
 
 def dispatch_chain(network: str, prefix: str = DISPATCH_PREFIX) -> str:
-    """``KUBE-SVCS-<hash>`` (or ``KUBE-HP-<hash>``): a lower-level tree chain for one destination prefix."""
+    """``KUBE-SVCS-<hash>`` (or ``KUBE-HP-<hash>``, ``KUBE-NPS-<hash>``): a lower-level tree chain for one
+    destination prefix (or protocol and port range)."""
     key = (network, prefix)
     chain = _net_cache.get(key)
     if chain is None:
@@ -93,3 +96,8 @@ def dispatch_chain(network: str, prefix: str = DISPATCH_PREFIX) -> str:
 
 def hairpin_chain(network: str) -> str:
     return dispatch_chain(network, HAIRPIN_PREFIX)
+
+
+def nodeport_chain(ports: str) -> str:
+    """``KUBE-NPS-<hash>`` for ``"tcp"`` or ``"tcp/30720:30975"`` (``tree.port_space``)."""
+    return dispatch_chain(ports, NODEPORT_PREFIX)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from netproxy.backends.iptables import names
-from netproxy.backends.iptables.tree import Chains, DispatchEntry, Rule
+from netproxy.backends.iptables.tree import Chains, DispatchEntry, Rule, port_key
 from netproxy.config import ProxyConfig
 from netproxy.endpoints import cluster_endpoints, external_endpoints, local_endpoints
 from netproxy.model import Endpoint, IPAddress, NodeInfo, ServicePort
@@ -94,12 +94,12 @@ class ServiceRules:
     """Its own chains: KUBE-SVC-, KUBE-SVL-, KUBE-EXT-, KUBE-FW-."""
     dispatch: Tuple[DispatchEntry, ...]
     """nat KUBE-SERVICES: address/protocol/port → its chain."""
-    nodeports: Tuple[Rule, ...] = ()
-    """nat KUBE-NODEPORTS: protocol/nodePort → KUBE-EXT-."""
+    nodeports: Tuple[DispatchEntry, ...] = ()
+    """nat KUBE-NODEPORTS: protocol/nodePort → KUBE-EXT- (keyed by ``tree.port_key``)."""
     filter: Tuple[DispatchEntry, ...] = ()
     """filter KUBE-SERVICES: REJECT/DROP for addresses nat left alone."""
-    filter_nodeports: Tuple[Rule, ...] = ()
-    """filter KUBE-EXTERNAL-SERVICES: REJECT/DROP for NodePorts nat left alone."""
+    filter_nodeports: Tuple[DispatchEntry, ...] = ()
+    """filter KUBE-EXTERNAL-SERVICES: REJECT/DROP for NodePorts nat left alone (keyed like nodeports)."""
     hairpin: Tuple[IPAddress, ...] = ()
     """Endpoint addresses this service DNATs to (for the hairpin check in KUBE-POSTROUTING)."""
 
@@ -288,8 +288,8 @@ def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeIn
                      safe_comment(f"{svc.name.namespace}/{svc.name.name} cluster IP")) + reject_target(family)
         p.filter.append(DispatchEntry(int(addr), catch_all, RANK_CLUSTER_IP))
 
-    nodeports: Tuple[Rule, ...] = ()
-    filter_nodeports: Tuple[Rule, ...] = ()
+    nodeports: Tuple[DispatchEntry, ...] = ()
+    filter_nodeports: Tuple[DispatchEntry, ...] = ()
     if has_external:
         ext = _external_chain(p, svc_chain if want_svc else None, svl_chain if want_svl else None) \
             if has_endpoints else None
@@ -303,10 +303,12 @@ def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeIn
             if not external:
                 p.refuse(addr, drop=has_endpoints)
         if svc.node_port:
+            np_key = port_key(proto, svc.node_port)
             np_match = ("-p", proto) + p.comment + ("-m", proto, "--dport", str(svc.node_port))
             if ext:
-                nodeports = (np_match + ("-j", ext),)
+                nodeports = (DispatchEntry(np_key, np_match + ("-j", ext)),)
             if not external:
-                filter_nodeports = (np_match + (("-j", "DROP") if has_endpoints else reject_target(family)),)
+                verdict = ("-j", "DROP") if has_endpoints else reject_target(family)
+                filter_nodeports = (DispatchEntry(np_key, np_match + verdict),)
     hairpin = _hairpin_candidates(node, everyone if want_svc else (), local if want_svl else ())
     return ServiceRules(p.nat, tuple(p.dispatch), nodeports, tuple(p.filter), filter_nodeports, hairpin)

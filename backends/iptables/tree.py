@@ -1,13 +1,19 @@
-"""Destination-prefix trees: a long list of per-address rules split into chains by address prefix.
+"""Dispatch trees: a long list of keyed rules split into chains by key prefix.
 
 A flat chain makes every packet check every rule before its own (PERF-NOTES.md: ~24 ns per rule on
-legacy, 252 µs at 10k services).  The tree jumps on ``-d <prefix>`` 16 ways per level until a chain
+legacy, 252 µs at 10k services).  The tree jumps on a key prefix 16 ways per level until a chain
 holds at most :data:`LEAF_SIZE` rules, so a packet checks a few dozen rules whatever the size.  It is
-deterministic in the set of addresses, so a one-service change rewrites only the chains on that
+deterministic in the set of keys, so a one-service change rewrites only the chains on that
 service's path (a leaf splitting aside).
 
-Used three times: nat ``KUBE-SERVICES`` (service dispatch), filter ``KUBE-SERVICES`` (rejects and
-drops) and nat ``KUBE-HAIRPIN`` (hairpin masquerade, keyed on the endpoint address).
+One builder, :func:`split_tree`, over two key spaces (:class:`KeySpace`):
+
+- destination addresses (:func:`address_space`, ``-d <prefix>``): nat ``KUBE-SERVICES`` (service
+  dispatch), filter ``KUBE-SERVICES`` (rejects and drops) and nat ``KUBE-HAIRPIN`` (hairpin
+  masquerade, keyed on the endpoint address);
+- (protocol, destination port) (:func:`port_space`, ``-p tcp`` then ``--dport LO:HI``): nat
+  ``KUBE-NODEPORTS`` and filter ``KUBE-EXTERNAL-SERVICES``, which every new connection to a node
+  address walks (kubelet, ssh, hostNetwork pods), not only NodePort traffic.
 """
 
 from __future__ import annotations
@@ -23,60 +29,129 @@ Chains = Dict[str, Tuple[Rule, ...]]
 LEAF_SIZE = 32
 """At most this many rules in one chain before it is split further."""
 FANOUT_BITS = 4
-"""Each level splits on this many more address bits (16 ways)."""
+"""Each level splits on this many more key bits (16 ways)."""
 
 
 @dataclass(frozen=True)
 class DispatchEntry:
-    """One rule keyed by the destination address it matches; ``rank`` orders rules of one address
-    (a per-port rule must come before a catch-all for the whole address)."""
+    """One rule keyed by what it matches (a destination address, or :func:`port_key`); ``rank``
+    orders rules of one key (a per-port rule must come before a catch-all for the whole address)."""
 
-    address: int
+    key: int
     rule: Rule
     rank: int = 0
 
 
-def _network(key: int, shift: int, split: int, family: int) -> str:
-    if family == 4:
-        return str(ipaddress.IPv4Network((key << shift, split)))
-    return str(ipaddress.IPv6Network((key << shift, split)))
+@dataclass(frozen=True)
+class KeySpace:
+    """What a tree's integer keys mean to iptables."""
+
+    bits: int
+    """Key width."""
+    split: Callable[[int], int]
+    """Common prefix length of a chain's keys → the prefix length its children are cut at."""
+    jump: Callable[[int, int], Tuple[Rule, str]]
+    """(key >> (bits - prefix length), prefix length) → (the match of a jump to that block's chain,
+    the chain's name)."""
 
 
-def build_tree(entries: Iterable[DispatchEntry], family: int, chain_name: Callable[[str], str],
-               label: str = "services") -> Tuple[Tuple[Rule, ...], Chains]:
-    """(rules of the top chain, sub-chains by name).  ``chain_name(prefix)`` names a sub-chain.
+def address_space(family: int, chain_name: Callable[[str], str], label: str = "services") -> KeySpace:
+    """Keys are destination addresses; ``chain_name(prefix)`` names the chain of ``-d <prefix>``."""
+    bits = 32 if family == 4 else 128
+    network = ipaddress.IPv4Network if family == 4 else ipaddress.IPv6Network
 
-    Works on index ranges of one sorted address list and finds each child's end by bisection, so a
+    def jump(block: int, split: int) -> Tuple[Rule, str]:
+        net = str(network((block << (bits - split), split)))
+        return ("-d", net, "-m", "comment", "--comment", f"{label} in {net}"), chain_name(net)
+
+    return KeySpace(bits, lambda common: min(bits, common + FANOUT_BITS), jump)
+
+
+PROTOCOLS = ("tcp", "udp", "sctp")
+"""Index = the protocol's value in the top bits of a :func:`port_key`."""
+_PROTOCOL_BITS = 2
+_PORT_BITS = 16
+
+
+def port_key(protocol: str, port: int) -> int:
+    """The tree key of a (protocol, destination port) rule: protocol above the 16 port bits."""
+    return PROTOCOLS.index(protocol.lower()) << _PORT_BITS | port
+
+
+def port_space(chain_name: Callable[[str], str], label: str = "nodeports") -> KeySpace:
+    """Keys are :func:`port_key` values; the first cut is by protocol (a port range means nothing
+    across protocols, and ``--dport`` needs ``-p``), then 16 port ranges per level.
+    ``chain_name("tcp")`` / ``chain_name("tcp/30720:30975")`` names a chain."""
+    bits = _PROTOCOL_BITS + _PORT_BITS
+
+    def split(common: int) -> int:
+        return _PROTOCOL_BITS if common < _PROTOCOL_BITS else min(bits, common + FANOUT_BITS)
+
+    def jump(block: int, split: int) -> Tuple[Rule, str]:
+        proto = PROTOCOLS[block >> (split - _PROTOCOL_BITS)]
+        if split == _PROTOCOL_BITS:
+            return ("-p", proto, "-m", "comment", "--comment", f"{label} in {proto}"), chain_name(proto)
+        shift = bits - split
+        lo = (block << shift) & ((1 << _PORT_BITS) - 1)
+        hi = lo + (1 << shift) - 1
+        ports = str(lo) if lo == hi else f"{lo}:{hi}"  # iptables-save prints N:N as N
+        what = f"{proto}/{ports}"
+        return (("-p", proto, "-m", "comment", "--comment", f"{label} in {what}", "-m", proto, "--dport", ports),
+                chain_name(what))
+
+    return KeySpace(bits, split, jump)
+
+
+def split_tree(entries: Iterable[DispatchEntry], space: KeySpace) -> Tuple[Tuple[Rule, ...], Chains]:
+    """(rules of the top chain, sub-chains by name), the rules ordered by (key, rank, rule).
+
+    Works on index ranges of one sorted key list and finds each child's end by bisection, so a
     sync that rebuilds the tree (every sync: one service's change can move a leaf boundary) costs
     O(chains × log n) comparisons beyond the sort, not a Python loop over every entry per level.
     """
-    bits = 32 if family == 4 else 128
-    ordered = sorted(entries, key=lambda e: (e.address, e.rank, e.rule))
-    addrs = [e.address for e in ordered]
+    bits = space.bits
+    ordered = sorted(entries, key=lambda e: (e.key, e.rank, e.rule))
+    keys = [e.key for e in ordered]
     rules_of = [e.rule for e in ordered]
     sub: Dict[str, Tuple[Rule, ...]] = {}
 
     def node(lo: int, hi: int) -> Tuple[Rule, ...]:
         if hi - lo <= LEAF_SIZE:
             return tuple(rules_of[lo:hi])
-        common = bits - (addrs[lo] ^ addrs[hi - 1]).bit_length()
-        if common == bits:  # one address with many ports: nothing to split on
+        common = bits - (keys[lo] ^ keys[hi - 1]).bit_length()
+        if common == bits:  # one key with many rules (an address with many ports): nothing to split on
             return tuple(rules_of[lo:hi])
-        split = min(bits, common + FANOUT_BITS)
+        split = space.split(common)
         shift = bits - split
         rules: List[Rule] = []
         start = lo
         while start < hi:
-            key = addrs[start] >> shift
-            end = bisect_left(addrs, (key + 1) << shift, start, hi)
+            block = keys[start] >> shift
+            end = bisect_left(keys, (block + 1) << shift, start, hi)
             if end - start <= 2:  # a jump would cost as much as the rules themselves
                 rules.extend(rules_of[start:end])
             else:
-                net = _network(key, shift, split, family)
-                chain = chain_name(net)
+                match, chain = space.jump(block, split)
                 sub[chain] = node(start, end)
-                rules.append(("-d", net, "-m", "comment", "--comment", f"{label} in {net}", "-j", chain))
+                rules.append(match + ("-j", chain))
             start = end
         return tuple(rules)
 
     return node(0, len(ordered)), sub
+
+
+def build_tree(entries: Iterable[DispatchEntry], family: int, chain_name: Callable[[str], str],
+               label: str = "services") -> Tuple[Tuple[Rule, ...], Chains]:
+    """A destination-prefix tree; ``chain_name(prefix)`` names a sub-chain."""
+    return split_tree(entries, address_space(family, chain_name, label))
+
+
+def build_port_tree(entries: Iterable[DispatchEntry], chain_name: Callable[[str], str],
+                    label: str = "nodeports") -> Tuple[Tuple[Rule, ...], Chains]:
+    """A (protocol, port) tree; up to :data:`LEAF_SIZE` rules it is the flat list in the given order
+    (kube-proxy's ``KUBE-NODEPORTS``, byte for byte).  Rules of one key keep their given order (the
+    first service claiming a port wins, as in the flat list)."""
+    listed = list(entries)
+    if len(listed) <= LEAF_SIZE:
+        return tuple(e.rule for e in listed), {}
+    return split_tree((DispatchEntry(e.key, e.rule, i) for i, e in enumerate(listed)), port_space(chain_name, label))

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import os
@@ -61,6 +62,15 @@ def snapshot_steps() -> List[object]:
     moved[fifty[7].name] = eps("10.3.7", 5)  # an endpoint change
     del moved[fifty[9].name]  # endpoints gone: reject
     steps.append(Snapshot.build(fifty[:40] + [web], {**moved, web.name: eps("10.1.0", 2)}))  # 10 services deleted
+    # 120 NodePorts (TCP and UDP), half of them without endpoints: both KUBE-NODEPORTS and
+    # KUBE-EXTERNAL-SERVICES become protocol / port-range trees (``--dport LO:HI`` rules, a libiptc shape
+    # of their own); then one NodePort moves, as a partial sync.
+    nodeports = [port("np", f"np-{i}", "", f"10.98.0.{i + 1}", 80, node_port=30000 + 22 * i,
+                      protocol="UDP" if i % 3 == 0 else "TCP") for i in range(120)]
+    np_eps = {s.name: eps(f"10.4.{i}", 1) for i, s in enumerate(nodeports) if i % 2 == 0}
+    steps.append(Snapshot.build(nodeports, np_eps))
+    nodeports[8] = dataclasses.replace(nodeports[8], node_port=32700)
+    steps.append(Snapshot.build(nodeports, np_eps))
     steps.append(parity_snapshot())
     steps.append(Snapshot.build([]))
     return steps
@@ -176,6 +186,10 @@ def test_restore_and_libiptc_writers_leave_identical_tables(kernel_env: None, tm
     last = len(snapshot_steps()) - 1
     assert ":KUBE-SVC-" not in results["restore"][str(last)]
     parity = results["restore"][str(last - 1)]
+    trees = results["restore"]["7"]
+    assert trees.count(":KUBE-NPS-") >= 2 * 3 and "--dport 32700 " in trees
+    port_range = r"-A KUBE-NPS-\S+ -p tcp -m comment --comment \"nodeports in tcp/\d+:\d+\" -m tcp --dport \d+:\d+ "
+    assert re.search(port_range, trees), "no port-range jump"
     for shape in (":KUBE-SVL-", ":KUBE-FW-", "-A KUBE-NODEPORTS", "--random-fully", "-A KUBE-HAIRPIN",
                   "-A KUBE-EXTERNAL-SERVICES", "--src-type LOCAL", "--ctstate DNAT", "icmp6-port-unreachable"):
         assert shape in parity, shape

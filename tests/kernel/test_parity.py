@@ -256,6 +256,36 @@ def test_nodeport_on_node_addresses_from_outside_and_from_the_node(proxy: Proxy,
     assert res.answered == 0, f"127.0.0.1:{NODE_PORT} answered {res.counts}"
 
 
+def test_many_nodeports_through_the_nodeport_tree(proxy: Proxy, sandbox: Sandbox) -> None:
+    """More NodePorts than one chain holds (iptables: LEAF_SIZE 32, then a protocol / port-range tree
+    under KUBE-NODEPORTS and KUBE-EXTERNAL-SERVICES): each port still reaches its own endpoint, over
+    TCP and UDP, low and high in the range, and an endpoint-less one is still refused."""
+    pods = local(sandbox)
+    served = 40  # 20 TCP + 20 UDP, nodePorts 30100..32479
+    objects: List[Manifest] = []
+    for i in range(served):
+        proto = "TCP" if i % 2 == 0 else "UDP"
+        name = f"many-{i}"
+        objects += [service(name, f"10.96.3.{i + 1}", [{**port(80, 8080, name="p", protocol=proto),
+                                                         "nodePort": 30100 + 61 * i}], type="NodePort"),
+                    slice_of(name, [ep(pods[i % len(pods)])], [port(8080, name="p", protocol=proto)])]
+    for j in range(34):  # > 32 endpoint-less NodePorts: filter's per-NodePort rejects are a tree too
+        name = f"none-{j}"
+        objects += [service(name, f"10.96.4.{j + 1}", [http_port(30101 + 61 * j)], type="NodePort"),
+                    slice_of(name, [], [port(8080, name="http")])]
+    proxy.sync(objects)
+    picks = (0, 1, 17, 22, 38, 39)
+    ext, node = {"source": sandbox.ext}, {"source": sandbox.node}
+    calls: List[Call] = [(NODE_EXT4, 30100 + 61 * i, {"proto": "tcp" if i % 2 == 0 else "udp", "count": 6, **ext})
+                         for i in picks]
+    calls += [(GATEWAY4, 30100 + 61 * i, {"proto": "tcp" if i % 2 == 0 else "udp", "count": 6, **node})
+              for i in picks[:2]]
+    for (_, number, _), res in zip(calls, connect_all(sandbox, *calls)):
+        i = (number - 30100) // 61
+        assert_only_and_all(res, [pods[i % len(pods)]], total=6)
+    refused_check(sandbox, NODE_EXT4, 30101 + 61 * 20, source=sandbox.ext)
+
+
 def test_nodeport_addresses(proxy: Proxy, sandbox: Sandbox) -> None:
     """netproxy run --nodeport-addresses: NodePorts only on listed node addresses, following address changes."""
     pods = local(sandbox)

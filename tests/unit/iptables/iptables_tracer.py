@@ -159,8 +159,9 @@ class Tracer:
                 ok = pkt.proto == value
             elif arg == "-m" or arg in ("--comment", "--mode", "--seconds", "--name"):
                 ok = None
-            elif arg == "--dport":
-                ok = pkt.dport == int(value)
+            elif arg == "--dport":  # a port, or a range (the NodePort tree's "LO:HI")
+                lo, _, hi = value.partition(":")
+                ok = int(lo) <= pkt.dport <= int(hi or lo)
             elif arg == "--dst-type":
                 ok = self._is_local(dst) if value == "LOCAL" else _unknown(arg, value)
             elif arg == "--src-type":
