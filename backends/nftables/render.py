@@ -186,13 +186,14 @@ def _affinity_rules(svc: ServicePort, cname: str, kind: str, eps: Sequence[Endpo
                     config: ProxyConfig, to_all: Optional[str]) -> Tuple[Rule, ...]:
     """One service port's ClientIP affinity chain for traffic of ``kind``.
 
-    The iptables backend's shape with one dynamic set per service port, keyed by
-    ``client . endpoint address . endpoint port``: first one rule per endpoint "this client is
-    remembered for this endpoint: refresh it and DNAT there" (``recent --update --seconds T --reap``), then the random choice as iptables' statistic rules, rule i taken with
-    probability 1/(N-i), each remembering the client before its DNAT.  Neither a chain nor a set per
-    endpoint: the kernel looks sets up by name in a list, and 13k per-endpoint sets made a
-    10k-service transaction take 30 s.  The chains of one service port (cluster, external, and
-    externalTrafficPolicy Local's exceptions) share its set, as iptables' KUBE-SVC-/KUBE-SVL- do.
+    The iptables backend's shape with one dynamic set per service port, keyed by ``client . endpoint
+    address . endpoint port``: first one rule per endpoint "this client is remembered for this endpoint:
+    refresh it and DNAT there" (``recent --update --seconds T --reap``), then the random choice as
+    iptables' statistic rules, rule i taken with probability 1/(N-i), each remembering the client before
+    its DNAT. Neither a chain nor a set per endpoint: the kernel looks sets up by name in a list, and
+    13k per-endpoint sets made a 10k-service transaction take 30 s. The chains of one service port
+    (cluster, external, and externalTrafficPolicy Local's exceptions) share its set, as iptables'
+    KUBE-SVC-/KUBE-SVL- do.
 
     nft cannot type a constant inside a concatenation that is looked up, so the endpoint's
     address and port are spelled ``(ip saddr & 0.0.0.0 | <address>)`` and ``(th dport & 0 | <port>)``:
