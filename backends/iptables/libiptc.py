@@ -367,6 +367,11 @@ def _open(family: int, table: str) -> Tuple[Any, Any]:
     return call, handle
 
 
+def load() -> None:
+    """Import python-iptables and prepare its extensions (raises BackendUnavailable when unusable)."""
+    _iptc(4)
+
+
 def read_tables(family: int) -> Dict[str, KernelTable]:
     """Chain names and (built-in chain, target) jumps of the legacy nat and filter tables, through
     libiptc (legacy tables only: callers make sure the node is not nf_tables)."""
@@ -413,7 +418,7 @@ class LibiptcWriter:
 
     def probe(self) -> None:
         self._refuse_nft()
-        _iptc(4)
+        load()
 
     def builder(self, family: int) -> RuleBuilder:
         if family not in self._builders:

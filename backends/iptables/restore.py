@@ -163,6 +163,16 @@ class RestoreWriter:
 
     def probe(self) -> None:
         self.tools.probe()
+        if self.tools.flavour == "legacy" and self._libiptc is None:
+            # Load python-iptables here, not in the first sync's read: finding the xtables
+            # libraries takes it 0.3-0.7 s, a start-up cost.  Unusable only means iptables-save reads.
+            try:
+                from netproxy.backends.iptables.libiptc import load
+
+                load()
+            except (BackendUnavailable, OSError) as exc:
+                log.info("reading tables with iptables-save: %s", exc)
+                self._libiptc = False
 
     def read(self, family: int) -> Dict[str, KernelTable]:
         """Chain names and built-in jumps.  On legacy nodes through libiptc when python-iptables is
