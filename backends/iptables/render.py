@@ -263,10 +263,11 @@ def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeIn
     external = external_endpoints(svc, fam_eps, node) if svc.external_traffic_policy == "Local" else everyone
     has_endpoints = bool(everyone or local)
 
-    svc_chain = names.service_chain(svc.name, svc.protocol)
-    svl_chain = names.service_chain(svc.name, svc.protocol, names.SVL_PREFIX)
     itp_local = svc.internal_traffic_policy == "Local"
     etp_local = svc.external_traffic_policy == "Local"
+    svc_chain = names.service_chain(svc.name, svc.protocol)
+    # Only Local policies use KUBE-SVL- (a name is a sha256 + base32: not for every service).
+    svl_chain = names.service_chain(svc.name, svc.protocol, names.SVL_PREFIX) if itp_local or etp_local else ""
     has_external = bool(ext_addrs or lb_addrs or svc.node_port)
     masq = _cluster_masq(p, cluster_addrs)
     want_svc = bool(everyone) and (not itp_local or (has_external and has_endpoints))
