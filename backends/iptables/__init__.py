@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 from netproxy.backends.base import BackendError, BackendUnavailable, SyncResult
 from netproxy.backends.iptables import cleanup as cleanup_mod
 from netproxy.backends.iptables.assemble import JUMPS, TABLES, assemble
-from netproxy.backends.iptables.diff import TableChange, Writer, full_change, partial_change
+from netproxy.backends.iptables.diff import Stamp, TableChange, Writer, full_change, partial_change
 from netproxy.backends.iptables.payload import plan_text
 from netproxy.backends.iptables.render import Chains, FamilyRuleset, Rule, ServiceRules, render_service
 from netproxy.backends.iptables.restore import RestoreTools, RestoreWriter, supports_random_fully
@@ -48,6 +48,8 @@ class IptablesBackend:
         self._need_full = True
         self._random_fully: Optional[bool] = None
         self._order: List[ServicePortName] = []
+        self._stamp: Optional[Stamp] = None
+        """The tables' fingerprint right after our last full write (None after any other write)."""
 
     @staticmethod
     def _make_writer(config: ProxyConfig) -> Writer:
@@ -111,6 +113,12 @@ class IptablesBackend:
     def sync(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
         full = changes.full or self._need_full
         desired, rerendered = self._render(snapshot)
+        if full and not self._need_full and self._untouched(desired):
+            # The periodic full sync of a table nobody touched since our last full write: writing it
+            # again would only pay the kernel's table swap (seconds at 10k services).
+            log.debug("iptables: tables as netproxy left them and nothing to change: full sync skipped")
+            return SyncResult(full=True, services_written=0, bytes_written=0)
+        self._stamp = None  # any write below changes the tables: the old fingerprint means nothing now
         total = 0
         try:
             for family in FAMILIES:
@@ -121,8 +129,25 @@ class IptablesBackend:
             self._need_full = True  # our record of the kernel may be wrong now: re-read next time
             raise
         self._need_full = False
+        if full:
+            self._stamp = self.writer.stamp(tuple(self._written))
         return SyncResult(full=full, services_written=len(snapshot.services) if full else rerendered,
                           bytes_written=total)
+
+    def _untouched(self, desired: Dict[int, FamilyRuleset]) -> bool:
+        """Whether a full sync would write exactly what the kernel holds from our last full write:
+        the same rules, and the tables' fingerprints unchanged (nobody else wrote them since)."""
+        if self._stamp is None:
+            return False
+        for family in FAMILIES:
+            written = self._written.get(family)
+            if written is None:
+                if self._has_family(family):
+                    return False  # a family skipped last time (no IPv6) that now has services
+                continue
+            if any(written[t] != desired[family].chains(t) for t in TABLES):
+                return False
+        return bool(self.writer.stamp(tuple(self._written)) == self._stamp)
 
     def _sync_family(self, ruleset: FamilyRuleset, full: bool) -> Optional[int]:
         family = ruleset.family
@@ -152,5 +177,6 @@ class IptablesBackend:
         if self.config.iptables_writer == "libiptc" and flavour == "nft":
             raise BackendUnavailable("libiptc cannot reach nf_tables; use the restore writer on this node")
         cleanup_mod.cleanup(RestoreTools(flavour))
+        self._stamp = None
         self._written.clear()
         self._need_full = True

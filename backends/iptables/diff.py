@@ -6,7 +6,7 @@ Both writers apply the same :class:`TableChange`, so they cannot disagree on wha
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Mapping, Tuple
+from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 try:
     from typing import Protocol
@@ -46,6 +46,9 @@ class TableChange:
         return sum(len(r) for r in self.write.values()) + len(self.jumps)
 
 
+Stamp = Dict[Tuple[int, str], bytes]
+"""(family, table) → fingerprint of that kernel table."""
+
 STALE_EXACT = frozenset({names.MASQ_NONCLUSTER})
 """Exactly named chains that only our own per-service chains jump to, so a full sync may delete them."""
 
@@ -80,3 +83,7 @@ class Writer(Protocol):
     def read(self, family: int) -> Dict[str, KernelTable]: ...
 
     def apply(self, family: int, changes: List[TableChange]) -> int: ...
+
+    def stamp(self, families: Sequence[int]) -> Optional[Stamp]:
+        """A value that changes whenever anyone changes these families' tables (None: cannot tell
+        here, so nothing is ever skipped); see :mod:`.stamp`."""

@@ -40,8 +40,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.iptables.assemble import TABLES
-from netproxy.backends.iptables.diff import KernelTable, TableChange
+from netproxy.backends.iptables.diff import KernelTable, Stamp, TableChange
 from netproxy.backends.iptables.payload import rule_line
+from netproxy.backends.iptables.stamp import fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -428,6 +429,9 @@ class LibiptcWriter:
     def read(self, family: int) -> Dict[str, KernelTable]:
         self._refuse_nft()
         return read_tables(family)
+
+    def stamp(self, families: Sequence[int]) -> Optional[Stamp]:
+        return fingerprint(families, TABLES)
 
     def apply(self, family: int, changes: List[TableChange]) -> int:
         self._refuse_nft()

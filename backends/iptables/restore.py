@@ -18,8 +18,9 @@ from typing import Dict, Iterable, List, Optional, Sequence
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.iptables import save
 from netproxy.backends.iptables.assemble import TABLES
-from netproxy.backends.iptables.diff import KernelTable, TableChange
+from netproxy.backends.iptables.diff import KernelTable, Stamp, TableChange
 from netproxy.backends.iptables.payload import ChainTextCache, restore_chunks
+from netproxy.backends.iptables.stamp import fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,10 @@ class RestoreWriter:
             parsed = save.parse(self.tools.save(family, table))
             out[table] = parsed[table].kernel_table() if table in parsed else KernelTable()
         return out
+
+    def stamp(self, families: Sequence[int]) -> Optional[Stamp]:
+        # Legacy tables only: iptables-nft's live in nf_tables, which this fingerprint cannot see.
+        return fingerprint(families, TABLES) if self.tools.flavour == "legacy" else None
 
     def apply(self, family: int, changes: List[TableChange]) -> int:
         if not any(not c.empty() for c in changes):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
@@ -26,6 +26,7 @@ class RecordingWriter:
         self.applied: List[Tuple[int, List[TableChange]]] = []
         self.reads = 0
         self.fail = False
+        self.stamps = True
 
     def probe(self) -> None:
         return None
@@ -33,6 +34,13 @@ class RecordingWriter:
     def read(self, family: int) -> Dict[str, KernelTable]:
         self.reads += 1
         return {t: KernelTable(frozenset(self.kernel.get((family, t), {}))) for t in ("nat", "filter")}
+
+    def stamp(self, families: Sequence[int]) -> Optional[Dict[Tuple[int, str], bytes]]:
+        """Like the legacy fingerprint: changes with any change to the tables (None: cannot tell)."""
+        if not self.stamps:
+            return None
+        return {(f, t): repr(sorted(self.kernel.get((f, t), {}).items())).encode()
+                for f in families for t in ("nat", "filter")}
 
     def apply(self, family: int, changes: List[TableChange]) -> int:
         if self.fail:
@@ -131,3 +139,37 @@ def test_libiptc_writer_refuses_nf_tables_nodes() -> None:
 
     with pytest.raises(BackendUnavailable, match="nf_tables"):
         LibiptcWriter("nft").probe()
+
+
+def test_periodic_full_sync_of_untouched_tables_writes_nothing(backend: IptablesBackend) -> None:
+    writer = backend.writer
+    assert isinstance(writer, RecordingWriter)
+    assert backend.sync(snapshot(4), Changes(full=True)).bytes_written > 0
+    applied = len(writer.applied)
+    skipped = backend.sync(snapshot(4), Changes(full=True))
+    assert skipped.full and skipped.bytes_written == 0 and len(writer.applied) == applied
+    # Someone else changed one of our chains: the fingerprint differs, the full sync repairs it.
+    writer.kernel[(4, "nat")][svc_chain(1)] = (("-j", "ACCEPT"),)
+    assert backend.sync(snapshot(4), Changes(full=True)).bytes_written > 0
+    assert writer.kernel[(4, "nat")][svc_chain(1)] != (("-j", "ACCEPT"),)
+    assert backend.sync(snapshot(4), Changes(full=True)).bytes_written == 0
+
+
+def test_full_sync_writes_when_the_rules_changed_or_a_partial_sync_came_between(backend: IptablesBackend) -> None:
+    writer = backend.writer
+    assert isinstance(writer, RecordingWriter)
+    backend.sync(snapshot(4), Changes(full=True))
+    # A change seen only by a full sync (no partial one in between) is written.
+    assert backend.sync(snapshot(4, moved=2), Changes(full=True)).bytes_written > 0
+    # After a partial write the old fingerprint means nothing: the next full sync writes, the one after not.
+    backend.sync(snapshot(4, moved=1), Changes(full=False))
+    assert backend.sync(snapshot(4, moved=1), Changes(full=True)).bytes_written > 0
+    assert backend.sync(snapshot(4, moved=1), Changes(full=True)).bytes_written == 0
+
+
+def test_without_a_fingerprint_every_full_sync_writes(backend: IptablesBackend) -> None:
+    writer = backend.writer
+    assert isinstance(writer, RecordingWriter)
+    writer.stamps = False  # iptables-nft, or a kernel whose tables cannot be read
+    backend.sync(snapshot(3), Changes(full=True))
+    assert backend.sync(snapshot(3), Changes(full=True)).bytes_written > 0
