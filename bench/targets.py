@@ -67,6 +67,14 @@ def nft_endpoint(results: Results) -> Target:
     return _t("nftables one-endpoint change", "≤ 15 ms", x <= 0.015, fig)
 
 
+def _full_ok(x: float, ratio: Optional[float]) -> Optional[bool]:
+    """≤ 2.5 s and ≤ 1.15× raw: missed on time alone, not measured when the time is met but the raw
+    reference is missing."""
+    if x > 2.5:
+        return False
+    return None if ratio is None else ratio <= 1.15
+
+
 def legacy_full(results: Results) -> Target:
     n = _at(results)
     x = _step(results, LEGACY, n, "cold")
@@ -76,7 +84,7 @@ def legacy_full(results: Results) -> Target:
         return _t("iptables-legacy restore writer, full sync", "≤ 2.5 s and ≤ 1.15× raw restore of its payload",
                   None, _why(results, LEGACY, n, "cold") + _where(n))
     ratio = x / raw if raw else None
-    ok = x <= 2.5 and ratio is not None and ratio <= 1.15
+    ok = _full_ok(x, ratio)
     fig = (f"{_s(x)}, {ratio:.2f}× the raw restore ({_s(raw)})" if ratio is not None else f"{_s(x)}, raw not measured")
     return _t("iptables-legacy restore writer, full sync", "≤ 2.5 s and ≤ 1.15× raw restore of its payload",
               ok, f"{fig}; kube-proxy layout {_s(ref)}{_where(n)}")
@@ -197,7 +205,7 @@ def mixed(results: Results) -> List[Target]:
         ratio = x / raw if raw else None
         out.append(_t("features on: iptables-legacy restore writer, full sync",
                       "≤ 2.5 s and ≤ 1.15× raw restore of its payload",
-                      x <= 2.5 and ratio is not None and ratio <= 1.15,
+                      _full_ok(x, ratio),
                       (f"{_s(x)}, {ratio:.2f}× the raw restore ({_s(raw)})" if ratio else f"{_s(x)}, raw not measured")
                       + _where(n)))
     x = cell(LEGACY, "endpoint")

@@ -25,6 +25,10 @@ __all__ = ["IptablesBackend"]
 
 log = logging.getLogger(__name__)
 FAMILIES = (4, 6)
+MAX_SKIPS = 10
+"""Periodic full syncs skipped in a row at most (untouched tables): every 11th writes anyway, so that a
+change the fingerprint could not see (made in the instant between a write and its fingerprint) lives
+at most that many sync periods (~5 min at the default 30 s)."""
 
 
 @dataclass
@@ -48,8 +52,9 @@ class IptablesBackend:
         self._need_full = True
         self._random_fully: Optional[bool] = None
         self._order: List[ServicePortName] = []
-        self._stamp: Optional[Stamp] = None
-        """The tables' fingerprint right after our last full write (None after any other write)."""
+        self._stamps: Dict[int, Optional[Stamp]] = {}
+        """Per family: its tables' fingerprints right after our last full write (gone after any other write)."""
+        self._skips = 0
 
     @staticmethod
     def _make_writer(config: ProxyConfig) -> Writer:
@@ -113,12 +118,12 @@ class IptablesBackend:
     def sync(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
         full = changes.full or self._need_full
         desired, rerendered = self._render(snapshot)
-        if full and not self._need_full and self._untouched(desired):
-            # The periodic full sync of a table nobody touched since our last full write: writing it
+        if full and not self._need_full and self._skips < MAX_SKIPS and self._untouched(desired):
+            # The periodic full sync of tables nobody touched since our last full write: writing them
             # again would only pay the kernel's table swap (seconds at 10k services).
+            self._skips += 1
             log.debug("iptables: tables as netproxy left them and nothing to change: full sync skipped")
             return SyncResult(full=True, services_written=0, bytes_written=0)
-        self._stamp = None  # any write below changes the tables: the old fingerprint means nothing now
         total = 0
         try:
             for family in FAMILIES:
@@ -127,27 +132,31 @@ class IptablesBackend:
                     total += written
         except BackendError:
             self._need_full = True  # our record of the kernel may be wrong now: re-read next time
+            self._stamps.clear()
             raise
         self._need_full = False
         if full:
-            self._stamp = self.writer.stamp(tuple(self._written))
+            self._skips = 0
         return SyncResult(full=full, services_written=len(snapshot.services) if full else rerendered,
                           bytes_written=total)
 
     def _untouched(self, desired: Dict[int, FamilyRuleset]) -> bool:
         """Whether a full sync would write exactly what the kernel holds from our last full write:
         the same rules, and the tables' fingerprints unchanged (nobody else wrote them since)."""
-        if self._stamp is None:
-            return False
         for family in FAMILIES:
             written = self._written.get(family)
             if written is None:
                 if self._has_family(family):
                     return False  # a family skipped last time (no IPv6) that now has services
                 continue
+            if self._stamps.get(family) is None:
+                return False
             if any(written[t] != desired[family].chains(t) for t in TABLES):
                 return False
-        return bool(self.writer.stamp(tuple(self._written)) == self._stamp)
+        families = tuple(self._written)
+        now = self.writer.stamp(families)
+        return now is not None and all(
+            {k: v for k, v in now.items() if k[0] == f} == self._stamps[f] for f in families)
 
     def _sync_family(self, ruleset: FamilyRuleset, full: bool) -> Optional[int]:
         family = ruleset.family
@@ -159,6 +168,7 @@ class IptablesBackend:
                     # A node without IPv6 (or ip6tables) still runs IPv4 services.
                     log.debug("skipping IPv6: %s", exc)
                     self._written.pop(6, None)
+                    self._stamps.pop(6, None)
                     return None
                 raise
             table_changes = [full_change(t, ruleset.chains(t), kernel[t]) for t in TABLES]
@@ -168,8 +178,16 @@ class IptablesBackend:
             written = self._written[family]
             table_changes = [partial_change(t, ruleset.chains(t), written.get(t, {})) for t in TABLES]
         changed: List[TableChange] = [c for c in table_changes if not c.empty()]
+        if changed:
+            self._stamps.pop(family, None)  # the write changes the tables: the old fingerprint means nothing
         size = self.writer.apply(family, changed) if changed else 0
         self._written[family] = {t: dict(ruleset.chains(t)) for t in TABLES}
+        if full:
+            # Right after this family's write (the window in which another writer's change would be
+            # taken for ours is this read), and only if the tables hold our chains with our rule
+            # counts: a write that went elsewhere (nf_tables behind a "legacy" name) is not trusted.
+            expect = {(family, t): {c: len(r) for c, r in ruleset.chains(t).items()} for t in TABLES}
+            self._stamps[family] = self.writer.stamp((family,), expect)
         return size
 
     def cleanup(self) -> None:
@@ -177,6 +195,6 @@ class IptablesBackend:
         if self.config.iptables_writer == "libiptc" and flavour == "nft":
             raise BackendUnavailable("libiptc cannot reach nf_tables; use the restore writer on this node")
         cleanup_mod.cleanup(RestoreTools(flavour))
-        self._stamp = None
+        self._stamps.clear()
         self._written.clear()
         self._need_full = True

@@ -84,6 +84,8 @@ class Writer(Protocol):
 
     def apply(self, family: int, changes: List[TableChange]) -> int: ...
 
-    def stamp(self, families: Sequence[int]) -> Optional[Stamp]:
+    def stamp(self, families: Sequence[int],
+              expect: Optional[Mapping[Tuple[int, str], Mapping[str, int]]] = None) -> Optional[Stamp]:
         """A value that changes whenever anyone changes these families' tables (None: cannot tell
-        here, so nothing is ever skipped); see :mod:`.stamp`."""
+        here, or the tables do not hold ``expect``'s chains with those rule counts — then nothing is
+        skipped); see :mod:`.stamp`."""

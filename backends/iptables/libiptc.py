@@ -36,7 +36,7 @@ import os
 import shutil
 import struct
 import tempfile
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.iptables.assemble import TABLES
@@ -72,7 +72,8 @@ def _iptc(family: int) -> Tuple[Any, Any, Any]:
             from iptc.ip6tc import Rule6, ip6t_entry, ip6tc
 
             call, base, entry = ip6tc, Rule6, ip6t_entry
-    except (ImportError, OSError) as exc:  # python-iptables raises OSError when libiptc is missing
+    except Exception as exc:  # noqa: BLE001 - OSError without libiptc, iptc's XTablesError without
+        # ldconfig or an xtables extensions directory: all mean "not usable here", never a crash.
         raise BackendUnavailable("python-iptables (libiptc) is not usable here", detail=str(exc)) from exc
     _prepare_targets()
 
@@ -430,8 +431,9 @@ class LibiptcWriter:
         self._refuse_nft()
         return read_tables(family)
 
-    def stamp(self, families: Sequence[int]) -> Optional[Stamp]:
-        return fingerprint(families, TABLES)
+    def stamp(self, families: Sequence[int],
+              expect: Optional[Mapping[Tuple[int, str], Mapping[str, int]]] = None) -> Optional[Stamp]:
+        return fingerprint(families, TABLES, expect)
 
     def apply(self, family: int, changes: List[TableChange]) -> int:
         self._refuse_nft()

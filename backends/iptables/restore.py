@@ -13,7 +13,7 @@ import signal
 import subprocess
 import tempfile
 import threading
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.iptables import save
@@ -171,7 +171,7 @@ class RestoreWriter:
                 from netproxy.backends.iptables.libiptc import load
 
                 load()
-            except (BackendUnavailable, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - an optional reader: never a failed probe
                 log.info("reading tables with iptables-save: %s", exc)
                 self._libiptc = False
 
@@ -200,9 +200,10 @@ class RestoreWriter:
             out[table] = parsed[table].kernel_table() if table in parsed else KernelTable()
         return out
 
-    def stamp(self, families: Sequence[int]) -> Optional[Stamp]:
+    def stamp(self, families: Sequence[int],
+              expect: Optional[Mapping[Tuple[int, str], Mapping[str, int]]] = None) -> Optional[Stamp]:
         # Legacy tables only: iptables-nft's live in nf_tables, which this fingerprint cannot see.
-        return fingerprint(families, TABLES) if self.tools.flavour == "legacy" else None
+        return fingerprint(families, TABLES, expect) if self.tools.flavour == "legacy" else None
 
     def apply(self, family: int, changes: List[TableChange]) -> int:
         if not any(not c.empty() for c in changes):

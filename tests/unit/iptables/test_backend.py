@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import pytest
 
 from netproxy.backends.base import SyncError
-from netproxy.backends.iptables import IptablesBackend, names
+from netproxy.backends.iptables import MAX_SKIPS, IptablesBackend, names
 from netproxy.backends.iptables.diff import KernelTable, TableChange
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
@@ -27,6 +27,8 @@ class RecordingWriter:
         self.reads = 0
         self.fail = False
         self.stamps = True
+        self.stamp_calls = 0
+        self.lost_write = False
 
     def probe(self) -> None:
         return None
@@ -35,16 +37,26 @@ class RecordingWriter:
         self.reads += 1
         return {t: KernelTable(frozenset(self.kernel.get((family, t), {}))) for t in ("nat", "filter")}
 
-    def stamp(self, families: Sequence[int]) -> Optional[Dict[Tuple[int, str], bytes]]:
-        """Like the legacy fingerprint: changes with any change to the tables (None: cannot tell)."""
+    def stamp(self, families: Sequence[int], expect: Optional[Mapping[Tuple[int, str], Mapping[str, int]]] = None
+              ) -> Optional[Dict[Tuple[int, str], bytes]]:
+        """Like the legacy fingerprint: changes with any change to the tables; None when it cannot
+        tell or the tables do not hold ``expect``'s chains with those rule counts."""
+        self.stamp_calls += 1
         if not self.stamps:
             return None
+        for (f, t), chains in (expect or {}).items():
+            if any(len(self.kernel.get((f, t), {}).get(c, ())) != n or c not in self.kernel.get((f, t), {})
+                   for c, n in chains.items()):
+                return None
         return {(f, t): repr(sorted(self.kernel.get((f, t), {}).items())).encode()
                 for f in families for t in ("nat", "filter")}
 
     def apply(self, family: int, changes: List[TableChange]) -> int:
         if self.fail:
             raise SyncError("refused", line="-A X")
+        if self.lost_write:  # the rules went to other tables than the ones the fingerprint reads
+            self.applied.append((family, changes))
+            return 1
         for change in changes:
             table = dict(self.kernel.get((family, change.table), {}))
             table.update(change.write)
@@ -171,5 +183,42 @@ def test_without_a_fingerprint_every_full_sync_writes(backend: IptablesBackend) 
     writer = backend.writer
     assert isinstance(writer, RecordingWriter)
     writer.stamps = False  # iptables-nft, or a kernel whose tables cannot be read
+    backend.sync(snapshot(3), Changes(full=True))
+    assert backend.sync(snapshot(3), Changes(full=True)).bytes_written > 0
+
+
+def test_skips_are_capped_and_cleanup_forgets_the_fingerprint(backend: IptablesBackend,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    writer = backend.writer
+    assert isinstance(writer, RecordingWriter)
+    backend.sync(snapshot(2), Changes(full=True))
+    results = [backend.sync(snapshot(2), Changes(full=True)).bytes_written for _ in range(MAX_SKIPS + 2)]
+    # MAX_SKIPS skipped, then one real write (the safety net), then skipping again.
+    assert results == [0] * MAX_SKIPS + [results[MAX_SKIPS], 0] and results[MAX_SKIPS] > 0
+    import netproxy.backends.iptables as module
+
+    monkeypatch.setattr(module.cleanup_mod, "cleanup", lambda tools: writer.kernel.clear())
+    backend.cleanup()
+    assert backend.sync(snapshot(2), Changes(full=True)).bytes_written > 0
+    assert svc_chain(1) in writer.kernel[(4, "nat")]
+
+
+def test_a_family_that_gains_services_is_written(backend: IptablesBackend) -> None:
+    writer = backend.writer
+    assert isinstance(writer, RecordingWriter)
+    backend.sync(snapshot(2), Changes(full=True))
+    name = ServicePortName("default", "v6", "")
+    v6 = ServicePort(name, "TCP", 80, 80, (ip("fd00::10"),))
+    before = snapshot(2)
+    eps = {n: list(e) for n, e in before.endpoints.items()}
+    snap = Snapshot.build(list(before.services.values()) + [v6], {**eps, name: [Endpoint(ip("fd01::1"), 80)]})
+    assert backend.sync(snap, Changes(full=True)).bytes_written > 0
+    assert names.service_chain(name, "TCP") in writer.kernel[(6, "nat")]
+
+
+def test_rules_that_did_not_land_in_the_fingerprinted_tables_are_never_trusted(backend: IptablesBackend) -> None:
+    writer = backend.writer
+    assert isinstance(writer, RecordingWriter)
+    writer.lost_write = True  # e.g. an nf_tables iptables-restore behind a "legacy" name
     backend.sync(snapshot(3), Changes(full=True))
     assert backend.sync(snapshot(3), Changes(full=True)).bytes_written > 0

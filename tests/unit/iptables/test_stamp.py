@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import struct
 import sys
 
@@ -19,6 +20,8 @@ def test_offsets_are_the_kernel_structs(family: int) -> None:
         from iptc.ip6tc import ip6t_entry as entry
     layout = stamp.LAYOUTS[family]
     assert entry.next_offset.offset == layout.next_offset
+    assert entry.target_offset.offset == layout.target_offset
+    assert ctypes.sizeof(entry) == layout.entry_size
     assert entry.comefrom.offset == layout.volatile[0]
     assert entry.counters.offset + entry.counters.size == layout.volatile[1]
 
@@ -49,12 +52,47 @@ def test_mask_zeroes_counters_and_comefrom_of_every_entry_only(family: int) -> N
 
 def masked(blob: bytes, family: int, start: int = 0) -> bytes:
     buf = bytearray(blob)
-    stamp.mask(buf, family, start)
+    entries, _ = stamp.mask(buf, family, start)
+    assert entries == 3
     return bytes(buf)
 
 
-def test_a_corrupt_walk_is_refused_not_looped() -> None:
+@pytest.mark.parametrize("bad", [0, 100, 300])  # zero, shorter than an entry, past the end
+def test_a_corrupt_walk_is_refused_not_looped(bad: int) -> None:
     blob = bytearray(_entry(4, 200, 1, 7))
-    blob[90:92] = struct.pack("=H", 0)
+    blob[90:92] = struct.pack("=H", bad)
     with pytest.raises(ValueError):
         stamp.mask(blob, 4)
+
+
+def test_getsockopt_structs_have_the_kernels_sizes() -> None:
+    # struct ipt_getinfo: name[32], valid_hooks, hook_entry[5], underflow[5], num_entries, size.
+    assert stamp._GETINFO.size == 84
+    # struct ipt_get_entries: name[32], u32 size, then ipt_entry (8-byte aligned on 64-bit).
+    import ctypes
+
+    from iptc.ip4tc import ipt_entry
+    assert ctypes.alignment(ipt_entry) == 8 and stamp._ENTRIES_HEADER == 40
+
+
+def _chain_entry(family: int, size: int, target: bytes, data: bytes = b"") -> bytes:
+    layout = stamp.LAYOUTS[family]
+    raw = bytearray(size)
+    raw[layout.next_offset:layout.next_offset + 2] = size.to_bytes(2, sys.byteorder)
+    toff = layout.entry_size
+    raw[layout.target_offset:layout.target_offset + 2] = toff.to_bytes(2, sys.byteorder)
+    raw[toff + 2:toff + 2 + len(target)] = target
+    raw[toff + 32:toff + 32 + len(data)] = data
+    return bytes(raw)
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_user_chains_rule_counts(family: int) -> None:
+    e = stamp.LAYOUTS[family].entry_size + 64
+    blob = (_chain_entry(family, e, b"") * 2  # built-in chain rules come first, in no user chain
+            + _chain_entry(family, e, b"ERROR", b"KUBE-A") + _chain_entry(family, e, b"DNAT") * 3
+            + _chain_entry(family, e, b"")  # KUBE-A's RETURN tail
+            + _chain_entry(family, e, b"ERROR", b"KUBE-B") + _chain_entry(family, e, b"")
+            + _chain_entry(family, e, b"ERROR", b"ERROR"))
+    entries, chains = stamp.mask(bytearray(blob), family)
+    assert entries == 10 and chains == {"KUBE-A": 3, "KUBE-B": 0}
