@@ -32,16 +32,18 @@ def _t(name: str, target: str, ok: Optional[bool], figure: str) -> Target:
     return {"name": name, "target": target, "met": ok, "figure": figure}
 
 
-def _step(results: Results, key: str, n: int, step: str) -> Optional[float]:
-    return seconds(control_cell(results, key, n, step))
+def _step(results: Results, key: str, n: int, step: str, variant: str = "uniform") -> Optional[float]:
+    return seconds(control_cell(results, key, n, step, variant))
 
 
-def _why(results: Results, key: str, n: int, step: str) -> str:
-    cell = control_cell(results, key, n, step)
+def _why(results: Results, key: str, n: int, step: str, variant: str = "uniform") -> str:
+    cell = control_cell(results, key, n, step, variant)
     if key in results.get("unavailable", {}):
         return f"{key} unavailable: {results['unavailable'][key]}"
     if not cell:
         return "not measured"
+    if "skipped" in cell:
+        return f"skipped: {cell['skipped']}"
     if "timeout" in cell:
         return f"timed out after {cell['timeout']} s"
     return f"error: {str(cell.get('error'))[:160]}"
@@ -75,19 +77,24 @@ def _full_ok(x: float, ratio: Optional[float]) -> Optional[bool]:
     return None if ratio is None else ratio <= 1.15
 
 
+LEGACY_FULL = "≤ 2.5 s and ≤ 1.15× raw restore of its payload"
+
+
+def _legacy_full(name: str, x: Optional[float], raw: Optional[float], why: str, extra: str) -> Target:
+    """The restore writer's full-sync target from its time and the raw restore's (uniform or mixed)."""
+    if x is None:
+        return _t(name, LEGACY_FULL, None, why)
+    ratio = x / raw if raw else None
+    fig = (f"{_s(x)}, {ratio:.2f}× the raw restore ({_s(raw)})" if ratio is not None else f"{_s(x)}, raw not measured")
+    return _t(name, LEGACY_FULL, _full_ok(x, ratio), fig + extra)
+
+
 def legacy_full(results: Results) -> Target:
     n = _at(results)
-    x = _step(results, LEGACY, n, "cold")
-    raw = _step(results, LEGACY, n, "raw")
     ref = seconds(ref_cell(results, "kube-proxy iptables-legacy", n, "cold"))
-    if x is None:
-        return _t("iptables-legacy restore writer, full sync", "≤ 2.5 s and ≤ 1.15× raw restore of its payload",
-                  None, _why(results, LEGACY, n, "cold") + _where(n))
-    ratio = x / raw if raw else None
-    ok = _full_ok(x, ratio)
-    fig = (f"{_s(x)}, {ratio:.2f}× the raw restore ({_s(raw)})" if ratio is not None else f"{_s(x)}, raw not measured")
-    return _t("iptables-legacy restore writer, full sync", "≤ 2.5 s and ≤ 1.15× raw restore of its payload",
-              ok, f"{fig}; kube-proxy layout {_s(ref)}{_where(n)}")
+    return _legacy_full("iptables-legacy restore writer, full sync", _step(results, LEGACY, n, "cold"),
+                        _step(results, LEGACY, n, "raw"), _why(results, LEGACY, n, "cold") + _where(n),
+                        f"; kube-proxy layout {_s(ref)}{_where(n)}")
 
 
 def legacy_change(results: Results) -> Target:
@@ -181,36 +188,23 @@ def mixed(results: Results) -> List[Target]:
     out = []
 
     def cell(key: str, step: str) -> Optional[float]:
-        return seconds(control_cell(results, key, n, step, "mixed"))
+        return _step(results, key, n, step, "mixed")
 
     def why(key: str, step: str) -> str:
-        c = control_cell(results, key, n, step, "mixed")
-        if not c:
-            return "not measured"
-        timed_out = f"timed out after {c['timeout']} s" if "timeout" in c else None
-        return str(c.get("skipped") or timed_out or c.get("error"))[:160]
+        return _why(results, key, n, step, "mixed") + _where(n)
 
     x, raw = cell(NFT, "cold"), cell(NFT, "raw")
     out.append(_t("features on: nftables full sync", "≤ 1.0 s", None if x is None else x <= 1.0,
-                  (f"{_s(x)}; raw nft -f of its payload {_s(raw)}" if x is not None else why(NFT, "cold")) + _where(n)))
+                  f"{_s(x)}; raw nft -f of its payload {_s(raw)}{_where(n)}" if x is not None else why(NFT, "cold")))
     for step, label in (("endpoint", "service without affinity"), ("endpoint-affinity", "ClientIP-affinity service")):
         x = cell(NFT, step)
         out.append(_t(f"features on: nftables one-endpoint change, {label}", "≤ 15 ms",
-                      None if x is None else x <= 0.015, (_ms(x) if x is not None else why(NFT, step)) + _where(n)))
-    x, raw = cell(LEGACY, "cold"), cell(LEGACY, "raw")
-    if x is None:
-        out.append(_t("features on: iptables-legacy restore writer, full sync",
-                      "≤ 2.5 s and ≤ 1.15× raw restore of its payload", None, why(LEGACY, "cold") + _where(n)))
-    else:
-        ratio = x / raw if raw else None
-        out.append(_t("features on: iptables-legacy restore writer, full sync",
-                      "≤ 2.5 s and ≤ 1.15× raw restore of its payload",
-                      _full_ok(x, ratio),
-                      (f"{_s(x)}, {ratio:.2f}× the raw restore ({_s(raw)})" if ratio else f"{_s(x)}, raw not measured")
-                      + _where(n)))
+                      None if x is None else x <= 0.015, _ms(x) + _where(n) if x is not None else why(NFT, step)))
+    out.append(_legacy_full("features on: iptables-legacy restore writer, full sync", cell(LEGACY, "cold"),
+                            cell(LEGACY, "raw"), why(LEGACY, "cold"), _where(n)))
     x = cell(LEGACY, "endpoint")
     out.append(_t("features on: iptables-legacy one-service change", "≤ 1.0 s", None if x is None else x <= 1.0,
-                  (_s(x) if x is not None else why(LEGACY, "endpoint")) + _where(n)))
+                  _s(x) + _where(n) if x is not None else why(LEGACY, "endpoint")))
     mem = results["rss"].get(NFT + MIXED_SUFFIX, {}).get(str(n), {}).get("maxrss_mib")
     out.append(_t("features on: peak RSS (nftables `sync`)", "≤ 250 MB", None if mem is None else mem <= 250 * MB,
                   "not measured" if mem is None else f"{mem:.0f} MiB = {mem / MB:.0f} MB{_where(n)}"))

@@ -14,10 +14,11 @@ from typing import Dict, List, Optional, Tuple
 from netproxy.backends.base import BackendError, BackendUnavailable, SyncResult
 from netproxy.backends.iptables import cleanup as cleanup_mod
 from netproxy.backends.iptables.assemble import JUMPS, TABLES, assemble
-from netproxy.backends.iptables.diff import Stamp, TableChange, Writer, full_change, partial_change
+from netproxy.backends.iptables.diff import TableChange, Writer, full_change, partial_change
 from netproxy.backends.iptables.payload import plan_text
 from netproxy.backends.iptables.render import Chains, FamilyRuleset, Rule, ServiceRules, render_service
 from netproxy.backends.iptables.restore import RestoreTools, RestoreWriter, supports_random_fully
+from netproxy.backends.iptables.stamp import Stamp
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
 
@@ -153,10 +154,7 @@ class IptablesBackend:
                 return False
             if any(written[t] != desired[family].chains(t) for t in TABLES):
                 return False
-        families = tuple(self._written)
-        now = self.writer.stamp(families)
-        return now is not None and all(
-            {k: v for k, v in now.items() if k[0] == f} == self._stamps[f] for f in families)
+        return all(self.writer.stamp((f,)) == self._stamps[f] for f in self._written)
 
     def _sync_family(self, ruleset: FamilyRuleset, full: bool) -> Optional[int]:
         family = ruleset.family

@@ -15,6 +15,7 @@ except ImportError:  # pragma: no cover
 
 from netproxy.backends.iptables import names
 from netproxy.backends.iptables.assemble import JUMPS
+from netproxy.backends.iptables.stamp import Expected, Stamp
 from netproxy.backends.iptables.tree import Chains, Rule
 
 
@@ -45,9 +46,6 @@ class TableChange:
     def rule_count(self) -> int:
         return sum(len(r) for r in self.write.values()) + len(self.jumps)
 
-
-Stamp = Dict[Tuple[int, str], bytes]
-"""(family, table) → fingerprint of that kernel table."""
 
 STALE_EXACT = frozenset({names.MASQ_NONCLUSTER})
 """Exactly named chains that only our own per-service chains jump to, so a full sync may delete them."""
@@ -84,8 +82,7 @@ class Writer(Protocol):
 
     def apply(self, family: int, changes: List[TableChange]) -> int: ...
 
-    def stamp(self, families: Sequence[int],
-              expect: Optional[Mapping[Tuple[int, str], Mapping[str, int]]] = None) -> Optional[Stamp]:
+    def stamp(self, families: Sequence[int], expect: Optional[Expected] = None) -> Optional[Stamp]:
         """A value that changes whenever anyone changes these families' tables (None: cannot tell
         here, or the tables do not hold ``expect``'s chains with those rule counts — then nothing is
         skipped); see :mod:`.stamp`."""

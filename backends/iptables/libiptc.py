@@ -36,13 +36,13 @@ import os
 import shutil
 import struct
 import tempfile
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.iptables.assemble import TABLES
-from netproxy.backends.iptables.diff import KernelTable, Stamp, TableChange
+from netproxy.backends.iptables.diff import KernelTable, TableChange
 from netproxy.backends.iptables.payload import rule_line
-from netproxy.backends.iptables.stamp import fingerprint
+from netproxy.backends.iptables.stamp import Expected, Stamp, fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -431,8 +431,7 @@ class LibiptcWriter:
         self._refuse_nft()
         return read_tables(family)
 
-    def stamp(self, families: Sequence[int],
-              expect: Optional[Mapping[Tuple[int, str], Mapping[str, int]]] = None) -> Optional[Stamp]:
+    def stamp(self, families: Sequence[int], expect: Optional[Expected] = None) -> Optional[Stamp]:
         return fingerprint(families, TABLES, expect)
 
     def apply(self, family: int, changes: List[TableChange]) -> int:

@@ -13,14 +13,14 @@ import signal
 import subprocess
 import tempfile
 import threading
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence
 
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.iptables import save
 from netproxy.backends.iptables.assemble import TABLES
-from netproxy.backends.iptables.diff import KernelTable, Stamp, TableChange
+from netproxy.backends.iptables.diff import KernelTable, TableChange
 from netproxy.backends.iptables.payload import ChainTextCache, restore_chunks
-from netproxy.backends.iptables.stamp import fingerprint
+from netproxy.backends.iptables.stamp import Expected, Stamp, fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -200,8 +200,7 @@ class RestoreWriter:
             out[table] = parsed[table].kernel_table() if table in parsed else KernelTable()
         return out
 
-    def stamp(self, families: Sequence[int],
-              expect: Optional[Mapping[Tuple[int, str], Mapping[str, int]]] = None) -> Optional[Stamp]:
+    def stamp(self, families: Sequence[int], expect: Optional[Expected] = None) -> Optional[Stamp]:
         # Legacy tables only: iptables-nft's live in nf_tables, which this fingerprint cannot see.
         return fingerprint(families, TABLES, expect) if self.tools.flavour == "legacy" else None
 

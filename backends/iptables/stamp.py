@@ -18,7 +18,6 @@ and the user-visible part of each match's data), so an unchanged table gives the
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import hashlib
 import logging
@@ -30,6 +29,11 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 TABLE_NAME_LEN = 32
 log = logging.getLogger(__name__)
+
+Stamp = Dict[Tuple[int, str], bytes]
+"""(family, table) → fingerprint of that kernel table."""
+Expected = Mapping[Tuple[int, str], Mapping[str, int]]
+"""(family, table) → chain → rule count: what a fingerprinted table must hold to be trusted."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ def _getsockopt(fd: int, level: int, option: int, buf: bytearray) -> int:
     the kernel reads the table name from the buffer); the kernel writes straight into it."""
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc = ctypes.CDLL(None, use_errno=True)  # the process's own libc
     size = ctypes.c_uint32(len(buf))
     cbuf = (ctypes.c_char * len(buf)).from_buffer(buf)
     if _libc.getsockopt(fd, level, option, cbuf, ctypes.byref(size)) != 0:
@@ -140,14 +144,13 @@ def table_fingerprint(family: int, table: str) -> Table:
     return Table(digest.digest(), chains)
 
 
-def fingerprint(families: Sequence[int], tables: Sequence[str],
-                expect: Optional[Mapping[Tuple[int, str], Mapping[str, int]]] = None
-                ) -> Optional[Dict[Tuple[int, str], bytes]]:
+def fingerprint(families: Sequence[int], tables: Sequence[str], expect: Optional[Expected] = None
+                ) -> Optional[Stamp]:
     """Every (family, table)'s fingerprint, or None if any cannot be read — or, with ``expect``
     ((family, table) → chain → rule count), if a table does not hold those chains with those
     counts (someone wrote between our write and this read, or the rules went to other tables than
     these: an nf_tables iptables behind a "legacy" name).  None means: nothing is ever skipped."""
-    out: Dict[Tuple[int, str], bytes] = {}
+    out: Stamp = {}
     for family in families:
         for table in tables:
             try:
