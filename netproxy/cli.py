@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, List, NoReturn, Optional, Protocol, Sequence, 
 from netproxy import detect as detect_mod
 from netproxy.backends import BackendError, create
 from netproxy.backends.base import Backend
-from netproxy.config import BACKENDS, IPTABLES_WRITERS, ProxyConfig, parse_cidrs
+from netproxy.config import BACKENDS, IPTABLES_WRITERS, NFTABLES_WRITERS, ProxyConfig, parse_cidrs
 from netproxy.model import Changes, NodeInfo, Snapshot, ValidationError
 from netproxy.source.files import FileSource, SourceError, load
 from netproxy.tracker import ChangeTracker
@@ -67,6 +67,8 @@ def _add_common(p: argparse.ArgumentParser, backends: Sequence[str] = BACKENDS) 
                    help="iptables backend: atomic iptables-restore (default) or in-process libiptc")
     p.add_argument("--iptables-flavour", default="auto", choices=["auto", "legacy", "nft"],
                    help="iptables backend: which iptables the node uses (auto: ask `iptables --version`)")
+    p.add_argument("--nftables-writer", default="netlink", choices=list(NFTABLES_WRITERS),
+                   help="nftables backend: its own netlink batches (default) or libnftables (nft text)")
 
 
 def _add_proxy(p: argparse.ArgumentParser) -> None:
@@ -123,6 +125,7 @@ def _config(args: argparse.Namespace, backend: str, flavour: str) -> ProxyConfig
 
     return ProxyConfig(
         backend=backend, iptables_writer=args.iptables_writer, iptables_flavour=flavour,
+        nftables_writer=args.nftables_writer,
         sync_period=getattr(args, "sync_period", 30.0), min_sync_period=getattr(args, "min_sync_period", 1.0),
         masquerade_all=getattr(args, "masquerade_all", False), masquerade_bit=getattr(args, "masquerade_bit", 14),
         cluster_cidrs=tuple(getattr(args, "cluster_cidr", ())),

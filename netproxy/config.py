@@ -12,6 +12,7 @@ from netproxy.model import IPNetwork
 BACKENDS = ("auto", "iptables", "nftables", "fake")
 IPTABLES_WRITERS = ("restore", "libiptc")
 IPTABLES_FLAVOURS = ("legacy", "nft")
+NFTABLES_WRITERS = ("netlink", "libnftables")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class ProxyConfig:
     iptables_writer: str = "restore"
     iptables_flavour: str = "legacy"
     """Which iptables the node uses ("legacy" or "nft"), decided by the version check."""
+    nftables_writer: str = "netlink"
+    """nftables backend: its own netlink batches (default) or libnftables (text)."""
     sync_period: float = 30.0
     min_sync_period: float = 1.0
     masquerade_all: bool = False

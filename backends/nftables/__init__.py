@@ -8,13 +8,17 @@ import logging
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
 from netproxy.backends.base import SyncError, SyncResult
-from netproxy.backends.nftables import render
+from netproxy.backends.nftables import kernel, render
+from netproxy.backends.nftables.fake import FakeNft
+from netproxy.backends.nftables.kernel import Runner
 from netproxy.backends.nftables.objects import Element, Set
-from netproxy.backends.nftables.runner import FakeNft, LibNftRunner, Runner
 from netproxy.backends.nftables.transaction import (
     Entry,
     State,
     Transaction,
+    affinity_allowed,
+    affinity_index,
+    affinity_maps,
     claim,
     count_refs,
     drop_unused_shared,
@@ -26,6 +30,7 @@ from netproxy.backends.nftables.transaction import (
     release,
     render_entry,
     shared_changes,
+    stale_affinity,
 )
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, ServicePortName, Snapshot
@@ -52,13 +57,11 @@ class NftablesBackend:
     @property
     def runner(self) -> Runner:
         if self._runner is None:
-            self._runner = LibNftRunner()
+            self._runner = kernel.create(self.config.nftables_writer)
         return self._runner
 
     def probe(self) -> None:
-        runner = self.runner
-        if isinstance(runner, LibNftRunner):
-            runner.probe()
+        self.runner.probe()
 
     def plan(self, snapshot: Snapshot) -> str:
         """The commands that create netproxy's tables for ``snapshot`` from nothing."""
@@ -151,7 +154,27 @@ class NftablesBackend:
         return SyncResult(full=True, services_written=len(snapshot.services), bytes_written=written)
 
     def _affinity_to_keep(self, fam: str, state: State) -> List[Element]:
-        """Clients held by affinity sets that the new table has too, with the time they have left."""
+        """Clients held by affinity sets and maps that the new table has too, with the time they
+        have left (and, in the shared maps, only for endpoints still eligible)."""
+        keep = self._affinity_sets_to_keep(fam, state)
+        if fam not in render.AFFINITY_FAMILIES:
+            return keep
+        index = affinity_index(e.objects[fam] for e in state.entries.values() if fam in e.objects)
+        if not index:
+            return keep
+        for proto, name in affinity_maps():
+            try:
+                found = self.runner.read_elements(fam, name)
+            except SyncError as err:
+                log.warning("cannot read %s (%s): ClientIP affinity restarts", name, err)
+                continue
+            for e in found:
+                left = e.expires
+                if affinity_allowed(index, proto, e) and (left is None or left > 0):
+                    keep.append(Element(name, e.key, e.value, expires=left, timeout=e.timeout))
+        return keep
+
+    def _affinity_sets_to_keep(self, fam: str, state: State) -> List[Element]:
         wanted: Dict[str, Set] = {}
         for entry in state.entries.values():
             objs = entry.objects.get(fam)
@@ -235,6 +258,7 @@ class NftablesBackend:
                 self._count(state, fam, written.refs, 1, ref_before)
             new_entries[name] = entry
         written_services = self._service_changes(tx, state, new_entries)
+        self._forget_gone_endpoints(tx, state, new_entries)
         for fam in sorted(state.families):
             fstate = state.family(fam)
             ref_changes(tx, fam, fstate, ref_before.get(fam, {}))
@@ -249,6 +273,20 @@ class NftablesBackend:
             else:
                 state.entries[name] = entry
         return SyncResult(full=False, services_written=written_services, bytes_written=written)
+
+    def _forget_gone_endpoints(self, tx: Transaction, state: State,
+                               new_entries: Dict[ServicePortName, Optional[Entry]]) -> None:
+        """Delete the remembered clients of endpoints (or service addresses) that went away."""
+        for fam in render.AFFINITY_FAMILIES:
+            if fam not in state.tables:
+                continue
+            old = affinity_index(e.objects[fam] for name in new_entries
+                                 for e in (state.entries.get(name),) if e is not None and fam in e.objects)
+            if not old:
+                continue
+            new = affinity_index(e.objects[fam] for e in new_entries.values() if e is not None and fam in e.objects)
+            for element in stale_affinity(lambda name, f=fam: self.runner.read_elements(f, name), old, new):
+                tx.put("delete-elements", "delete", fam, element)
 
     @staticmethod
     def _count(state: State, fam: str, refs: FrozenSet[Tuple[str, str]], step: int,

@@ -21,9 +21,10 @@ Packet path (docs/parity.md is the contract, README.md the picture):
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 from netproxy.backends.nftables import names
+from netproxy.backends.nftables import stmt as st
 from netproxy.backends.nftables.objects import Chain, Hook, Rule, Set, Table
 from netproxy.config import ProxyConfig
 
@@ -58,54 +59,58 @@ def table(family: str) -> Table:
     return Table(family, names.TABLE, TABLE_COMMENT)
 
 
-def dispatch_expr(family: str) -> str:
-    return f"{family} daddr . meta l4proto . th dport"
+def dispatch_fields(family: str) -> Tuple[st.Field, ...]:
+    return (st.addr(family, "daddr"), st.L4PROTO, st.DPORT)
 
 
-NODEPORT_EXPR = "meta l4proto . th dport"
+NODEPORT_FIELDS = (st.L4PROTO, st.DPORT)
 
 
-def nodeport_match(family: str, config: ProxyConfig) -> str:
+def nodeport_match(family: str, config: ProxyConfig) -> Tuple[st.Stmt, ...]:
     """Which destinations are node addresses for NodePorts: every local one but loopback (kube-proxy
     >= 1.28), or with ``--nodeport-addresses`` those in ``nodeport-ips`` (the node's addresses in
     the CIDRs, which the core keeps current)."""
     if config.nodeport_addresses:
-        return f"{family} daddr @{names.NODEPORT_IPS}"
-    return f"fib daddr type local {family} daddr != {LOOPBACK[family]}"
+        return (st.lookup((st.addr(family, "daddr"),), names.NODEPORT_IPS),)
+    return st.fib_local("daddr"), st.addr_not_in(family, "daddr", LOOPBACK[family])
 
 
-def mark_rule_text(config: ProxyConfig) -> str:
-    return f"meta mark set meta mark | {config.masquerade_mark:#010x}"
+def mark_stmt(config: ProxyConfig) -> st.Stmt:
+    return st.mark_or(config.masquerade_mark)
 
 
 def base_chains(family: str, config: ProxyConfig) -> List[Tuple[Chain, Tuple[Rule, ...]]]:
     """The chains every table has, with their rules (rendered as a whole on each full sync)."""
     fam = family
-    dispatch = dispatch_expr(fam)
+    dispatch = dispatch_fields(fam)
     nodeports = nodeport_match(fam, config)
     mark = config.masquerade_mark
-    firewall = (f"{dispatch} @{names.FIREWALL_IPS} {dispatch} . {fam} saddr != @{names.FIREWALL_ALLOW} drop",
-                "loadBalancerSourceRanges")
+    firewall = (st.lookup(dispatch, names.FIREWALL_IPS),
+                st.lookup(dispatch + (st.addr(fam, "saddr"),), names.FIREWALL_ALLOW, invert=True, interval=True),
+                st.DROP)
 
     def filter_rules(chain: str, with_nodeports: bool) -> Tuple[Rule, ...]:
-        rules = [Rule(chain, f"ct state new {dispatch} vmap @{names.NO_ENDPOINTS}")]
+        rules = [st.rule(chain, st.CT_STATE_NEW, st.vmap(dispatch, names.NO_ENDPOINTS))]
         if with_nodeports:
-            rules.append(Rule(chain, f"ct state new {nodeports} {NODEPORT_EXPR} vmap @{names.NO_ENDPOINT_NODEPORTS}"))
-        rules.append(Rule(chain, f"ct state new {fam} daddr @{names.CLUSTER_IPS} reject",
-                          "other ports of active cluster IPs"))
+            rules.append(st.rule(chain, st.CT_STATE_NEW, *nodeports,
+                                 st.vmap(NODEPORT_FIELDS, names.NO_ENDPOINT_NODEPORTS)))
+        rules.append(st.rule(chain, st.CT_STATE_NEW, st.lookup((st.addr(fam, "daddr"),), names.CLUSTER_IPS),
+                             st.reject(fam), comment="other ports of active cluster IPs"))
         return tuple(rules)
 
-    return [
+    chains = [
         (Chain(names.NAT_PREROUTING, Hook("nat", "prerouting", NAT_PRIORITY_DSTNAT)),
-         (Rule(names.NAT_PREROUTING, *firewall), Rule(names.NAT_PREROUTING, f"jump {names.SERVICES}"))),
+         (st.rule(names.NAT_PREROUTING, *firewall, comment="loadBalancerSourceRanges"),
+          st.rule(names.NAT_PREROUTING, st.jump(names.SERVICES)))),
         (Chain(names.NAT_OUTPUT, Hook("nat", "output", NAT_PRIORITY_DSTNAT)),
-         (Rule(names.NAT_OUTPUT, *firewall), Rule(names.NAT_OUTPUT, f"jump {names.SERVICES}"))),
+         (st.rule(names.NAT_OUTPUT, *firewall, comment="loadBalancerSourceRanges"),
+          st.rule(names.NAT_OUTPUT, st.jump(names.SERVICES)))),
         (Chain(names.NAT_POSTROUTING, Hook("nat", "postrouting", NAT_PRIORITY_SRCNAT)), (
-            Rule(names.NAT_POSTROUTING, f"ct status dnat {fam} saddr . {fam} daddr @{names.HAIRPIN} "
-                                        f"{mark_rule_text(config)}", "hairpin"),
-            Rule(names.NAT_POSTROUTING,
-                 f"meta mark & {mark:#010x} == {mark:#010x} meta mark set meta mark ^ {mark:#010x} "
-                 "masquerade fully-random", "masquerade traffic marked by netproxy"))),
+            st.rule(names.NAT_POSTROUTING, st.CT_STATUS_DNAT,
+                    st.lookup((st.addr(fam, "saddr"), st.addr(fam, "daddr")), names.HAIRPIN), mark_stmt(config),
+                    comment="hairpin"),
+            st.rule(names.NAT_POSTROUTING, st.mark_has(mark), st.mark_xor(mark), st.MASQUERADE_FULLY_RANDOM,
+                    comment="masquerade traffic marked by netproxy"))),
         (Chain(names.FILTER_INPUT, Hook("filter", "input", FILTER_PRIORITY)),
          filter_rules(names.FILTER_INPUT, True)),
         (Chain(names.FILTER_FORWARD, Hook("filter", "forward", FILTER_PRIORITY)),
@@ -113,17 +118,47 @@ def base_chains(family: str, config: ProxyConfig) -> List[Tuple[Chain, Tuple[Rul
         (Chain(names.FILTER_OUTPUT, Hook("filter", "output", FILTER_OUTPUT_PRIORITY)),
          filter_rules(names.FILTER_OUTPUT, True)),
         (Chain(names.SERVICES), (
-            Rule(names.SERVICES, f"{dispatch} vmap @{names.SERVICE_IPS}"),
-            Rule(names.SERVICES, f"{nodeports} {NODEPORT_EXPR} vmap @{names.SERVICE_NODEPORTS}"))),
-        (Chain(names.REJECT), (Rule(names.REJECT, "reject"),)),
+            st.rule(names.SERVICES, st.vmap(dispatch, names.SERVICE_IPS)),
+            st.rule(names.SERVICES, *nodeports, st.vmap(NODEPORT_FIELDS, names.SERVICE_NODEPORTS)))),
+        (Chain(names.REJECT), (st.rule(names.REJECT, st.reject(fam)),)),
     ]
+    if fam in AFFINITY_FAMILIES:
+        chains.extend(affinity_record_chains(fam))
+    return chains
+
+
+AFFINITY_FAMILIES = ("ip",)
+"""Families whose ClientIP affinity lives in the shared ``affinity-<proto>`` maps.  IPv6 keeps one
+set and chain per service port: nft 1.0.6 aborts (an assertion in netlink_linearize.c) on any
+``update @map { ip6 ... : ip6 daddr . th dport }``, so the map design cannot be written or listed
+with it."""
+AFFINITY_RECORD_PRIORITY = NAT_PRIORITY_DSTNAT + 10
+
+
+def affinity_record_chains(family: str) -> List[Tuple[Chain, Tuple[Rule, ...]]]:
+    """Where a new DNAT-ed connection to a service with ClientIP affinity is remembered (or its
+    client's entry refreshed): right after nat's DNAT (dstnat + 10), by the connection's original
+    destination in ``affinity-services`` / ``affinity-nodeports``, which send it to the chain of its
+    protocol and timeout.  A filter chain: nat chains after the one that DNAT-ed are not run."""
+    out = []
+    for hook in ("prerouting", "output"):
+        name = f"affinity-{hook}"
+        rules = []
+        for proto in PROTOCOLS:
+            original = (st.ct_daddr(family), st.L4PROTO, st.CT_PROTO_DST)
+            rules.append(st.rule(name, st.CT_STATE_NEW, st.CT_STATUS_DNAT, st.l4proto(proto),
+                                 st.vmap(original, names.AFFINITY_SERVICES)))
+            rules.append(st.rule(name, st.CT_STATE_NEW, st.CT_STATUS_DNAT, st.l4proto(proto),
+                                 st.vmap((st.L4PROTO, st.CT_PROTO_DST), names.AFFINITY_NODEPORTS)))
+        out.append((Chain(name, Hook("filter", hook, AFFINITY_RECORD_PRIORITY)), tuple(rules)))
+    return out
 
 
 def base_sets(family: str) -> List[Set]:
     addr = ADDR_TYPE[family]
     dispatch = f"{addr} . inet_proto . inet_service"
     nodeport = "inet_proto . inet_service"
-    return [
+    sets = [
         Set(names.SERVICE_IPS, dispatch, "verdict", comment="service address . protocol . port"),
         Set(names.SERVICE_NODEPORTS, nodeport, "verdict", comment="protocol . nodePort"),
         Set(names.NO_ENDPOINTS, dispatch, "verdict", comment="service ports without endpoints"),
@@ -132,44 +167,74 @@ def base_sets(family: str) -> List[Set]:
         Set(names.EXEMPT_NODEPORTS, nodeport, "verdict", comment="externalTrafficPolicy Local: pods and node"),
         Set(names.CLUSTER_IPS, addr, comment="active cluster IPs"),
         Set(names.NODEPORT_IPS, addr, comment="--nodeport-addresses"),
+        Set(names.CLUSTER_CIDRS, addr, flags=("interval",), comment="--cluster-cidr"),
         Set(names.FIREWALL_IPS, dispatch, comment="load-balancer IPs with source ranges"),
         Set(names.FIREWALL_ALLOW, f"{dispatch} . {addr}", flags=("interval",),
             comment="load-balancer IP . protocol . port . allowed source range"),
         Set(names.HAIRPIN, f"{addr} . {addr}", comment="endpoint . endpoint: hairpin"),
     ]
+    if family in AFFINITY_FAMILIES:
+        sets.append(Set(names.AFFINITY_SERVICES, dispatch, "verdict",
+                        comment="ClientIP affinity: service address . protocol . port"))
+        sets.append(Set(names.AFFINITY_NODEPORTS, nodeport, "verdict",
+                        comment="ClientIP affinity: protocol . nodePort"))
+        for proto in PROTOCOLS:
+            sets.append(Set(names.affinity_map(proto), f"{addr} . {addr} . inet_service", f"{addr} . inet_service",
+                            flags=("dynamic", "timeout"), size=AFFINITY_SIZE,
+                            comment=f"ClientIP affinity {proto}: client . service address . port : endpoint"))
+    return sets
+
+
+AFFINITY_SIZE = 1 << 20
+"""Remembered clients per protocol and family; past it new clients are not remembered (the kernel's
+dynset stops adding), which kube-proxy's ``recent`` lists (also bounded) share."""
 
 
 class Pick(NamedTuple):
-    """What a shared pick chain serves: a kind of traffic, a protocol, a number of endpoints, and
-    whether it is keyed by the destination address and port or by the nodePort alone."""
+    """What a shared pick chain serves: a kind of traffic, a protocol, a number of endpoints,
+    whether it is keyed by the destination address and port or by the nodePort alone, and whether
+    it first looks the client up in the ClientIP affinity map (``sticky``)."""
 
     kind: str
     proto: str
     size: int
     """The number of endpoints (0 only for ``local``: no local endpoint, drop)."""
     nodeport: bool = False
+    sticky: bool = False
 
     @property
     def chain(self) -> str:
-        name: str = names.pick_chain(self.kind, self.proto, self.size, self.nodeport)
+        name: str = names.pick_chain(self.kind, self.proto, self.size, self.nodeport, self.sticky)
         return name
 
     @property
     def map(self) -> str:
-        name: str = names.endpoints_map(self.kind, self.proto, self.size, self.nodeport)
+        name: str = names.endpoints_map(self.kind, self.proto, self.size, self.nodeport, self.sticky)
         return name
 
 
-def parse_pick_chain(name: str) -> Optional[Pick]:
-    """The :class:`Pick` a shared chain name stands for, or None."""
-    head, sep, count = name.partition("-pick-")
-    nodeport = head.endswith("-nodeport")
-    if nodeport:
-        head = head[:-len("-nodeport")]
-    kind, _, proto = head.partition("-")
-    if sep and kind in KINDS and proto in PROTOCOLS and count.isdigit():
-        return Pick(kind, proto, int(count), nodeport)
-    return None
+class Record(NamedTuple):
+    """A shared chain that remembers ``proto`` clients for ``timeout`` seconds in ``affinity-<proto>``."""
+
+    proto: str
+    timeout: int
+
+    @property
+    def chain(self) -> str:
+        return f"affinity-{self.proto}-{self.timeout}"
+
+
+Shared = Union[Pick, Record]
+"""A chain several service ports use, created with its first user and deleted after its last."""
+
+
+def shared_chain(shared: Shared, family: str, config: ProxyConfig) -> Tuple[Chain, Tuple[Rule, ...], Optional[Set]]:
+    if isinstance(shared, Record):
+        fam = family
+        update = st.update(names.affinity_map(shared.proto), (st.addr(fam, "saddr"), st.ct_daddr(fam), st.CT_PROTO_DST),
+                           (st.addr(fam, "daddr"), st.DPORT), shared.timeout)
+        return Chain(shared.chain), (st.rule(shared.chain, st.l4proto(shared.proto), update),), None
+    return pick_chain(shared, family, config)
 
 
 def endpoints_map(pick: Pick, family: str) -> Set:
@@ -183,33 +248,29 @@ def endpoints_map(pick: Pick, family: str) -> Set:
 
 def masquerade_rule(chain: str, kind: str, family: str, config: ProxyConfig) -> Optional[Rule]:
     """The masquerade mark a chain of ``kind`` sets first (None: it sets none)."""
-    mark = mark_rule_text(config)
     if kind == EXTERNAL or (kind == CLUSTER and config.masquerade_all):
-        return Rule(chain, mark)
-    if kind == CLUSTER:
-        cidrs = cluster_cidrs(family, config)
-        if cidrs:
-            return Rule(chain, f"{family} saddr != {cidrs} {mark}")
+        return st.rule(chain, mark_stmt(config))
+    if kind == CLUSTER and has_cluster_cidrs(family, config):
+        return st.rule(chain, st.lookup((st.addr(family, "saddr"),), names.CLUSTER_CIDRS, invert=True),
+                       mark_stmt(config))
     return None
 
 
-def cluster_cidrs(family: str, config: ProxyConfig) -> Optional[str]:
-    """``--cluster-cidr`` of ``family`` as an nft anonymous set, or None."""
-    cidrs = [str(c) for c in config.cluster_cidrs if c.version == VERSIONS[family]]
-    return f"{{ {', '.join(cidrs)} }}" if cidrs else None
+def has_cluster_cidrs(family: str, config: ProxyConfig) -> bool:
+    return any(c.version == VERSIONS[family] for c in config.cluster_cidrs)
 
 
-def exemption_rules(chain: str, family: str, config: ProxyConfig, to: str) -> List[Rule]:
+def exemption_rules(chain: str, family: str, config: ProxyConfig, to: st.Stmt) -> List[Rule]:
     """externalTrafficPolicy Local's exceptions (kube-proxy's): traffic from inside
     ``--cluster-cidr`` and from the node itself is cluster traffic, reaching every endpoint; the
     node's own is masqueraded (its source would be the destination's own address).  ``to`` is the
     statement that sends it there (a vmap lookup, or a goto for per-service affinity chains)."""
     rules = []
-    cidrs = cluster_cidrs(family, config)
-    if cidrs:
-        rules.append(Rule(chain, f"{family} saddr {cidrs} {to}", "externalTrafficPolicy Local: pods"))
-    rules.append(Rule(chain, f"fib saddr type local {mark_rule_text(config)} {to}",
-                      "externalTrafficPolicy Local: the node itself"))
+    if has_cluster_cidrs(family, config):
+        rules.append(st.rule(chain, st.lookup((st.addr(family, "saddr"),), names.CLUSTER_CIDRS), to,
+                             comment="externalTrafficPolicy Local: pods"))
+    rules.append(st.rule(chain, st.fib_local("saddr"), mark_stmt(config), to,
+                         comment="externalTrafficPolicy Local: the node itself"))
     return rules
 
 
@@ -221,15 +282,19 @@ def pick_chain(pick: Pick, family: str, config: ProxyConfig) -> Tuple[Chain, Tup
     if masq is not None:
         rules.append(masq)
     if pick.kind == LOCAL:
-        lookup = (f"{NODEPORT_EXPR} vmap @{names.EXEMPT_NODEPORTS}" if pick.nodeport
-                  else f"{dispatch_expr(family)} vmap @{names.EXEMPT_IPS}")
+        lookup = (st.vmap(NODEPORT_FIELDS, names.EXEMPT_NODEPORTS) if pick.nodeport
+                  else st.vmap(dispatch_fields(family), names.EXEMPT_IPS))
         rules.extend(exemption_rules(name, family, config, lookup))
     if pick.size == 0:
-        rules.append(Rule(name, "drop", "no local endpoint"))
+        rules.append(st.rule(name, st.DROP, comment="no local endpoint"))
         return Chain(name), tuple(rules), None
+    # The protocol match gives nft the context a DNAT to a port needs (the keys have no protocol).
+    proto = st.l4proto(pick.proto)
+    if pick.sticky:
+        client = (st.addr(family, "saddr"), st.addr(family, "daddr"), st.DPORT)
+        rules.append(st.rule(name, proto, st.dnat_map(family, client, names.affinity_map(pick.proto)),
+                             comment="ClientIP affinity: a remembered client"))
     emap = endpoints_map(pick, family)
-    key = "th dport" if pick.nodeport else f"{family} daddr . th dport"
-    # The protocol match gives nft the context a DNAT to a port needs (the key has no protocol).
-    rules.append(Rule(name, f"meta l4proto {pick.proto} dnat {family} to {key} . "
-                            f"numgen random mod {pick.size} map @{emap.name}"))
+    key = (st.DPORT,) if pick.nodeport else (st.addr(family, "daddr"), st.DPORT)
+    rules.append(st.rule(name, proto, st.dnat_map(family, key + (st.numgen(pick.size),), emap.name)))
     return Chain(name), tuple(rules), emap

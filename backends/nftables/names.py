@@ -38,6 +38,9 @@ NODEPORT_IPS = "nodeport-ips"
 FIREWALL_IPS = "firewall-ips"
 FIREWALL_ALLOW = "firewall-allow"
 HAIRPIN = "hairpin"
+CLUSTER_CIDRS = "cluster-cidrs"
+AFFINITY_SERVICES = "affinity-services"
+AFFINITY_NODEPORTS = "affinity-nodeports"
 
 # What an unquoted nft identifier may contain (nft's scanner: a letter first, then letters, digits,
 # '/', '-', '_' and '.').
@@ -89,11 +92,21 @@ def affinity_set(name: ServicePortName) -> str:
     return identifier(f"aff-{service_id(name)}")
 
 
-def pick_chain(kind: str, proto: str, count: int, nodeport: bool = False) -> str:
-    """The shared chain that picks one of ``count`` endpoints for ``proto`` traffic of ``kind``."""
-    return f"{kind}-{proto}{'-nodeport' if nodeport else ''}-pick-{count}"
+def _pick_infix(nodeport: bool, sticky: bool) -> str:
+    return ("-nodeport" if nodeport else "") + ("-sticky" if sticky else "")
 
 
-def endpoints_map(kind: str, proto: str, count: int, nodeport: bool = False) -> str:
-    """The map that ``pick_chain(kind, proto, count, nodeport)`` looks endpoints up in."""
-    return f"{kind}-{proto}{'-nodeport' if nodeport else ''}-endpoints-{count}"
+def pick_chain(kind: str, proto: str, count: int, nodeport: bool = False, sticky: bool = False) -> str:
+    """The shared chain that picks one of ``count`` endpoints for ``proto`` traffic of ``kind``
+    (``sticky``: a client remembered by ClientIP affinity keeps its endpoint)."""
+    return f"{kind}-{proto}{_pick_infix(nodeport, sticky)}-pick-{count}"
+
+
+def endpoints_map(kind: str, proto: str, count: int, nodeport: bool = False, sticky: bool = False) -> str:
+    """The map that ``pick_chain(kind, proto, count, nodeport, sticky)`` looks endpoints up in."""
+    return f"{kind}-{proto}{_pick_infix(nodeport, sticky)}-endpoints-{count}"
+
+
+def affinity_map(proto: str) -> str:
+    """The dynamic map ``client . service address . port : endpoint . port`` of ``proto``'s ClientIP affinity."""
+    return f"affinity-{proto}"

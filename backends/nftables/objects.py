@@ -1,14 +1,14 @@
 """Typed nftables objects (knftables-style): what render produces and what a transaction carries.
 
-A rule body is nft statement text built by :mod:`render` from validated model values; everything
-that is a name or a comment is kept apart and quoted by :mod:`serialise`, the one place that
-turns these objects into libnftables input.
+A rule carries its nft statement text and its kernel expressions, both built by :mod:`stmt` from
+validated model values; everything that is a name or a comment is kept apart.  :mod:`serialise`
+turns these objects into libnftables input, :mod:`encode` into netlink messages.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import Any, NamedTuple, Optional, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -36,9 +36,13 @@ class Chain:
 
 
 class Rule(NamedTuple):
+    """A rule in both forms: ``body`` is its nft text, ``exprs`` the kernel expressions the netlink
+    writer sends; both come from the same statements (:mod:`stmt`)."""
+
     chain: str
     body: str
     comment: Optional[str] = None
+    exprs: Tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class Set:
     flags: Tuple[str, ...] = ()
     timeout: Optional[int] = None
     comment: Optional[str] = None
+    size: Optional[int] = None
 
     @property
     def is_map(self) -> bool:
@@ -71,6 +76,8 @@ class Element(NamedTuple):
     comment: Optional[str] = None
     expires: Optional[int] = None
     """Seconds left, for an element of a timeout set carried over a table rebuild (affinity)."""
+    timeout: Optional[int] = None
+    """Its own timeout in seconds (elements the kernel added to a map with no default timeout)."""
 
 
 class ElementRun(NamedTuple):

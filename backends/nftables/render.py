@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from netproxy.backends.nftables import names
+from netproxy.backends.nftables import stmt as st
 from netproxy.backends.nftables.layout import (  # noqa: F401 - re-exported for transaction.py and tests
     ADDR_TYPE,
+    AFFINITY_FAMILIES,
     CLUSTER,
     EXEMPT,
     EXTERNAL,
@@ -38,13 +40,15 @@ from netproxy.backends.nftables.layout import (  # noqa: F401 - re-exported for 
     LOCAL,
     VERSIONS,
     Pick,
+    Record,
+    Shared,
     base_chains,
     base_sets,
     endpoints_map,
     exemption_rules,
     masquerade_rule,
-    parse_pick_chain,
     pick_chain,
+    shared_chain,
     table,
 )
 from netproxy.backends.nftables.objects import Element, ElementRun, Rule, Set
@@ -67,8 +71,8 @@ class ServiceObjects:
     """Endpoint-map elements per (role, dispatch key)."""
     chains: Dict[str, Tuple[Rule, ...]] = field(default_factory=dict)
     sets: Dict[str, Set] = field(default_factory=dict)
-    shared: FrozenSet[str] = frozenset()
-    """Names of the shared pick chains its elements jump to."""
+    shared: FrozenSet[Shared] = frozenset()
+    """The shared chains its elements jump to (pick chains, affinity record chains)."""
     dispatch_keys: Tuple[str, ...] = ()
     """``address . protocol . port`` and ``protocol . nodePort`` keys it claims (one owner per key)."""
     refs: FrozenSet[Tuple[str, str]] = frozenset()
@@ -105,11 +109,6 @@ def _choices(eps: Sequence[Endpoint]) -> Tuple[_Choice, ...]:
                           else f"{e.ip} . {e.port}", e) for e in eps), key=_first))
 
 
-def _dnat_target(ep: Endpoint) -> str:
-    return f"[{ep.ip}]:{ep.port}" if ep.ip.version == 6 else f"{ip_text(ep.ip)}:{ep.port}"
-
-
-_ZERO = {"ip": "0.0.0.0", "ip6": "::"}
 
 
 
@@ -125,7 +124,7 @@ class _Port:
     """Eligible endpoints per kind of traffic (netproxy/endpoints.py's answers)."""
     has_endpoints: bool
     out: ServiceObjects = field(default_factory=ServiceObjects)
-    shared: List[str] = field(default_factory=list)
+    shared: List[Shared] = field(default_factory=list)
     keys: List[str] = field(default_factory=list)
 
     @property
@@ -148,23 +147,29 @@ class _Port:
         if kind == CLUSTER and not choices:  # internalTrafficPolicy Local, no endpoint on this node
             self.put(refuse, key, "drop")
             return
-        if self.svc.client_ip_affinity:
+        sticky = self.svc.client_ip_affinity
+        if sticky and self.family not in AFFINITY_FAMILIES:
             verdict = f"goto {self.affinity_chain(kind)}"
         else:
             if kind == LOCAL:
                 self.exempt(key, run_prefix, nodeport)
-            pick = Pick(kind, self.proto, len(choices), nodeport)
-            self.shared.append(pick.chain)
+            pick = Pick(kind, self.proto, len(choices), nodeport, sticky)
+            self.shared.append(pick)
             verdict = f"goto {pick.chain}"
             if choices:
                 self.out.runs[("main", key)] = ElementRun(pick.map, run_prefix, tuple(v for v, _ in choices))
+            if sticky:
+                record = Record(self.proto, self.svc.affinity_timeout)
+                self.shared.append(record)
+                self.put(names.AFFINITY_NODEPORTS if nodeport else names.AFFINITY_SERVICES, key,
+                         f"goto {record.chain}")
         self.put(names.SERVICE_NODEPORTS if nodeport else names.SERVICE_IPS, key, verdict)
 
     def exempt(self, key: str, run_prefix: str, nodeport: bool) -> None:
         """externalTrafficPolicy Local's exception path for ``key``: every endpoint, via exempt-*."""
         choices = self.choices[EXEMPT]
-        pick = Pick(EXEMPT, self.proto, len(choices), nodeport)
-        self.shared.append(pick.chain)
+        pick = Pick(EXEMPT, self.proto, len(choices), nodeport, self.svc.client_ip_affinity)
+        self.shared.append(pick)
         self.put(names.EXEMPT_NODEPORTS if nodeport else names.EXEMPT_IPS, key, f"goto {pick.chain}")
         self.out.runs[("exempt", key)] = ElementRun(pick.map, run_prefix, tuple(v for v, _ in choices))
 
@@ -172,7 +177,7 @@ class _Port:
         """The per-service ClientIP affinity chain for ``kind`` (built once)."""
         cname: str = names.affinity_chain(self.svc.name, kind)
         if cname not in self.out.chains:
-            to_all = f"goto {self.affinity_chain(EXEMPT)}" if kind == LOCAL else None
+            to_all = self.affinity_chain(EXEMPT) if kind == LOCAL else None
             eps = [ep for _, ep in self.choices[kind]]
             self.out.chains[cname] = _affinity_rules(self.svc, cname, kind, eps, self.family, self.config, to_all)
             aff: str = names.affinity_set(self.svc.name)
@@ -184,21 +189,16 @@ class _Port:
 
 def _affinity_rules(svc: ServicePort, cname: str, kind: str, eps: Sequence[Endpoint], family: str,
                     config: ProxyConfig, to_all: Optional[str]) -> Tuple[Rule, ...]:
-    """One service port's ClientIP affinity chain for traffic of ``kind``.
+    """One service port's ClientIP affinity chain for traffic of ``kind``, in families outside
+    :data:`~layout.AFFINITY_FAMILIES` (IPv6: see there why).
 
     The iptables backend's shape with one dynamic set per service port, keyed by ``client . endpoint
     address . endpoint port``: first one rule per endpoint "this client is remembered for this endpoint:
     refresh it and DNAT there" (``recent --update --seconds T --reap``), then the random choice as
     iptables' statistic rules, rule i taken with probability 1/(N-i), each remembering the client before
-    its DNAT. Neither a chain nor a set per endpoint: the kernel looks sets up by name in a list, and
-    13k per-endpoint sets made a 10k-service transaction take 30 s. The chains of one service port
-    (cluster, external, and externalTrafficPolicy Local's exceptions) share its set, as iptables'
-    KUBE-SVC-/KUBE-SVL- do.
-
-    nft cannot type a constant inside a concatenation that is looked up, so the endpoint's
-    address and port are spelled ``(ip saddr & 0.0.0.0 | <address>)`` and ``(th dport & 0 | <port>)``:
-    the kernel computes the constant (bitwise and-zero, xor-constant); ``nft list`` prints it
-    oddly, hence the comment on each rule.
+    its DNAT.  The chains of one service port (cluster, external, and externalTrafficPolicy Local's
+    exceptions) share its set, as iptables' KUBE-SVC-/KUBE-SVL- do.  ``nft list`` prints the
+    constants of the lookup oddly, hence the comment on each rule.
     """
     aff: str = names.affinity_set(svc.name)
     rules: List[Rule] = []
@@ -206,22 +206,22 @@ def _affinity_rules(svc: ServicePort, cname: str, kind: str, eps: Sequence[Endpo
     if masq is not None:
         rules.append(masq)
     if to_all is not None:
-        rules.extend(exemption_rules(cname, family, config, to_all))
-    proto = svc.protocol.lower()
+        rules.extend(exemption_rules(cname, family, config, st.goto(to_all)))
+    proto = st.l4proto(svc.protocol.lower())
     steps = []
     for ep in eps:
         addr = ip_text(ep.ip)
         note = f"{svc.name} endpoint {addr} port {ep.port}"
-        step = f"update @{aff} {{ {family} saddr . {addr} . {ep.port} }} dnat {family} to {_dnat_target(ep)}"
-        steps.append((step, note))
-        known = f"{family} saddr . ({family} saddr & {_ZERO[family]} | {addr}) . (th dport & 0 | {ep.port}) @{aff}"
-        rules.append(Rule(cname, f"meta l4proto {proto} {known} {step}", note))
+        steps.append((ep, addr, note))
+        rules.append(st.rule(cname, proto, st.remembered(family, aff, addr, ep.port),
+                             st.remember(family, aff, addr, ep.port), st.dnat_to(family, addr, ep.port), comment=note))
     n = len(steps)
-    for i, (step, note) in enumerate(steps):
-        chance = f"numgen random mod {n - i} == 0 " if i < n - 1 else ""
-        rules.append(Rule(cname, f"meta l4proto {proto} {chance}{step}", note))
+    for i, (ep, addr, note) in enumerate(steps):
+        chance = (st.numgen_is_zero(n - i),) if i < n - 1 else ()
+        rules.append(st.rule(cname, proto, *chance, st.remember(family, aff, addr, ep.port),
+                             st.dnat_to(family, addr, ep.port), comment=note))
     if not steps:
-        rules.append(Rule(cname, "drop", "no local endpoint"))
+        rules.append(st.rule(cname, st.DROP, comment="no local endpoint"))
     return tuple(rules)
 
 

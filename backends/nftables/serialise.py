@@ -43,13 +43,16 @@ def set_spec(s: Set) -> str:
         parts.append(f"flags {','.join(s.flags)};")
     if s.timeout is not None:
         parts.append(f"timeout {s.timeout}s;")
+    if s.size is not None:
+        parts.append(f"size {s.size};")
     if s.comment is not None:
         parts.append(f"comment {quoted(s.comment)};")
     return f" {{ {' '.join(parts)} }}"
 
 
 def element_text(e: Element, with_value: bool = True) -> str:
-    text: str = e.key + ("" if e.expires is None else f" expires {e.expires}s") + _comment(e.comment)
+    text: str = (e.key + ("" if e.timeout is None else f" timeout {e.timeout}s")
+                 + ("" if e.expires is None else f" expires {e.expires}s") + _comment(e.comment))
     if with_value and e.value is not None:
         text += f" : {e.value}"
     return text

@@ -13,10 +13,11 @@ import ipaddress
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
 from typing import Set as PySet
 
 from netproxy.backends.nftables import names, render
+from netproxy.backends.nftables.layout import PROTOCOLS
 from netproxy.backends.nftables.objects import Chain, Element, ElementRun, Object, Rule
 from netproxy.backends.nftables.serialise import Op, ops_text
 from netproxy.config import ProxyConfig
@@ -72,8 +73,9 @@ class Entry:
 
 @dataclass
 class FamilyState:
-    shared: Dict[str, int] = field(default_factory=dict)
-    """Users of each shared pick chain."""
+    shared: Dict[render.Shared, int] = field(default_factory=dict)
+    """Users of each shared chain (pick chains, affinity record chains): derived from what render
+    produced, never parsed back out of chain names."""
     owners: Dict[str, ServicePortName] = field(default_factory=dict)
     refs: Dict[Tuple[str, str], int] = field(default_factory=dict)
     """Users of each shared element ((set, key): cluster IPs, hairpin pairs)."""
@@ -124,7 +126,8 @@ def _drop_keys(objs: render.ServiceObjects, taken: PySet[str]) -> render.Service
     keep = {k: e for k, e in objs.elements.items() if not _owned_by(e.key, taken)}
     runs = {k: r for k, r in objs.runs.items() if k[1] not in taken}
     targets = {str(e.value)[len("goto "):] for e in keep.values() if str(e.value).startswith("goto ")}
-    return render.ServiceObjects(keep, runs, objs.chains, objs.sets, objs.shared & frozenset(targets),
+    shared = frozenset(s for s in objs.shared if s.chain in targets)
+    return render.ServiceObjects(keep, runs, objs.chains, objs.sets, shared,
                                  tuple(k for k in objs.dispatch_keys if k not in taken), objs.refs)
 
 
@@ -179,6 +182,17 @@ def node_elements(node: NodeInfo, fam: str, config: ProxyConfig) -> FrozenSet[El
                                                      for c in config.nodeport_addresses))
 
 
+def config_elements(fam: str, config: ProxyConfig) -> List[Element]:
+    """``cluster-cidrs``: ``--cluster-cidr`` of ``fam``, overlaps merged (an interval set refuses them)."""
+    version = render.VERSIONS[fam]
+    nets = [c for c in config.cluster_cidrs if c.version == version]
+    return [Element(names.CLUSTER_CIDRS, str(n)) for n in _collapse(nets)]
+
+
+def _collapse(nets: Sequence[object]) -> List[object]:
+    return list(ipaddress.collapse_addresses(nets))  # type: ignore[type-var]
+
+
 def node_changes(tx: Transaction, fam: str, fstate: FamilyState, wanted: FrozenSet[Element]) -> None:
     for e in sorted(fstate.node - wanted):
         tx.put("delete-elements", "delete", fam, e)
@@ -227,8 +241,8 @@ def _create_family(tx: Transaction, fam: str, objs: Sequence[render.ServiceObjec
         tx.put("containers", "add", fam, s)
     for chain, rules in render.base_chains(fam, config):
         _add_chain(tx, fam, chain, rules)
-    for name in sorted(fstate.shared):
-        _add_shared(tx, fam, name, config)
+    for shared in sorted(fstate.shared, key=_shared_key):
+        _add_shared(tx, fam, shared, config)
     for o in objs:
         for s in o.sets.values():
             tx.put("containers", "add", fam, s)
@@ -247,15 +261,19 @@ def _create_family(tx: Transaction, fam: str, objs: Sequence[render.ServiceObjec
             buckets.setdefault(ref[0], []).append(("add", fam, Element(*ref)))
     for e in sorted(fstate.node):
         buckets.setdefault(e.set, []).append(("add", fam, e))
+    for e in config_elements(fam, config):
+        buckets.setdefault(e.set, []).append(("add", fam, e))
     for bucket in buckets.values():
         tx.phases["elements"].extend(bucket)
 
 
-def _add_shared(tx: Transaction, fam: str, name: str, config: ProxyConfig) -> None:
-    pick = render.parse_pick_chain(name)
-    if pick is None:
-        raise ValueError(f"not a shared chain: {name}")
-    chain, rules, emap = render.pick_chain(pick, fam, config)
+def _shared_key(shared: render.Shared) -> str:
+    name: str = shared.chain
+    return name
+
+
+def _add_shared(tx: Transaction, fam: str, shared: render.Shared, config: ProxyConfig) -> None:
+    chain, rules, emap = render.shared_chain(shared, fam, config)
     if emap is not None:
         tx.put("containers", "add", fam, emap)
     _add_chain(tx, fam, chain, rules)
@@ -318,8 +336,8 @@ def _diff_runs(tx: Transaction, fam: str, old: Dict[render.RunKey, ElementRun],
             tx.put("elements", "add", fam, run)
 
 
-def shared_changes(tx: Transaction, fam: str, fstate: FamilyState, old: Iterable[str], new: Iterable[str],
-                   config: ProxyConfig) -> None:
+def shared_changes(tx: Transaction, fam: str, fstate: FamilyState, old: Iterable[render.Shared],
+                   new: Iterable[render.Shared], config: ProxyConfig) -> None:
     """Reference-count the shared pick chains (and their maps); add on first use, delete after the last."""
     for name in old:
         fstate.shared[name] -= 1
@@ -330,10 +348,68 @@ def shared_changes(tx: Transaction, fam: str, fstate: FamilyState, old: Iterable
 
 
 def drop_unused_shared(tx: Transaction, fam: str, fstate: FamilyState) -> None:
-    for name in sorted(n for n, c in fstate.shared.items() if c <= 0):
-        pick = render.parse_pick_chain(name)
-        tx.put("flush", "flush", fam, Chain(name))
-        tx.put("delete", "delete", fam, Chain(name))
-        if pick is not None and pick.size > 0:
-            tx.put("delete", "delete", fam, render.endpoints_map(pick, fam))
-        del fstate.shared[name]
+    for shared in sorted((n for n, c in fstate.shared.items() if c <= 0), key=_shared_key):
+        tx.put("flush", "flush", fam, Chain(shared.chain))
+        tx.put("delete", "delete", fam, Chain(shared.chain))
+        if isinstance(shared, render.Pick) and shared.size > 0:
+            tx.put("delete", "delete", fam, render.endpoints_map(shared, fam))
+        del fstate.shared[shared]
+
+
+# --- ClientIP affinity as map elements (layout.AFFINITY_FAMILIES) ----------------------------------
+
+AffinityKey = Tuple[str, Optional[str], str]
+"""(protocol, service address or None for a nodePort, port) of a remembered client's service."""
+
+
+def affinity_index(objects: Iterable[render.ServiceObjects]) -> Dict[AffinityKey, FrozenSet[str]]:
+    """The endpoints (``address . port`` text) a client of each sticky service address may be
+    remembered for: any endpoint of its sticky pick chains (own and policy Local's exceptions)."""
+    found: Dict[AffinityKey, PySet[str]] = {}
+    for objs in objects:
+        for (_, key), run in objs.runs.items():
+            if "-sticky-" not in run.set:
+                continue
+            parts = key.split(" . ")
+            akey: AffinityKey = (parts[1], parts[0], parts[2]) if len(parts) == 3 else (parts[0], None, parts[1])
+            found.setdefault(akey, set()).update(run.values)
+    return {k: frozenset(v) for k, v in found.items()}
+
+
+def affinity_allowed(index: Mapping[AffinityKey, FrozenSet[str]], proto: str, element: Element) -> Optional[bool]:
+    """Whether a remembered client (an element of ``affinity-<proto>``) may stay: True / False, or
+    None when its service is not in ``index`` at all."""
+    parts = element.key.split(" . ")
+    if len(parts) != 3:
+        return False
+    allowed = index.get((proto, parts[1], parts[2]))
+    if allowed is None:
+        allowed = index.get((proto, None, parts[2]))
+    if allowed is None:
+        return None
+    return element.value in allowed
+
+
+def affinity_maps() -> Iterable[Tuple[str, str]]:
+    """(protocol, map name) of every shared affinity map."""
+    return ((p, names.affinity_map(p)) for p in PROTOCOLS)
+
+
+def stale_affinity(read: Callable[[str], Sequence[Element]], old: Mapping[AffinityKey, FrozenSet[str]],
+                   new: Mapping[AffinityKey, FrozenSet[str]]) -> List[Element]:
+    """Remembered clients of the changed services whose endpoint is gone (or whose service address
+    is): to delete in the same transaction, so that no client sticks to a gone endpoint.  ``read``
+    gives a map's elements; it is called only for protocols that lost something."""
+    lost = {k for k, eps in old.items() if eps - new.get(k, frozenset())}
+    if not lost:
+        return []
+    out = []
+    for proto, name in affinity_maps():
+        if not any(k[0] == proto for k in lost):
+            continue
+        for e in read(name):
+            if affinity_allowed(old, proto, e) is None:
+                continue  # a client of a service that did not change
+            if not affinity_allowed(new, proto, e):
+                out.append(Element(name, e.key))
+    return out

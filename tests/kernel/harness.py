@@ -66,6 +66,8 @@ class Combo:
 
     @property
     def flags(self) -> List[str]:
+        if self.backend == "nftables":
+            return ["--backend", self.backend, "--nftables-writer", self.writer, "--iptables-flavour", self.flavour]
         return ["--backend", self.backend, "--iptables-writer", self.writer, "--iptables-flavour", self.flavour]
 
     def missing(self) -> Optional[str]:
@@ -78,7 +80,7 @@ class Combo:
         else:
             if shutil.which("nft") is None:
                 return "nft is not installed"
-            if importlib.util.find_spec("nftables") is None:
+            if self.writer == "libnftables" and importlib.util.find_spec("nftables") is None:
                 return "the nftables Python binding is not importable"
         return None
 
@@ -88,7 +90,8 @@ COMBOS: Dict[str, Combo] = {c.name: c for c in (
     Combo("iptables-legacy/libiptc", "iptables", "libiptc", "legacy"),
     Combo("iptables-nft/restore", "iptables", "restore", "nft"),
     # An nftables node's `iptables` is iptables-nft: the version check must see that.
-    Combo("nftables", "nftables", "restore", "nft"),
+    Combo("nftables", "nftables", "netlink", "nft"),
+    Combo("nftables/libnftables", "nftables", "libnftables", "nft"),
 )}
 
 

@@ -114,6 +114,41 @@ def test_client_ip_affinity_holds_then_expires(proxy: Proxy, sandbox: Sandbox) -
     assert moved, f"no client changed endpoint {AFFINITY_TIMEOUT + 1.5}s after its last connection"
 
 
+@pytest.mark.parametrize("how", ["sync", "run"])
+def test_client_ip_affinity_releases_the_clients_of_an_endpoint_that_leaves(proxy: Proxy, sandbox: Sandbox,
+                                                                             how: str) -> None:
+    """A removed endpoint (its pod still answering) gets no client back from affinity; the clients
+    of the endpoints that stay keep theirs.  ``sync``: a new process rewrites the tables, carrying
+    the remembered clients over; ``run``: the running proxy's incremental change."""
+    pods = endpoints_of(sandbox, 3)
+    sticky = {"sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}}}
+    if how == "sync":
+        proxy.sync(web(pods, **sticky))
+    else:
+        proxy.start_run(web(pods, **sticky))
+    clients, probes = sandbox.client_addresses(20), sandbox.client_addresses(40)[20:]
+    if how == "run":
+        wait_for(lambda: _answered_by(sandbox, probes, pods, proxy), timeout=15)
+    first = sandbox.connect(WEB_IP, 80, count=len(clients), sources=clients, concurrency=1)
+    assert first.errors == {}, first.errors
+    chosen = dict(zip(clients, first.sequence))
+    gone = chosen[clients[0]]
+    staying = [p for p in pods if p.name != gone]
+    assert len(staying) == 2, (gone, pods)
+    if how == "sync":
+        proxy.sync(web(staying, **sticky))
+    else:
+        write_manifests(proxy.source, web(staying, **sticky))
+        wait_for(lambda: _answered_by(sandbox, probes, staying, proxy), timeout=6 * TIME_SCALE, step=0.1)
+    later = sandbox.connect(WEB_IP, 80, count=len(clients) * 2, sources=clients, concurrency=1)
+    assert later.errors == {}, later.errors
+    assert gone not in later.sequence, f"a client still sticks to the removed endpoint {gone}"
+    kept = [c for i, c in enumerate(clients * 2) if chosen[c] != gone and later.sequence[i] != chosen[c]]
+    assert not kept, f"clients of the endpoints that stayed lost their endpoint: {kept}"
+    if how == "run":
+        assert proxy.stop_runs() == [0], proxy.run_output()[-3000:]
+
+
 def test_external_and_load_balancer_ips(proxy: Proxy, sandbox: Sandbox) -> None:
     pods = endpoints_of(sandbox, 3)
     proxy.sync(web(pods, externalIPs=[EXTERNAL_IP], load_balancer_ips=[LB_IP]))
@@ -245,6 +280,17 @@ def _only(sb: Sandbox, pods: Sequence[Pod], proxy: Optional[Proxy] = None) -> Op
     want = sorted(p.name for p in pods)
     if res.errors or sorted(res.counts) != want:
         return f"answers {res.counts}, errors {res.errors}, want {want}"
+    return None
+
+
+def _answered_by(sb: Sandbox, sources: Sequence[str], pods: Sequence[Pod], proxy: Proxy) -> Optional[str]:
+    """None once connections from ``sources`` are answered, by ``pods`` only."""
+    if proxy.running() is False:
+        raise AssertionError(f"netproxy run exited:\n{proxy.run_output()[-3000:]}")
+    res = sb.connect(WEB_IP, 80, count=len(sources), sources=sources, concurrency=len(sources), timeout=0.5)
+    allowed = {p.name for p in pods}
+    if res.errors or not set(res.counts) <= allowed:
+        return f"answers {res.counts}, errors {res.errors}, want only {sorted(allowed)}"
     return None
 
 

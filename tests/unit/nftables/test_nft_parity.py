@@ -80,7 +80,8 @@ def test_masquerade_bit_and_cluster_cidrs() -> None:
     b, fake = backend(config)
     b.sync(snap((svc("web", "10.96.0.10"), eps("10.1.0.1"))), Changes())
     assert fake.chain_rules("ip", "cluster-tcp-pick-1")[0] == (
-        "ip saddr != { 10.250.0.0/16, 10.244.0.0/16 } meta mark set meta mark | 0x00000020")
+        "ip saddr != @cluster-cidrs meta mark set meta mark | 0x00000020")
+    assert sorted(fake.elements("ip", names.CLUSTER_CIDRS)) == ["10.244.0.0/16", "10.250.0.0/16"]
     post = fake.chain_rules("ip", names.NAT_POSTROUTING)
     assert post[-1] == ("meta mark & 0x00000020 == 0x00000020 meta mark set meta mark ^ 0x00000020 "
                         "masquerade fully-random")
@@ -119,7 +120,7 @@ def test_etp_local_local_endpoints_unmarked_with_exceptions_for_pods_and_node() 
     assert fake.elements("ip", names.SERVICE_NODEPORTS) == {"tcp . 30080": "goto local-tcp-nodeport-pick-1"}
     assert fake.elements("ip", "local-tcp-nodeport-endpoints-1") == {"30080 . 0": "10.1.0.1 . 8080"}
     assert fake.chain_rules("ip", "local-tcp-nodeport-pick-1") == [
-        "ip saddr { 10.244.0.0/16 } meta l4proto . th dport vmap @exempt-nodeports",
+        "ip saddr @cluster-cidrs meta l4proto . th dport vmap @exempt-nodeports",
         f"fib saddr type local {MARK} meta l4proto . th dport vmap @exempt-nodeports",
         "meta l4proto tcp dnat ip to th dport . numgen random mod 1 map @local-tcp-nodeport-endpoints-1",
     ]
@@ -163,11 +164,19 @@ def test_affinity_with_etp_local_goes_through_the_exceptions_chain() -> None:
     b, fake = backend(ProxyConfig(hostname="node-a"))
     s = nodeport(svc("s", "10.96.0.20", affinity=True, ext_policy="Local", lb=["198.51.100.20"]))
     b.sync(snap((s, eps("10.1.0.1", node="node-a") + eps("10.1.0.2", node="node-b")), node="node-a"), Changes())
-    assert fake.elements("ip", names.SERVICE_NODEPORTS) == {"tcp . 30080": "goto ext-ns/s/http"}
-    rules = fake.chain_rules("ip", "ext-ns/s/http")
-    assert rules[0] == f"fib saddr type local {MARK} goto all-ns/s/http"
-    assert all("10.1.0.2" not in r for r in rules), "local endpoints only"
-    assert any("10.1.0.2" in r for r in fake.chain_rules("ip", "all-ns/s/http"))
+    assert fake.elements("ip", names.SERVICE_NODEPORTS) == {"tcp . 30080": "goto local-tcp-nodeport-sticky-pick-1"}
+    rules = fake.chain_rules("ip", "local-tcp-nodeport-sticky-pick-1")
+    # the node's own traffic first (every endpoint, through the exceptions), then remembered
+    # clients, then the local endpoints only
+    assert rules == [f"fib saddr type local {MARK} meta l4proto . th dport vmap @exempt-nodeports",
+                     "meta l4proto tcp dnat ip to ip saddr . ip daddr . th dport map @affinity-tcp",
+                     "meta l4proto tcp dnat ip to th dport . numgen random mod 1 map "
+                     "@local-tcp-nodeport-sticky-endpoints-1"]
+    assert fake.elements("ip", "local-tcp-nodeport-sticky-endpoints-1") == {"30080 . 0": "10.1.0.1 . 8080"}
+    assert fake.elements("ip", names.EXEMPT_NODEPORTS) == {"tcp . 30080": "goto exempt-tcp-nodeport-sticky-pick-2"}
+    assert set(fake.elements("ip", "exempt-tcp-nodeport-sticky-endpoints-2").values()) == {
+        "10.1.0.1 . 8080", "10.1.0.2 . 8080"}
+    assert fake.elements("ip", names.AFFINITY_NODEPORTS) == {"tcp . 30080": "goto affinity-tcp-10800"}
 
 
 # ---- loadBalancerSourceRanges -------------------------------------------------------------------

@@ -62,14 +62,32 @@ def test_equal_odds_each_endpoint_once_under_one_random_choice() -> None:
     assert sorted(picked.values()) == sorted(f"{e.ip} . 8080" for e in endpoints)
 
 
-def test_affinity_checks_every_endpoint_before_the_random_choice_and_refreshes() -> None:
+def test_ipv4_affinity_is_one_lookup_in_a_shared_map_then_the_random_pick_and_is_recorded_after_dnat() -> None:
     b, fake = backend()
     b.sync(snap((svc("s", "10.96.0.20", affinity=True, timeout=42), eps("10.1.0.4", "10.1.0.5", "10.1.0.6"))),
            Changes())
+    assert fake.elements("ip", names.SERVICE_IPS) == {"10.96.0.20 . tcp . 80": "goto cluster-tcp-sticky-pick-3"}
+    assert fake.chain_rules("ip", "cluster-tcp-sticky-pick-3") == [
+        "meta l4proto tcp dnat ip to ip saddr . ip daddr . th dport map @affinity-tcp",
+        "meta l4proto tcp dnat ip to ip daddr . th dport . numgen random mod 3 map @cluster-tcp-sticky-endpoints-3"]
+    # remembered right after the DNAT, by the connection's original destination, for its timeout
+    assert fake.elements("ip", names.AFFINITY_SERVICES) == {"10.96.0.20 . tcp . 80": "goto affinity-tcp-42"}
+    assert fake.chain_rules("ip", "affinity-tcp-42") == [
+        "meta l4proto tcp update @affinity-tcp { ip saddr . ct original ip daddr . ct original proto-dst "
+        "timeout 42s : ip daddr . th dport }"]
+    assert any("vmap @affinity-services" in r for r in fake.chain_rules("ip", "affinity-prerouting"))
+    assert not [n for n in fake.tables["ip"].sets if n.startswith("aff-")], "no set per service port"
+    assert not [c for c in fake.tables["ip"].chains if c.startswith("svc-")], "no chain per service port"
+
+
+def test_ipv6_affinity_checks_every_endpoint_before_the_random_choice_and_refreshes() -> None:
+    b, fake = backend()
+    b.sync(snap((svc("s", "fd00::20", affinity=True, timeout=42), eps("fd01::4", "fd01::5", "fd01::6"))),
+           Changes())
     aff = "aff-ns/s/http"
-    step = [f"update @{aff} {{ ip saddr . 10.1.0.{i} . 8080 }} dnat ip to 10.1.0.{i}:8080" for i in (4, 5, 6)]
-    known = [f"ip saddr . (ip saddr & 0.0.0.0 | 10.1.0.{i}) . (th dport & 0 | 8080) @{aff}" for i in (4, 5, 6)]
-    assert fake.chain_rules("ip", "svc-ns/s/http") == [
+    step = [f"update @{aff} {{ ip6 saddr . fd01::{i} . 8080 }} dnat ip6 to [fd01::{i}]:8080" for i in (4, 5, 6)]
+    known = [f"ip6 saddr . (ip6 saddr & :: | fd01::{i}) . (th dport & 0 | 8080) @{aff}" for i in (4, 5, 6)]
+    assert fake.chain_rules("ip6", "svc-ns/s/http") == [
         # every remembered client first (iptables: recent --rcheck, then --set in the endpoint's chain)
         f"meta l4proto tcp {known[0]} {step[0]}",
         f"meta l4proto tcp {known[1]} {step[1]}",
@@ -79,12 +97,10 @@ def test_affinity_checks_every_endpoint_before_the_random_choice_and_refreshes()
         f"meta l4proto tcp numgen random mod 2 == 0 {step[1]}",
         f"meta l4proto tcp {step[2]}",
     ]
-    s = fake.tables["ip"].sets[aff]
+    s = fake.tables["ip6"].sets[aff]
     assert s.timeout == 42 and set(s.flags) == {"dynamic", "timeout"}
-    assert s.key_type == "ipv4_addr . ipv4_addr . inet_service"
-    assert [n for n in fake.tables["ip"].sets if n.startswith("aff-")] == [aff], "one set per service port"
-    assert fake.elements("ip", names.SERVICE_IPS) == {"10.96.0.20 . tcp . 80": "goto svc-ns/s/http"}
-    assert not [c for c in fake.tables["ip"].chains if c.startswith("ep-")], "no chain per endpoint"
+    assert s.key_type == "ipv6_addr . ipv6_addr . inet_service"
+    assert fake.elements("ip6", names.SERVICE_IPS) == {"fd00::20 . tcp . 80": "goto svc-ns/s/http"}
 
 
 def test_no_endpoints_rejects_and_local_policy_without_local_endpoints_drops() -> None:
@@ -127,7 +143,9 @@ def test_external_addresses_are_marked_for_masquerade_cluster_ones_only_from_out
     b.sync(snap((svc("web", "10.96.0.10", external=["192.0.2.10"]), eps("10.1.0.1"))), Changes())
     mark = f"meta mark set meta mark | {config.masquerade_mark:#010x}"
     assert fake.chain_rules("ip", "external-tcp-pick-1")[0] == mark
-    assert fake.chain_rules("ip", "cluster-tcp-pick-1")[0] == f"ip saddr != {{ 10.0.0.0/8 }} {mark}"
+    assert fake.chain_rules("ip", "cluster-tcp-pick-1")[0] == f"ip saddr != @cluster-cidrs {mark}"
+    assert list(fake.elements("ip", names.CLUSTER_CIDRS)) == ["10.0.0.0/8"]
+    assert list(fake.elements("ip6", names.CLUSTER_CIDRS)) == []
     post = fake.chain_rules("ip", names.NAT_POSTROUTING)
     assert post[-1].startswith(f"meta mark & {config.masquerade_mark:#010x}") and "masquerade" in post[-1]
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from netproxy.backends.nftables import serialise
+from netproxy.backends.nftables.kernel.libnftables import failing_command, sets_from_json
 from netproxy.backends.nftables.objects import Chain, Element, Hook, Rule, Set, Table
-from netproxy.backends.nftables.runner import failing_command, sets_from_json
 
 
 def test_each_object_as_one_command() -> None:

@@ -148,28 +148,50 @@ def test_full_sync_repairs_a_table_changed_behind_our_back() -> None:
     assert dumps(fake) == fresh_dumps(_base())
 
 
+AFF = names.affinity_map("tcp")
+
+
 def test_full_sync_keeps_affinity_clients_with_their_time_left() -> None:
     b, fake = backend()
     b.sync(_base(), Changes())
-    aff = "aff-ns/sticky/http"
-    fake.touch("ip", aff, "172.16.0.5 . 10.1.3.2 . 8080", expires=37)
-    fake.touch("ip", aff, "172.16.0.6 . 10.1.3.1 . 8080", expires=600)  # longer than the timeout: capped
+    fake.touch("ip", AFF, "172.16.0.5 . 10.96.0.20 . 80", expires=37, value="10.1.3.2 . 8080")
+    fake.touch("ip", AFF, "172.16.0.6 . 10.96.0.20 . 80", expires=55, value="10.1.3.1 . 8080")
+    fake.touch("ip", AFF, "172.16.0.7 . 10.96.0.20 . 80", expires=20, value="10.1.3.9 . 8080")  # not an endpoint
     fake.foreign_write()  # someone else's transaction: the full sync must rebuild the table
     b.sync(_base(), Changes())
-    kept = fake.tables["ip"].elements[aff]
-    assert {k: e.expires for k, e in kept.items()} == {"172.16.0.5 . 10.1.3.2 . 8080": 37,
-                                                       "172.16.0.6 . 10.1.3.1 . 8080": 60}
+    kept = fake.tables["ip"].elements[AFF]
+    assert {k: (e.value, e.expires) for k, e in kept.items()} == {
+        "172.16.0.5 . 10.96.0.20 . 80": ("10.1.3.2 . 8080", 37),
+        "172.16.0.6 . 10.96.0.20 . 80": ("10.1.3.1 . 8080", 55)}
 
 
 def test_incremental_change_of_another_service_leaves_affinity_clients_alone() -> None:
     b, fake = backend()
     b.sync(_base(), Changes())
-    aff = "aff-ns/sticky/http"
-    fake.touch("ip", aff, "172.16.0.5 . 10.1.3.1 . 8080", expires=30)
+    fake.touch("ip", AFF, "172.16.0.5 . 10.96.0.20 . 80", expires=30, value="10.1.3.1 . 8080")
+    reads = fake.reads
     after = _base()
     after.endpoints[API.name] = eps("10.1.1.4")  # type: ignore[index]
     _incremental(b, after, API)
-    assert "172.16.0.5 . 10.1.3.1 . 8080" in fake.tables["ip"].elements[aff]
+    assert "172.16.0.5 . 10.96.0.20 . 80" in fake.tables["ip"].elements[AFF]
+    assert fake.reads == reads, "no affinity service lost an endpoint: nothing to read"
+
+
+def test_an_endpoint_that_leaves_releases_its_clients_in_the_same_transaction() -> None:
+    b, fake = backend()
+    b.sync(_base(), Changes())
+    fake.touch("ip", AFF, "172.16.0.5 . 10.96.0.20 . 80", expires=30, value="10.1.3.1 . 8080")
+    fake.touch("ip", AFF, "172.16.0.6 . 10.96.0.20 . 80", expires=30, value="10.1.3.2 . 8080")
+    fake.touch("ip", AFF, "172.16.0.7 . 10.96.0.10 . 80", expires=30, value="10.1.3.1 . 8080")  # other service
+    after = _base()
+    after.endpoints[STICKY.name] = eps("10.1.3.2", "10.1.3.3")  # type: ignore[index]
+    _incremental(b, after, STICKY)
+    assert set(fake.tables["ip"].elements[AFF]) == {"172.16.0.6 . 10.96.0.20 . 80", "172.16.0.7 . 10.96.0.10 . 80"}
+    assert "delete element ip netproxy affinity-tcp { 172.16.0.5 . 10.96.0.20 . 80 }" in _touched_text(fake)
+    gone = _base()
+    del gone.services[STICKY.name]  # type: ignore[attr-defined]
+    _incremental(b, gone, STICKY)
+    assert set(fake.tables["ip"].elements[AFF]) == {"172.16.0.7 . 10.96.0.10 . 80"}
 
 
 def test_first_ipv6_service_creates_the_ip6_table_and_cleanup_removes_both() -> None:
@@ -203,7 +225,7 @@ def test_fake_refuses_like_the_kernel() -> None:
     with pytest.raises(SyncError, match="No such file"):
         fake.apply([("add", "ip", Element(names.SERVICE_IPS, "10.9.9.9 . tcp . 80", "goto nowhere"))])
     with pytest.raises(SyncError, match="busy"):
-        fake.apply([("delete", "ip", Set("aff-ns/sticky/http", "ipv4_addr"))])
+        fake.apply([("delete", "ip", Set(names.CLUSTER_IPS, "ipv4_addr"))])
     assert dumps(fake) == before, "a refused transaction must change nothing"
 
 

@@ -1,0 +1,367 @@
+"""netproxy's nftables objects as nf_tables netlink messages, attribute for attribute as ``nft``
+1.0.6 sends them (so ``nft list ruleset`` reads them back as if nft had written them).
+
+Pure: (verb, family, object) operations in, ``(message type, flags, family, attributes)`` out.
+Set user data (key types, typeof expressions, comments) follows libnftnl's layout: nft prints
+raw types without it.  Element keys and values arrive as the same nft value text the libnftables
+writer sends; they are packed here per the set's declared types (each concatenated field padded to
+4 bytes, as the kernel's registers are).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import struct
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from netproxy.backends.nftables import names, wire
+from netproxy.backends.nftables.objects import Chain, Element, ElementRun, Object, Rule, Set, Table
+from netproxy.backends.nftables.serialise import Op
+
+Message = Tuple[int, int, int, bytes]
+"""(nf_tables message type, netlink flags, address family, attributes)."""
+
+FAMILIES = {"ip": socket.AF_INET, "ip6": socket.AF_INET6}
+_HOOKS = {"prerouting": 0, "input": 1, "forward": 2, "output": 3, "postrouting": 4}
+_PROTOS = {"tcp": 6, "udp": 17, "sctp": 132}
+_ELEMENTS_PER_MESSAGE_BYTES = 60000
+"""An attribute's length is 16 bits: a message's element list stays under 64 KB."""
+
+# --- types ---------------------------------------------------------------------------------------
+# (nft datatype id, length in bytes, byte order for user data: 2 big endian, 1 host)
+_TYPES = {"ipv4_addr": (7, 4, 2), "ipv6_addr": (8, 16, 2), "inet_proto": (12, 1, 1), "inet_service": (13, 2, 2),
+          "integer": (4, 4, 1), "verdict": (1, 0, 0)}
+# typeof selectors: (datatype, length, typeof user data: expression type, fields)
+_PAYLOAD, _NUMGEN, _CONCAT = 7, 23, 13
+_TYPEOF = {"ip daddr": ("ipv4_addr", (_PAYLOAD, (12, 12))), "ip6 daddr": ("ipv6_addr", (_PAYLOAD, (13, 9))),
+           "th dport": ("inet_service", (_PAYLOAD, (11, 2))), "numgen random mod 1": ("integer", (_NUMGEN, (1, 1, 0)))}
+UD_KEYBYTEORDER, UD_DATABYTEORDER, UD_KEY_TYPEOF, UD_DATA_TYPEOF, UD_DATA_INTERVAL, UD_SET_COMMENT = 0, 1, 3, 4, 6, 7
+
+
+class EncodeError(ValueError):
+    """An object the netlink writer cannot express (never one netproxy renders)."""
+
+
+def _u32le(value: int) -> bytes:
+    return struct.pack("=I", value)
+
+
+def _fields(spec: str, typeof: bool) -> List[str]:
+    """The datatype names of a key or value spec (``ipv4_addr . inet_service``, or typeof selectors)."""
+    parts = [p.strip() for p in spec.split(" . ")]
+    if not typeof:
+        return parts
+    try:
+        return [_TYPEOF[p][0] for p in parts]
+    except KeyError as exc:
+        raise EncodeError(f"typeof {spec!r}: unsupported selector {exc}") from None
+
+
+def _type_id(fields: Sequence[str]) -> int:
+    tid = 0
+    for f in fields:
+        tid = (tid << 6) | _TYPES[f][0]
+    return tid
+
+
+def _length(fields: Sequence[str]) -> int:
+    if len(fields) == 1:
+        return _TYPES[fields[0]][1]
+    return sum((_TYPES[f][1] + 3) & ~3 for f in fields)
+
+
+def _typeof_udata(spec: str) -> bytes:
+    items = []
+    for i, part in enumerate(p.strip() for p in spec.split(" . ")):
+        kind, args = _TYPEOF[part][1]
+        inner: bytes = wire.udata(*[(j, _u32le(a)) for j, a in enumerate(args)])
+        items.append((i, wire.udata((0, _u32le(kind)), (1, inner))))
+    out: bytes = wire.udata((0, _u32le(_CONCAT)), (1, wire.udata(*items)))
+    return out
+
+
+def set_udata(s: Set) -> bytes:
+    key = _fields(s.key_type, s.typeof)
+    concat = len(key) > 1
+    items = [(UD_KEYBYTEORDER, _u32le(0 if concat else _TYPES[key[0]][2]))]
+    if s.is_map:
+        items.append((UD_DATABYTEORDER, _u32le(0)))
+    if concat:
+        items.append((UD_KEY_TYPEOF, _typeof_udata(s.key_type) if s.typeof else wire.udata((0, _u32le(_CONCAT)),
+                                                                                            (1, b""))))
+    if s.is_map and s.typeof and s.value_type is not None:
+        items.append((UD_DATA_TYPEOF, _typeof_udata(s.value_type)))
+    if s.is_map:
+        items.append((UD_DATA_INTERVAL, _u32le(0)))
+    if s.comment is not None:
+        items.append((UD_SET_COMMENT, wire.udata_strz(names.comment(s.comment))))
+    out: bytes = wire.udata(*items)
+    return out
+
+
+_FLAGS = {"interval": wire.SET_F_INTERVAL, "dynamic": wire.SET_F_EVAL, "timeout": wire.SET_F_TIMEOUT}
+
+
+def _set_body(s: Set, set_id: int) -> bytes:
+    key = _fields(s.key_type, s.typeof)
+    flags = (wire.SET_F_MAP if s.is_map else 0) | sum(_FLAGS[f] for f in s.flags)
+    interval_concat = "interval" in s.flags and len(key) > 1
+    if interval_concat:
+        flags |= wire.SET_F_CONCAT
+    body = (wire.string(wire.SET_TABLE, names.TABLE) + wire.string(wire.SET_NAME, names.identifier(s.name))
+            + wire.u32(wire.SET_FLAGS, flags) + wire.u32(wire.SET_KEY_TYPE, _type_id(key))
+            + wire.u32(wire.SET_KEY_LEN, _length(key)))
+    if s.value_type is not None:
+        if s.value_type == "verdict":
+            body += wire.u32(wire.SET_DATA_TYPE, wire.DATA_TYPE_VERDICT)
+        else:
+            value = _fields(s.value_type, s.typeof)
+            body += wire.u32(wire.SET_DATA_TYPE, _type_id(value)) + wire.u32(wire.SET_DATA_LEN, _length(value))
+    if s.timeout is not None:
+        body += wire.u64(wire.SET_TIMEOUT, s.timeout * 1000)
+    desc = b""
+    if s.size is not None:
+        desc += wire.u32(wire.SET_DESC_SIZE, s.size)
+    if interval_concat:
+        desc += wire.nest(wire.SET_DESC_CONCAT, *[wire.nest(wire.LIST_ELEM, wire.u32(wire.SET_FIELD_LEN, _TYPES[f][1]))
+                                                  for f in key])
+    if desc:
+        body += wire.nest(wire.SET_DESC, desc)
+    out: bytes = body + wire.u32(wire.SET_ID, set_id) + wire.attr(wire.SET_USERDATA, set_udata(s))
+    return out
+
+
+# --- element values -------------------------------------------------------------------------------
+
+def _pack_field(kind: str, text: str) -> bytes:
+    if kind == "ipv4_addr":
+        return socket.inet_aton(text)
+    if kind == "ipv6_addr":
+        return socket.inet_pton(socket.AF_INET6, text)
+    if kind == "inet_service":
+        return int(text).to_bytes(2, "big") + b"\0\0"
+    if kind == "inet_proto":
+        return bytes((_PROTOS[text] if text in _PROTOS else int(text),)) + b"\0\0\0"
+    if kind == "integer":
+        return struct.pack("=I", int(text))
+    raise EncodeError(f"cannot pack a {kind} value")
+
+
+class Packer:
+    """Packs value text of one set's key or value type, caching what repeats (endpoint values do)."""
+
+    def __init__(self, fields: Sequence[str]) -> None:
+        self.fields = tuple(fields)
+        self.single = len(fields) == 1
+        self.cache: Dict[str, bytes] = {}
+
+    def __call__(self, text: str) -> bytes:
+        got = self.cache.get(text)
+        if got is None:
+            parts = text.split(" . ")
+            if len(parts) != len(self.fields):
+                raise EncodeError(f"value {text!r} does not fit {' . '.join(self.fields)}")
+            got = b"".join(_pack_field(k, p) for k, p in zip(self.fields, parts))
+            if self.single and self.fields[0] in ("inet_proto", "inet_service"):
+                got = got[:_TYPES[self.fields[0]][1]]
+            if len(self.cache) < 200_000:
+                self.cache[text] = got
+        return got
+
+
+def _verdict(text: str) -> bytes:
+    word, _, chain = text.partition(" ")
+    codes = {"goto": wire.NFT_GOTO, "jump": wire.NFT_JUMP, "drop": wire.NF_DROP, "accept": wire.NF_ACCEPT}
+    if word not in codes:
+        raise EncodeError(f"unknown verdict {text!r}")
+    out: bytes = wire.data_verdict(wire.ELEM_DATA, codes[word], names.identifier(chain) if chain else "")
+    return out
+
+
+# --- the encoder -----------------------------------------------------------------------------------
+
+def _same_run(op: Op, verb: str, family: str, set_name: str) -> bool:
+    obj = op[2]
+    return op[0] == verb and op[1] == family and isinstance(obj, (Element, ElementRun)) and obj.set == set_name
+
+
+class Encoder:
+    """Turns one transaction's operations into messages, knowing the sets it has seen (their types
+    are needed to pack their elements); ``sets`` may be primed with what the kernel holds."""
+
+    def __init__(self, sets: Optional[Dict[Tuple[str, str], Set]] = None) -> None:
+        self.sets: Dict[Tuple[str, str], Set] = dict(sets or {})
+        self._packers: Dict[Tuple[str, str, bool], Packer] = {}
+        self._ids = 0
+
+    def messages(self, ops: Sequence[Op]) -> Iterator[Tuple[Message, Op]]:
+        """Each message with the operation it came from (to name it when the kernel refuses it)."""
+        i, n = 0, len(ops)
+        while i < n:
+            verb, family, obj = ops[i]
+            if isinstance(obj, (Element, ElementRun)):
+                j = i + 1
+                while j < n and _same_run(ops[j], verb, family, obj.set):
+                    j += 1
+                yield from self._elements(verb, family, obj.set, ops[i:j])
+                i = j
+                continue
+            yield self._one(verb, family, obj), ops[i]
+            i += 1
+
+    def _one(self, verb: str, family: str, obj: Object) -> Message:
+        fam = FAMILIES[family]
+        create = wire.NLM_F_CREATE
+        if isinstance(obj, Table):
+            if verb == "delete":
+                return wire.DELTABLE, 0, fam, wire.string(wire.TABLE_NAME, obj.name)
+            body = wire.string(wire.TABLE_NAME, obj.name) + wire.u32(wire.TABLE_FLAGS, 0)
+            if obj.comment:
+                body += wire.attr(wire.TABLE_USERDATA, wire.udata((0, wire.udata_strz(names.comment(obj.comment)))))
+            return wire.NEWTABLE, create, fam, body
+        if isinstance(obj, Chain):
+            where = (wire.string(wire.CHAIN_TABLE, names.TABLE)
+                     + wire.string(wire.CHAIN_NAME, names.identifier(obj.name)))
+            if verb == "delete":
+                return wire.DELCHAIN, 0, fam, where
+            if verb == "flush":
+                return wire.DELRULE, 0, fam, wire.string(wire.RULE_TABLE, names.TABLE) + \
+                    wire.string(wire.RULE_CHAIN, names.identifier(obj.name))
+            return wire.NEWCHAIN, create, fam, where + _chain_spec(obj)
+        if isinstance(obj, Set):
+            key = (family, obj.name)
+            where = wire.string(wire.SET_TABLE, names.TABLE) + wire.string(wire.SET_NAME, names.identifier(obj.name))
+            if verb == "delete":
+                self.sets.pop(key, None)
+                return wire.DELSET, 0, fam, where
+            if verb == "flush":
+                return wire.DELSETELEM, 0, fam, wire.string(wire.SET_ELEM_LIST_TABLE, names.TABLE) + \
+                    wire.string(wire.SET_ELEM_LIST_SET, names.identifier(obj.name))
+            self.sets[key] = obj
+            self._ids += 1
+            return wire.NEWSET, create, fam, _set_body(obj, self._ids)
+        if isinstance(obj, Rule):
+            return wire.NEWRULE, create | wire.NLM_F_APPEND, fam, rule_body(obj)
+        raise EncodeError(f"not an nftables object: {obj!r}")
+
+    def _packer(self, family: str, set_name: str, value: bool) -> Packer:
+        key = (family, set_name, value)
+        p = self._packers.get(key)
+        if p is None:
+            s = self.sets.get((family, set_name))
+            if s is None:
+                raise EncodeError(f"elements for unknown set {family} {set_name}")
+            spec = s.value_type if value else s.key_type
+            p = self._packers[key] = Packer(_fields(str(spec), s.typeof))
+        return p
+
+    def _elements(self, verb: str, family: str, set_name: str, ops: Sequence[Op]) -> Iterator[Tuple[Message, Op]]:
+        s = self.sets.get((family, set_name))
+        if s is None:
+            raise EncodeError(f"elements for unknown set {family} {set_name}")
+        encode_one = self._element_encoder(s, family, verb == "add")
+        head = (wire.string(wire.SET_ELEM_LIST_TABLE, names.TABLE)
+                + wire.string(wire.SET_ELEM_LIST_SET, names.identifier(set_name)))
+        msg_type = wire.NEWSETELEM if verb == "add" else wire.DELSETELEM
+        flags = wire.NLM_F_CREATE if verb == "add" else 0
+        fam = FAMILIES[family]
+        chunk: List[bytes] = []
+        size = 0
+        first: Op = ops[0]
+        if verb == "add" and "interval" in s.flags and len(_fields(s.key_type, s.typeof)) == 1:
+            chunk.append(interval_anchor(family))
+        for op in ops:
+            obj = op[2]
+            items = obj.elements() if isinstance(obj, ElementRun) else (obj,)
+            for e in items:
+                for blob in encode_one(e):
+                    if size + len(blob) > _ELEMENTS_PER_MESSAGE_BYTES and chunk:
+                        yield (msg_type, flags, fam, head + wire.nest(wire.SET_ELEM_LIST_ELEMENTS, *chunk)), first
+                        chunk, size, first = [], 0, op
+                    chunk.append(blob)
+                    size += len(blob)
+        if chunk:
+            yield (msg_type, flags, fam, head + wire.nest(wire.SET_ELEM_LIST_ELEMENTS, *chunk)), first
+
+    def _element_encoder(self, s: Set, family: str, with_value: bool) -> Callable[[Element], List[bytes]]:
+        key_pack = self._packer(family, s.name, False)
+        interval = "interval" in s.flags
+        concat = len(key_pack.fields) > 1
+        value_pack = None
+        if with_value and s.value_type is not None and s.value_type != "verdict":
+            value_pack = self._packer(family, s.name, True)
+        verdicts = s.value_type == "verdict"
+        timeout = s.timeout
+
+        def encode(e: Element) -> List[bytes]:
+            if interval:
+                return _interval_elements(e, key_pack, concat)
+            body = wire.data_value(wire.ELEM_KEY, key_pack(e.key))
+            if with_value and e.value is not None:
+                body += _verdict(e.value) if verdicts or value_pack is None else \
+                    wire.data_value(wire.ELEM_DATA, value_pack(e.value))
+            if e.timeout is not None:
+                body += wire.u64(wire.ELEM_TIMEOUT, e.timeout * 1000)
+            if e.expires is not None:
+                if e.timeout is None and timeout is None:
+                    body += wire.u64(wire.ELEM_TIMEOUT, e.expires * 1000)
+                body += wire.u64(wire.ELEM_EXPIRATION, e.expires * 1000)
+            if e.comment is not None and with_value:
+                body += wire.attr(wire.ELEM_USERDATA, wire.udata((0, wire.udata_strz(names.comment(e.comment)))))
+            return [wire.nest(wire.LIST_ELEM, body)]
+
+        return encode
+
+
+def _interval_elements(e: Element, pack: Packer, concat: bool) -> List[bytes]:
+    """An interval set's element: a concatenation's last field a CIDR (``key`` .. ``key end``), or
+    (one field) a CIDR as a start and an interval end, as the kernel's rbtree wants them."""
+    parts = e.key.split(" . ")
+    net = ipaddress.ip_network(parts[-1], strict=False)
+    if concat:
+        head = pack(" . ".join(parts[:-1] + [str(net.network_address)]))
+        tail = pack(" . ".join(parts[:-1] + [str(net.broadcast_address)]))
+        both = wire.data_value(wire.ELEM_KEY, head) + wire.data_value(wire.ELEM_KEY_END, tail)
+        return [wire.nest(wire.LIST_ELEM, both)]
+    out = [wire.nest(wire.LIST_ELEM, wire.data_value(wire.ELEM_KEY, net.network_address.packed))]
+    end = int(net.broadcast_address) + 1
+    if end < 2 ** net.max_prefixlen:
+        key = end.to_bytes(len(net.network_address.packed), "big")
+        out.append(wire.nest(wire.LIST_ELEM, wire.data_value(wire.ELEM_KEY, key)
+                             + wire.u32(wire.ELEM_FLAGS, wire.ELEM_F_INTERVAL_END)))
+    return out
+
+
+def interval_anchor(family: str) -> bytes:
+    """The element ``nft`` adds first to a one-field interval set: address 0 as an interval end, so
+    that the ranges before the first start match nothing."""
+    size = 16 if family == "ip6" else 4
+    out: bytes = wire.nest(wire.LIST_ELEM, wire.data_value(wire.ELEM_KEY, b"\0" * size)
+                           + wire.u32(wire.ELEM_FLAGS, wire.ELEM_F_INTERVAL_END))
+    return out
+
+
+def _chain_spec(chain: Chain) -> bytes:
+    body = b""
+    if chain.hook is not None:
+        h = chain.hook
+        body += wire.nest(wire.CHAIN_HOOK, wire.u32(wire.HOOK_HOOKNUM, _HOOKS[h.hook]),
+                          wire.u32(wire.HOOK_PRIORITY, h.priority))
+        body += wire.u32(wire.CHAIN_POLICY, wire.NF_ACCEPT if h.policy == "accept" else wire.NF_DROP)
+        body += wire.string(wire.CHAIN_TYPE, h.type)
+    if chain.comment is not None:
+        body += wire.attr(wire.CHAIN_USERDATA, wire.udata((0, wire.udata_strz(names.comment(chain.comment)))))
+    out: bytes = body
+    return out
+
+
+def rule_body(rule: Rule) -> bytes:
+    if not rule.exprs:
+        raise EncodeError(f"rule in {rule.chain} has no kernel expressions: {rule.body!r}")
+    body = (wire.string(wire.RULE_TABLE, names.TABLE) + wire.string(wire.RULE_CHAIN, names.identifier(rule.chain))
+            + wire.nest(wire.RULE_EXPRESSIONS, *[e.encode() for e in rule.exprs]))
+    if rule.comment is not None:
+        body += wire.attr(wire.RULE_USERDATA, wire.udata((0, wire.udata_strz(names.comment(rule.comment)))))
+    out: bytes = body
+    return out

@@ -1,0 +1,72 @@
+"""The kernel seam of the nftables backend: one small protocol, one module per writer.
+
+- :mod:`.netlink` (the default): nf_tables netlink batches built by :mod:`..encode`, no text;
+- :mod:`.libnftables`: the nft text through the ``nftables`` binding (libnftables), the fallback
+  and the oracle the netlink writer is tested against;
+- :mod:`..fake`: an in-memory kernel with real semantics, for unit tests.
+
+Every writer applies one transaction all or nothing and reads back only what the backend needs:
+which tables exist, the ruleset generation, the contents of the affinity sets and maps.
+"""
+
+from __future__ import annotations
+
+from typing import AbstractSet, FrozenSet, List, Optional, Sequence, Tuple
+
+try:  # Python 3.8+
+    from typing import Protocol
+except ImportError:  # pragma: no cover
+    from typing_extensions import Protocol  # type: ignore[assignment]
+
+from netproxy.backends.nftables.objects import Element, Set
+from netproxy.backends.nftables.serialise import Op
+
+WRITERS = ("netlink", "libnftables")
+
+
+class Runner(Protocol):
+    def apply(self, ops: Sequence[Op]) -> int:
+        """Apply ``ops`` as one transaction; return the payload size; raise SyncError on refusal."""
+
+    def existing_tables(self) -> FrozenSet[str]:
+        """The families ("ip", "ip6") in which a ``netproxy`` table exists."""
+
+    def read_sets(self, family: str) -> List[Tuple[Set, List[Element]]]:
+        """The named sets (not maps) of ``family netproxy`` with their elements: the affinity state."""
+
+    def read_elements(self, family: str, set_name: str) -> List[Element]:
+        """The elements of one set or map of ``family netproxy`` (key, value, seconds left)."""
+
+    def delete_tables(self) -> List[str]:
+        """Delete netproxy's tables (and only them); return which were deleted."""
+
+    def generation(self) -> Optional[int]:
+        """The network namespace's nftables ruleset generation (bumped by every committed
+        transaction, of any table, by anyone), or None when it cannot be read."""
+
+    def watch(self, on: bool) -> None:
+        """Start (or stop) listening to nftables change notifications (:mod:`monitor`)."""
+
+    def probe(self) -> None:
+        """Raise :class:`~netproxy.backends.base.BackendUnavailable` if this writer cannot run here."""
+
+    def others_touched(self, own: AbstractSet[int]) -> Optional[bool]:
+        """Whether a transaction not in ``own`` (generations) touched netproxy's tables since the
+        last call; None when that cannot be known (not watching, notifications lost)."""
+
+
+def create(writer: str) -> Runner:
+    """The kernel writer called ``writer`` (one of :data:`WRITERS`), imported only when chosen."""
+    if writer == "netlink":
+        from netproxy.backends.nftables.kernel.netlink import NetlinkRunner
+
+        netlink: Runner = NetlinkRunner()
+        return netlink
+    if writer == "libnftables":
+        from netproxy.backends.nftables.kernel.libnftables import LibNftRunner
+
+        text: Runner = LibNftRunner()
+        return text
+    from netproxy.backends.base import BackendUnavailable
+
+    raise BackendUnavailable(f"unknown nftables writer {writer!r} (one of {', '.join(WRITERS)})")

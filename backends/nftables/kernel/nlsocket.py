@@ -1,0 +1,140 @@
+"""A netfilter netlink socket that sends one nf_tables batch and maps each error to its message.
+
+Every message of a batch carries ``NLM_F_ACK``, so the kernel answers each one; a refused message
+answers with its errno and the kernel aborts the whole batch (nothing applied).  The socket buffers
+are raised with ``SO_SNDBUFFORCE`` / ``SO_RCVBUFFORCE`` (root may exceed ``rmem_max``) so that a
+10k-service batch goes out in a few ``sendmsg`` calls; ``ENOBUFS`` on the ACKs is survived by
+reading the rest (the batch itself was applied or refused as a whole already).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from typing import Dict, Iterator, Optional, Sequence, Tuple
+
+from netproxy.backends.nftables import wire
+
+SO_SNDBUFFORCE = 32
+SO_RCVBUFFORCE = 33
+_BUFFER = 32 << 20
+_RECV = 1 << 20
+
+
+class NetlinkError(OSError):
+    """The kernel refused message ``seq`` of a batch (``errno``), or a request failed."""
+
+    def __init__(self, err: int, seq: int, what: str = "") -> None:
+        super().__init__(err, os.strerror(err))
+        self.seq = seq
+        self.what = what
+
+
+class NlSocket:
+    """``AF_NETLINK`` / ``NETLINK_NETFILTER``, bound to the calling thread's network namespace."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, wire.NETLINK_NETFILTER)
+        self.sock.bind((0, 0))
+        self._seq = int.from_bytes(os.urandom(2), "big") << 8
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def next_seq(self) -> int:
+        self._seq = (self._seq + 1) & 0x7FFFFFFF
+        return self._seq
+
+    # --- batches ---------------------------------------------------------------------------------
+
+    def send_batch(self, bodies: Sequence[Tuple[int, int, int, bytes]]) -> bool:
+        """Send (type, flags, family, attributes) messages as one batch.  Raises
+        :class:`NetlinkError` for the first message the kernel refused (``seq`` is its index in
+        ``bodies``, or -1 when the commit itself failed).  Returns False when some answers were
+        lost (``ENOBUFS``) and no error was seen: the caller confirms by the generation."""
+        first = self.next_seq()
+        seqs = [self.next_seq() for _ in bodies]
+        last = self.next_seq()
+        parts = [wire.batch_begin(first)]
+        parts.extend(wire.message(t, f | wire.NLM_F_REQUEST | wire.NLM_F_ACK, s, fam, body)
+                     for (t, f, fam, body), s in zip(bodies, seqs))
+        parts.append(wire.batch_end(last))
+        batch = b"".join(parts)
+        # The kernel takes a batch only whole, in one sendmsg: the send buffer must hold it.  Each
+        # answer is its own skb (~1 KB of buffer), as nft sizes it.
+        self._buffer(SO_SNDBUFFORCE, socket.SO_SNDBUF, len(batch) + 65536)
+        self._buffer(SO_RCVBUFFORCE, socket.SO_RCVBUF, max(_BUFFER, 2048 * (len(bodies) + 2)))
+        self.sock.sendall(batch)
+        index = {s: i for i, s in enumerate(seqs)}
+        index[first] = -1
+        return self._acks(set(seqs), index)
+
+    def _buffer(self, force: int, plain: int, size: int) -> None:
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, force, size)
+        except OSError:
+            self.sock.setsockopt(socket.SOL_SOCKET, plain, size)
+
+    def _acks(self, pending: set[int], index: Dict[int, int]) -> bool:
+        """Read one answer per message; the first error wins (the kernel aborted the batch)."""
+        failure: Optional[NetlinkError] = None
+        lost = False
+        while pending:
+            if (failure is not None or lost) and not self._more_waiting():
+                break  # a failed commit answers once, for the batch; lost answers never come
+            try:
+                data = self.sock.recv(_RECV)
+            except OSError as exc:
+                if exc.errno != errno.ENOBUFS:
+                    raise
+                lost = True
+                continue
+            for msg_type, _, seq, payload in wire.messages(data):
+                if msg_type != wire.NLMSG_ERROR:
+                    continue
+                err, _ = wire.error_code(payload)
+                pending.discard(seq)
+                if err and failure is None:
+                    failure = NetlinkError(err, index.get(seq, -1))
+        if failure is not None:
+            raise failure
+        return not lost
+
+    def _more_waiting(self) -> bool:
+        try:
+            return bool(self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            return False
+
+    # --- requests --------------------------------------------------------------------------------
+
+    def dump(self, msg_type: int, family: int, body: bytes = b"") -> Iterator[Dict[int, bytes]]:
+        """The attributes of each object a ``GET`` dump returns."""
+        seq = self.next_seq()
+        self.sock.sendall(wire.message(msg_type, wire.NLM_F_REQUEST | wire.NLM_F_DUMP, seq, family, body))
+        yield from self._replies(seq)
+
+    def get(self, msg_type: int, family: int, body: bytes = b"") -> Dict[int, bytes]:
+        """The attributes of the one object a plain ``GET`` returns."""
+        seq = self.next_seq()
+        self.sock.sendall(wire.message(msg_type, wire.NLM_F_REQUEST | wire.NLM_F_ACK, seq, family, body))
+        found: Dict[int, bytes] = {}
+        for attrs in self._replies(seq):
+            found = attrs
+        return found
+
+    def _replies(self, seq: int) -> Iterator[Dict[int, bytes]]:
+        while True:
+            data = self.sock.recv(_RECV)
+            for msg_type, _, got, payload in wire.messages(data):
+                if got != seq:
+                    continue
+                if msg_type == wire.NLMSG_DONE:
+                    return
+                if msg_type == wire.NLMSG_ERROR:
+                    err, _ = wire.error_code(payload)
+                    if err:
+                        raise NetlinkError(err, seq)
+                    return
+                yield wire.attributes(payload, 4)
