@@ -27,6 +27,8 @@ class Combo:
         return self.key.replace("/", "-")
 
     def cli_args(self) -> List[str]:
+        if self.backend == "nftables":
+            return ["--backend", self.backend, "--nftables-writer", self.writer, "--iptables-flavour", self.flavour]
         return ["--backend", self.backend, "--iptables-writer", self.writer, "--iptables-flavour", self.flavour]
 
     def raw_tools(self) -> Sequence[str]:
@@ -37,13 +39,14 @@ class Combo:
 
 
 COMBOS = (
-    Combo("nftables", "nftables"),
+    Combo("nftables", "nftables", "netlink", "nft"),
+    Combo("nftables/libnftables", "nftables", "libnftables", "nft"),
     Combo("iptables-legacy/restore", "iptables", "restore", "legacy"),
     Combo("iptables-legacy/libiptc", "iptables", "libiptc", "legacy"),
     Combo("iptables-nft/restore", "iptables", "restore", "nft"),
 )
 BY_KEY = {c.key: c for c in COMBOS}
-ALIASES = {"nft": "nftables", "legacy": "iptables-legacy/restore", "restore": "iptables-legacy/restore",
+ALIASES = {"nft": "nftables", "netlink": "nftables", "libnftables": "nftables/libnftables", "legacy": "iptables-legacy/restore", "restore": "iptables-legacy/restore",
            "libiptc": "iptables-legacy/libiptc", "iptables-nft": "iptables-nft/restore"}
 
 

@@ -57,8 +57,9 @@ def _feed(tracker: ChangeTracker, objects: Sequence[Dict[str, Any]]) -> None:
 
 class Run:
     def __init__(self, args: argparse.Namespace) -> None:
-        self.config = ProxyConfig(backend=args.backend, iptables_writer=args.writer, iptables_flavour=args.flavour,
-                                  hostname=NODE_NAME)
+        writers = {"nftables_writer": args.writer} if args.backend == "nftables" else {"iptables_writer": args.writer}
+        self.config = ProxyConfig(backend=args.backend, iptables_flavour=args.flavour, hostname=NODE_NAME,
+                                  **writers)
         pods = [_pod(p) for p in args.pods.split(",") if p] if args.pods else None
         self.pods = pods or [("10.244.1.10", 8080)]
         self.objects = gen.cluster(args.n, args.variant, pods)

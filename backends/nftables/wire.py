@@ -65,6 +65,8 @@ NFT_JUMP, NFT_GOTO, NFT_RETURN = -3, -4, -5
 _HDR = struct.Struct("=IHHII")
 _NFGEN = struct.Struct("=BBH")
 _ATTR = struct.Struct("=HH")
+ATTR_HEADER = _ATTR
+"""A netlink attribute header: (length including the header, type)."""
 
 
 def _pad(n: int) -> int:
