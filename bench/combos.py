@@ -46,7 +46,8 @@ COMBOS = (
     Combo("iptables-nft/restore", "iptables", "restore", "nft"),
 )
 BY_KEY = {c.key: c for c in COMBOS}
-ALIASES = {"nft": "nftables", "netlink": "nftables", "libnftables": "nftables/libnftables", "legacy": "iptables-legacy/restore", "restore": "iptables-legacy/restore",
+ALIASES = {"nft": "nftables", "netlink": "nftables", "libnftables": "nftables/libnftables",
+           "legacy": "iptables-legacy/restore", "restore": "iptables-legacy/restore",
            "libiptc": "iptables-legacy/libiptc", "iptables-nft": "iptables-nft/restore"}
 
 

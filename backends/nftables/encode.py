@@ -307,7 +307,7 @@ class Encoder:
             if isinstance(obj, ElementRun) and run_encoder is not None:
                 blobs: Sequence[bytes] = run_encoder(obj)
             else:
-                items = obj.elements() if isinstance(obj, ElementRun) else (obj,)  # type: ignore[union-attr]
+                items = obj.elements() if isinstance(obj, ElementRun) else (obj,)
                 blobs = [b for e in items for b in encode_one(e)]
             for blob in blobs:
                 if size + len(blob) > _ELEMENTS_PER_MESSAGE_BYTES and chunk:
