@@ -371,7 +371,9 @@ class Encoder:
                 if e.value is not None:
                     return [b"".join((plain, key_pack(e.key), value_hdr, value_pack(e.value)))]
             if interval:
-                return _interval_elements(e, key_pack, concat)
+                note = wire.attr(wire.ELEM_USERDATA, wire.udata((0, wire.udata_strz(names.comment(e.comment))))) \
+                    if e.comment is not None and with_value else b""
+                return _interval_elements(e, key_pack, concat, note)
             body = wire.data_value(wire.ELEM_KEY, key_pack(e.key))
             if with_value and e.value is not None:
                 body += _verdict(e.value) if verdicts or value_pack is None else \
@@ -398,7 +400,7 @@ def _value_header(kind: int, length: int) -> bytes:
     return out
 
 
-def _interval_elements(e: Element, pack: Packer, concat: bool) -> List[bytes]:
+def _interval_elements(e: Element, pack: Packer, concat: bool, note: bytes = b"") -> List[bytes]:
     """An interval set's element: a concatenation's last field a CIDR (``key`` .. ``key end``), or
     (one field) a CIDR as a start and an interval end, as the kernel's rbtree wants them."""
     parts = e.key.split(" . ")
@@ -407,8 +409,8 @@ def _interval_elements(e: Element, pack: Packer, concat: bool) -> List[bytes]:
         head = pack(" . ".join(parts[:-1] + [str(net.network_address)]))
         tail = pack(" . ".join(parts[:-1] + [str(net.broadcast_address)]))
         both = wire.data_value(wire.ELEM_KEY, head) + wire.data_value(wire.ELEM_KEY_END, tail)
-        return [wire.nest(wire.LIST_ELEM, both)]
-    out = [wire.nest(wire.LIST_ELEM, wire.data_value(wire.ELEM_KEY, net.network_address.packed))]
+        return [wire.nest(wire.LIST_ELEM, both + note)]
+    out = [wire.nest(wire.LIST_ELEM, wire.data_value(wire.ELEM_KEY, net.network_address.packed) + note)]
     end = int(net.broadcast_address) + 1
     if end < 2 ** net.max_prefixlen:
         key = end.to_bytes(len(net.network_address.packed), "big")

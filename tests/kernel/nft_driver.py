@@ -5,15 +5,19 @@ module with ``ip netns exec <ns> python nft_driver.py`` and talk to it over stdi
 request and one JSON reply per line.  One process per test keeps the backend's own record across
 syncs, which is what the incremental path needs.
 
-Request: {"op": "sync"|"plan"|"cleanup", "full": bool, "changed": [names], "services": [svc...]}
+Request: {"op": "sync"|"plan"|"cleanup"|"scenario", "full": bool, "changed": [names], "services": [svc...]}
 with svc = {"name", "ip", "port", "proto", "eps": [ip...], "affinity": seconds or 0, "external": [ip...]}.
+{"op": "scenario", "config": name, "step": i} applies step i of nft_scenarios.steps() (step 0 starts a
+new backend with nft_scenarios.CONFIGS[name]).
 Reply: {"ok": true, "result": ...} or {"ok": false, "error": str, "line": str or null}.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
+import os
 import sys
 from typing import Any, Dict, List
 
@@ -38,7 +42,8 @@ def _snapshot(services: List[Dict[str, Any]]) -> Snapshot:
 
 
 def main() -> None:
-    backend = NftablesBackend(ProxyConfig(hostname="node"))
+    writer = os.environ.get("NETPROXY_NFT_WRITER", "netlink")
+    backend = NftablesBackend(ProxyConfig(hostname="node", nftables_writer=writer))
     for line in sys.stdin:
         req = json.loads(line)
         try:
@@ -46,6 +51,15 @@ def main() -> None:
                 changed = frozenset(ServicePortName("default", n, "p") for n in req.get("changed", ()))
                 res = backend.sync(_snapshot(req["services"]), Changes(req.get("full", True), changed))
                 reply: Dict[str, Any] = {"ok": True, "result": {"full": res.full, "written": res.services_written}}
+            elif req["op"] == "scenario":  # nft_scenarios.py: the two writers' comparison
+                import nft_scenarios
+
+                if req["step"] == 0:
+                    backend = NftablesBackend(dataclasses.replace(nft_scenarios.CONFIGS[req["config"]],
+                                                                  nftables_writer=writer))
+                snapshot, changes = nft_scenarios.steps()[req["step"]]
+                res = backend.sync(snapshot, changes)
+                reply = {"ok": True, "result": {"full": res.full, "written": res.services_written}}
             elif req["op"] == "plan":
                 reply = {"ok": True, "result": backend.plan(_snapshot(req["services"]))}
             elif req["op"] == "cleanup":

@@ -46,9 +46,13 @@ def ns(nft_env: None) -> Iterator[str]:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
+WRITERS = ("netlink", "libnftables")
+
+
 class Driver:
-    def __init__(self, ns: str) -> None:
-        self.proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, os.path.join(HERE, "nft_driver.py")],
+    def __init__(self, ns: str, writer: str = "netlink") -> None:
+        self.proc = subprocess.Popen(["ip", "netns", "exec", ns, "env", f"NETPROXY_NFT_WRITER={writer}",
+                                      sys.executable, os.path.join(HERE, "nft_driver.py")],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def call(self, **req: Any) -> Dict[str, Any]:
@@ -74,9 +78,9 @@ class Driver:
             self.proc.wait()
 
 
-@pytest.fixture()
-def driver(ns: str) -> Iterator[Driver]:
-    d = Driver(ns)
+@pytest.fixture(params=WRITERS)
+def driver(ns: str, request: pytest.FixtureRequest) -> Iterator[Driver]:
+    d = Driver(ns, request.param)
     try:
         yield d
     finally:
@@ -194,16 +198,20 @@ def test_refused_transaction_raises_with_the_command_and_keeps_the_old_ruleset(n
 
 def test_full_sync_keeps_affinity_clients(ns: str, driver: Driver) -> None:
     assert driver.sync([S])["ok"]
-    aff = "aff-default/sticky/p"
-    nft(ns, "add", "element", "ip", "netproxy", aff, "{ 172.16.0.5 . 10.1.3.2 . 8080 }")
+    aff = "affinity-tcp"
+    nft(ns, "add", "element", "ip", "netproxy", aff,
+        "{ 172.16.0.5 . 10.96.0.14 . 80 timeout 60s : 10.1.3.2 . 8080, 172.16.0.6 . 10.96.0.14 . 80 timeout 60s : "
+        "10.1.3.9 . 8080 }")  # the second: not an endpoint (any more)
     nft(ns, "add", "table", "inet", "someone-else")  # so that the full sync rebuilds the table
     assert driver.sync([S, A], full=True)["ok"]
-    listed = nft(ns, "-j", "list", "set", "ip", "netproxy", aff).stdout
-    elems = json.loads(listed)["nftables"][1]["set"].get("elem", [])
-    kept = {" . ".join(map(str, e["elem"]["val"]["concat"])): e["elem"].get("expires")
-            for e in elems if isinstance(e, dict)}
-    key = "172.16.0.5 . 10.1.3.2 . 8080"
-    assert key in kept and 0 < kept[key] <= 60, listed
+    listed = nft(ns, "-j", "list", "map", "ip", "netproxy", aff).stdout
+    elems = json.loads(listed)["nftables"][1]["map"].get("elem", [])
+    kept = {" . ".join(map(str, e[0]["elem"]["val"]["concat"])): (e[0]["elem"].get("expires"),
+                                                                   " . ".join(map(str, e[1]["concat"])))
+            for e in elems}
+    assert set(kept) == {"172.16.0.5 . 10.96.0.14 . 80"}, listed
+    expires, endpoint = kept["172.16.0.5 . 10.96.0.14 . 80"]
+    assert endpoint == "10.1.3.2 . 8080" and 0 < expires <= 60, listed
 
 
 def test_plan_is_what_sync_writes(ns: str, driver: Driver) -> None:
