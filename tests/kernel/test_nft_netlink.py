@@ -35,7 +35,8 @@ _counter = itertools.count()
 
 
 @pytest.fixture()
-def namespaces(nft_env: None) -> Iterator[Tuple[str, str]]:
+def namespaces(request: pytest.FixtureRequest) -> Iterator[Tuple[str, str]]:
+    request.getfixturevalue("nft_env")  # nft and the binding: the oracle needs both
     names = [f"np-nftnl-{os.getpid()}-{next(_counter)}" for _ in range(2)]
     for n in names:
         subprocess.run(["ip", "netns", "add", n], check=True, capture_output=True)
