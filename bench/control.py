@@ -21,7 +21,7 @@ from bench import gen, kubeproxy_layout, netns
 from bench.combos import Combo
 
 Step = Dict[str, Any]
-WORKER_STEPS = ("source", "cold", "resync", "endpoint", "add", "remove", "plan")
+WORKER_STEPS = ("source", "cold", "resync", "endpoint", "add", "remove", "churn", "plan", "raw-netlink")
 
 
 def _python() -> str:

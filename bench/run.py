@@ -27,6 +27,10 @@ DP_EXTRA = 1  # the data plane also runs at N=1
 # Run at the largest N after everything else: iptables-nft's kernel cost grows faster than linearly
 # (shared/PERF-NOTES.md), and a forced iptables-nft backend is the least common set-up.
 DEFERRED = ("iptables-nft/restore",)
+LARGE = 10000
+AT_LARGE = ("nftables", "nftables/libnftables")
+"""Past 10k services (``--max-services 44000``: the largest public kube-proxy report) only the
+nftables writers run: the other combinations' cold syncs alone take minutes there."""
 
 
 class Budget:
@@ -49,10 +53,11 @@ class Bench:
         self.combos = combos
         self.sizes = sizes
         self.smoke = smoke
-        self.dp_sizes = sorted({DP_EXTRA} | {n for n in sizes if n >= 1000 or smoke})
+        self.dp_sizes = sorted({DP_EXTRA} | {n for n in sizes if (n >= 1000 and n <= LARGE) or smoke})
         self.base: Any = None  # a second sandbox holding the one-service baseline for the data plane
         self._base_key: Optional[str] = None
-        self.latency_sizes = sizes[-1:] if smoke else sorted({n for n in sizes if n == 1000} | {sizes[-1]})
+        largest = max([n for n in sizes if n <= LARGE] or sizes)
+        self.latency_sizes = sizes[-1:] if smoke else sorted({n for n in sizes if n == 1000} | {largest})
         self.budget = Budget(budget)
         self.workdir = workdir
         self.out = out
@@ -234,6 +239,23 @@ class Bench:
         if "maxrss_mib" in res and "seconds" in res:
             self.progress(f"{combo.key} N={n:,}: `netproxy sync` peak RSS {res['maxrss_mib']:.0f} MiB "
                           f"({res['seconds']:.1f} s)")
+            self.measure_restart(combo, n, source)
+
+    def measure_restart(self, combo: Combo, n: int, source: str) -> None:
+        """A new `netproxy sync` process with one endpoint changed, on the node that holds the ruleset
+        the previous one wrote: what a restarted proxy (or a node-local tool) pays."""
+        if n < 2:
+            return
+        objects = gen.cluster(n, "uniform", control.pods_of(self.sandbox))
+        objects[2 * (n // 2) + 1] = gen.replaced_endpoint(objects, n // 2, 7)
+        changed = source.replace(".json", "-changed.json")
+        gen.write_json(changed, objects)
+        res = rss.measure_sync(self.sandbox, combo, changed, self.budget.timeout(self.worker_timeout(n)),
+                               os.path.join(self.workdir, "rss.log"))
+        self._cell("rss", combo.key, n)["restart"] = res
+        self._note_errors(f"{combo.key} N={n} restart", {"restart": res})
+        if "seconds" in res:
+            self.progress(f"{combo.key} N={n:,}: restart with one endpoint changed {res['seconds']:.2f} s")
 
     # -- phase B ------------------------------------------------------------------------------------
 
@@ -273,11 +295,14 @@ class Bench:
         with Sandbox(pods=pods, udp_ports=(), ipv6=True) as sb, Sandbox(pods=pods, udp_ports=(), ipv6=True) as base:
             self.sandbox, self.base = sb, base
             self.progress(f"sandbox up: node {sb.node}; one-service baseline in {base.node}")
-            big = self.sizes[-1]
+            big = max(n for n in self.sizes if n <= LARGE)  # the largest N every combination runs
             late = [c for c in self.available() if c.key in DEFERRED] if big > 1000 else []
             for combo in self.available():
                 for n in self.sizes:
-                    if not (n == big and combo in late):
+                    if n > LARGE and combo.key not in AT_LARGE:
+                        self._cell("control", combo.key, n, "uniform")["cold"] = self._skip(
+                            f"beyond {LARGE:,} services only {', '.join(AT_LARGE)} runs (issue 14's 44k target)")
+                    elif not (n == big and combo in late):
                         self.phase_control(combo, n)
             self.phase_references(upto=1000 if big > 1000 else big)
             if big > 1000:
@@ -303,10 +328,12 @@ class Bench:
             if shutil.which(tool) is None:
                 self.results["errors"].append(f"{ref}: {tool} is not installed")
                 continue
-            for n in [n for n in self.sizes if (upto is None or n <= upto) and (only is None or n == only)]:
+            for n in [n for n in self.sizes if (upto is None or n <= upto) and (only is None or n == only)
+                      and n <= LARGE]:
                 if ref == "kube-proxy iptables-nft" and n > 2000:
                     # Quadratic in the kernel: 43 s at 2k, 307 s at 4k (shared/PERF-NOTES.md); ~30 min at 10k.
-                    self._cell("reference", ref, n)["cold"] = self._skip("quadratic; 307 s at 4k")
+                    self._cell("reference", ref, n)["cold"] = self._skip(
+                        "quadratic in the kernel past 2k services (docs/performance.md)")
                     continue
                 # kube-proxy's nft layout at 10k is the slow reference (85 s measured): run once, bounded.
                 self.phase_reference(ref, family, flavour, n, 240.0 if n >= 10000 else 120.0)
@@ -351,8 +378,8 @@ class Bench:
         takes half a minute."""
         if self.smoke:
             return
-        big = self.sizes[-1]
-        for n in self.sizes:
+        big = max(n for n in self.sizes if n <= LARGE)
+        for n in [n for n in self.sizes if n <= LARGE]:
             for combo in self.available():
                 cell = self._cell("control", combo.key, n, "mixed")
                 cold = report.seconds(report.control_cell(self.results, combo.key, n, "cold"))
@@ -371,7 +398,8 @@ class Bench:
                     continue
                 self.sandbox.reset_netfilter()
                 plan = os.path.join(self.workdir, f"mixed-{combo.slug}-{n}.plan")
-                steps: Tuple[str, ...] = ("source", "cold", "endpoint", "endpoint-affinity", "plan")
+                steps: Tuple[str, ...] = ("source", "cold", "endpoint", "endpoint-affinity", "churn", "plan",
+                                          "raw-netlink")
                 if combo.backend == "iptables" and n > 1000:
                     steps = ("source", "cold", "endpoint", "plan")  # any write swaps the whole table: one figure
                 got = control.run_worker(self.sandbox.node, combo, n, "mixed", control.pods_of(self.sandbox), plan,
@@ -385,7 +413,7 @@ class Bench:
                                                           reset=self.sandbox.reset_netfilter, ns=self.sandbox.node)
                     self._note_errors(f"{combo.key} mixed N={n}", {"raw": cell["raw"]})
                     self.sandbox.reset_netfilter()
-                if combo.key == "nftables" and n == big and "seconds" in got.get("cold", {}):
+                if combo.key in AT_LARGE and n == big and "seconds" in got.get("cold", {}):
                     self.measure_rss_mixed(combo, n, limit)
                 self.progress(f"{combo.key} mixed N={n:,}: cold {control.describe(got.get('cold'))}, raw "
                               f"{control.describe(cell.get('raw'))}, endpoint {control.describe(got.get('endpoint'))}, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
+from bench import targets_nft
 from bench.report import MB, MIXED_SUFFIX, control_cell, ref_cell, seconds
 
 Results = Dict[str, Any]
@@ -47,26 +48,6 @@ def _why(results: Results, key: str, n: int, step: str, variant: str = "uniform"
     if "timeout" in cell:
         return f"timed out after {cell['timeout']} s"
     return f"error: {str(cell.get('error'))[:160]}"
-
-
-def nft_full(results: Results) -> Target:
-    n = _at(results)
-    x = _step(results, NFT, n, "cold")
-    ref = seconds(ref_cell(results, "kube-proxy nft", n, "cold"))
-    fig = (f"{_s(x)}; kube-proxy layout {_s(ref)}" if x is not None else _why(results, NFT, n, "cold")) + _where(n)
-    return _t("nftables full atomic sync", "≤ 1.0 s", None if x is None else x <= 1.0, fig)
-
-
-def nft_endpoint(results: Results) -> Target:
-    n = _at(results)
-    cell = control_cell(results, NFT, n, "endpoint")
-    x = seconds(cell)
-    ref = seconds(ref_cell(results, "kube-proxy nft", n, "endpoint"))
-    if x is None:
-        return _t("nftables one-endpoint change", "≤ 15 ms", None, _why(results, NFT, n, "endpoint") + _where(n))
-    fig = (f"{_ms(x)} through parse → tracker → sync, of which backend {_ms(cell.get('backend_seconds'))}; "  # type: ignore[union-attr]
-           f"kube-proxy layout {_ms(ref)}{_where(n)}")
-    return _t("nftables one-endpoint change", "≤ 15 ms", x <= 0.015, fig)
 
 
 def _full_ok(x: float, ratio: Optional[float]) -> Optional[bool]:
@@ -193,26 +174,17 @@ def mixed(results: Results) -> List[Target]:
     def why(key: str, step: str) -> str:
         return _why(results, key, n, step, "mixed") + _where(n)
 
-    x, raw = cell(NFT, "cold"), cell(NFT, "raw")
-    out.append(_t("features on: nftables full sync", "≤ 1.0 s", None if x is None else x <= 1.0,
-                  f"{_s(x)}; raw nft -f of its payload {_s(raw)}{_where(n)}" if x is not None else why(NFT, "cold")))
-    for step, label in (("endpoint", "service without affinity"), ("endpoint-affinity", "ClientIP-affinity service")):
-        x = cell(NFT, step)
-        out.append(_t(f"features on: nftables one-endpoint change, {label}", "≤ 15 ms",
-                      None if x is None else x <= 0.015, _ms(x) + _where(n) if x is not None else why(NFT, step)))
+    # nftables' features-on lines are issue 14's (targets_nft.py).
     out.append(_legacy_full("features on: iptables-legacy restore writer, full sync", cell(LEGACY, "cold"),
                             cell(LEGACY, "raw"), why(LEGACY, "cold"), _where(n)))
     x = cell(LEGACY, "endpoint")
     out.append(_t("features on: iptables-legacy one-service change", "≤ 1.0 s", None if x is None else x <= 1.0,
                   _s(x) + _where(n) if x is not None else why(LEGACY, "endpoint")))
-    mem = results["rss"].get(NFT + MIXED_SUFFIX, {}).get(str(n), {}).get("maxrss_mib")
-    out.append(_t("features on: peak RSS (nftables `sync`)", "≤ 250 MB", None if mem is None else mem <= 250 * MB,
-                  "not measured" if mem is None else f"{mem:.0f} MiB = {mem / MB:.0f} MB{_where(n)}"))
     return out
 
 
 CHECKS: List[Callable[[Results], Any]] = [
-    nft_full, nft_endpoint, legacy_full, legacy_change, libiptc, event_to_kernel,
+    targets_nft.check, legacy_full, legacy_change, libiptc, event_to_kernel,
     lambda r: _connect_ratio(r, NFT, "nftables connect p50, N=10k vs N=1", 1.2),
     lambda r: _connect_ratio(r, LEGACY, "iptables connect p50, N=10k vs N=1", 3.0),
     rss, mixed,

@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from bench import gen
+from bench import gen, nftsteps
 from netproxy.backends import create
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes
@@ -168,6 +168,18 @@ class Run:
                  backend_seconds=statistics.median(r["backend"] for r in runs), runs=[r["total"] for r in runs],
                  written=runs[-1]["written"])
 
+    def churn(self) -> None:
+        """1,000 one-endpoint changes of one service: memory after the first and the last (nftables)."""
+        if self.config.backend != "nftables":
+            emit("churn", skipped="nftables only (each iptables change swaps the table: hours for 1,000)")
+            return
+        index = self.n // 3
+        emit("churn", **nftsteps.churn(lambda k: self._change([gen.replaced_endpoint(self.objects, index, 100 + k)]),
+                                       self.n, self.variant))
+
+    def raw_netlink(self) -> None:
+        emit("raw-netlink", **nftsteps.raw_netlink(self.backend, self.snapshot, self.config))
+
     def plan(self, path: Optional[str]) -> None:
         t0 = time.perf_counter()
         text = self.backend.plan(self.snapshot)
@@ -199,7 +211,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     steps: List[Tuple[str, Callable[[], None]]] = [
         ("probe", run.probe), ("source", run.source), ("cold", run.cold), ("resync", run.resync),
         ("endpoint", run.endpoint), ("endpoint-affinity", lambda: run.endpoint(affinity=True)),
-        ("add", run.add_remove), ("plan", lambda: run.plan(args.plan_out))]
+        ("add", run.add_remove), ("churn", run.churn), ("plan", lambda: run.plan(args.plan_out)),
+        ("raw-netlink", run.raw_netlink)]
     status = 0
     for name, fn in steps:
         if name not in wanted:
