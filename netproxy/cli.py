@@ -13,6 +13,7 @@ done; 2 some objects were rejected (each named on stderr) and the valid rest was
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import re
 import signal
@@ -163,7 +164,9 @@ def _report_rejections(errors: Sequence[Exception]) -> None:
 
 
 def _snapshot(args: argparse.Namespace, config: ProxyConfig) -> Tuple[Snapshot, List[ValidationError]]:
-    """One load of --source into a snapshot, for the one-shot commands."""
+    """One load of --source into a snapshot, for the one-shot commands.  They end after one write,
+    and nothing they build forms cycles: the cyclic collector stays off for their whole life."""
+    gc.disable()
     loaded = load(args.source, config.hostname)
     tracker = ChangeTracker(NodeInfo(name=config.hostname))
     if loaded.node is not None:

@@ -1,0 +1,51 @@
+"""The streaming JSON reader gives exactly what json.loads gives, object by object, and the same errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from netproxy.source.files import SourceError, flatten, read_documents, read_objects
+from netproxy.source.jsonstream import iter_document
+
+SVC = {"kind": "Service", "apiVersion": "v1", "metadata": {"name": "a \\\" ] } [ {", "namespace": "x"}}
+EPS = {"kind": "EndpointSlice", "metadata": {"name": "b"}, "endpoints": [{"addresses": ["10.0.0.1"]}]}
+
+
+@pytest.mark.parametrize("doc", [
+    {"apiVersion": "v1", "items": [SVC, EPS], "kind": "List", "metadata": {}},
+    {"kind": "List", "items": []},
+    {"items": [SVC], "kind": "ServiceList"},
+    SVC,
+    {"kind": "ServiceList", "items": [{"metadata": {"name": "typed"}}], "metadata": {"resourceVersion": "1"}},
+])
+def test_objects_are_those_of_a_whole_parse(tmp_path: object, doc: object) -> None:
+    path = f"{tmp_path}/cluster.json"
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    assert list(read_objects(path)) == list(flatten(read_documents(path)))
+
+
+def test_items_come_one_at_a_time_before_the_rest_of_the_document() -> None:
+    text = json.dumps({"apiVersion": "v1", "items": [SVC, EPS], "kind": "List"})
+    got = list(iter_document(text))
+    assert got == [("item", SVC), ("item", EPS), ("doc", {"apiVersion": "v1", "kind": "List"})]
+
+
+@pytest.mark.parametrize("text", ['{"items": [{"kind": "Service"}, {"a": }', '{"items": [] "kind": "List"}', '{"a": 1} x',
+                                  "[1, 2", ""])
+def test_broken_json_is_a_source_error_naming_the_file(tmp_path: object, text: str) -> None:
+    path = f"{tmp_path}/broken.json"
+    with open(path, "w") as f:
+        f.write(text)
+    with pytest.raises(SourceError, match="broken.json: not valid JSON"):
+        list(read_objects(path))
+
+
+def test_a_non_object_item_names_the_file(tmp_path: object) -> None:
+    path = f"{tmp_path}/odd.json"
+    with open(path, "w") as f:
+        f.write('{"kind": "List", "items": [3]}')
+    with pytest.raises(SourceError, match="odd.json: a document is a int"):
+        list(read_objects(path))
