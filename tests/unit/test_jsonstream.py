@@ -33,8 +33,8 @@ def test_items_come_one_at_a_time_before_the_rest_of_the_document() -> None:
     assert got == [("item", SVC), ("item", EPS), ("doc", {"apiVersion": "v1", "kind": "List"})]
 
 
-@pytest.mark.parametrize("text", ['{"items": [{"kind": "Service"}, {"a": }', '{"items": [] "kind": "List"}', '{"a": 1} x',
-                                  "[1, 2", ""])
+@pytest.mark.parametrize("text", ['{"items": [{"kind": "Service"}, {"a": }', '{"items": [] "kind": "List"}',
+                                  '{"a": 1} x', "[1, 2", ""])
 def test_broken_json_is_a_source_error_naming_the_file(tmp_path: object, text: str) -> None:
     path = f"{tmp_path}/broken.json"
     with open(path, "w") as f:
