@@ -1,0 +1,183 @@
+"""The netlink encoder without a kernel: expressions and user data byte for byte as nft 1.0.6 wrote
+them (captured from `nft --debug=netlink` and from the kernel's dump of sets nft created), element
+packing, message framing, and the batch socket's answers (a fake socket)."""
+
+from __future__ import annotations
+
+import errno
+import struct
+from typing import List
+
+import pytest
+
+from netproxy.backends.nftables import encode, wire
+from netproxy.backends.nftables import stmt as st
+from netproxy.backends.nftables.kernel import nlsocket
+from netproxy.backends.nftables.objects import Element, ElementRun, Set, Table
+
+
+def _debug(rule_stmts: List[st.Stmt]) -> List[str]:
+    return [e.debug() for e in st.rule("c", *rule_stmts).exprs]
+
+
+def test_dispatch_and_dnat_are_nfts_sequences() -> None:
+    assert _debug([st.vmap((st.addr("ip", "daddr"), st.L4PROTO, st.DPORT), "service-ips")]) == [
+        "[ payload load 4b @ network header + 16 => reg 1 ]",
+        "[ meta load l4proto => reg 9 ]",
+        "[ payload load 2b @ transport header + 2 => reg 10 ]",
+        "[ lookup reg 1 set service-ips dreg 0 ]"]
+    assert _debug([st.l4proto("tcp"), st.dnat_map("ip", (st.addr("ip", "daddr"), st.DPORT, st.numgen(3)), "eps")]) == [
+        "[ meta load l4proto => reg 1 ]",
+        "[ cmp eq reg 1 0x00000006 ]",
+        "[ payload load 4b @ network header + 16 => reg 1 ]",
+        "[ payload load 2b @ transport header + 2 => reg 9 ]",
+        "[ numgen reg 10 = random mod 3 ]",
+        "[ lookup reg 1 set eps dreg 1 ]",
+        "[ nat dnat ip addr_min reg 1 proto_min reg 9 ]"]
+
+
+def test_ipv6_registers_and_interval_concat_byteorder() -> None:
+    fam = "ip6"
+    fields = (st.addr(fam, "daddr"), st.L4PROTO, st.DPORT, st.addr(fam, "saddr"))
+    assert _debug([st.lookup(fields, "fwa", invert=True, interval=True), st.DROP]) == [
+        "[ payload load 16b @ network header + 24 => reg 1 ]",
+        "[ meta load l4proto => reg 2 ]",
+        "[ byteorder reg 2 = hton(reg 2, 2, 1) ]",
+        "[ payload load 2b @ transport header + 2 => reg 13 ]",
+        "[ payload load 16b @ network header + 8 => reg 14 ]",
+        "[ lookup reg 1 set fwa 0x1 ]",
+        "[ immediate reg 0 drop ]"]
+    assert _debug([st.CT_STATE_NEW, st.fib_local("daddr"), st.addr_not_in(fam, "daddr", "::1")]) == [
+        "[ ct load state => reg 1 ]",
+        "[ bitwise reg 1 = ( reg 1 & 0x00000008 ) ^ 0x00000000 ]",
+        "[ cmp neq reg 1 0x00000000 ]",
+        "[ fib daddr type => reg 1 ]",
+        "[ cmp eq reg 1 0x00000002 ]",
+        "[ payload load 16b @ network header + 24 => reg 1 ]",
+        "[ cmp neq reg 1 0x00000000 0x00000000 0x00000000 0x01000000 ]"]
+
+
+def test_marks_masquerade_and_the_affinity_record() -> None:
+    assert _debug([st.mark_has(0x4000), st.mark_xor(0x4000), st.MASQUERADE_FULLY_RANDOM]) == [
+        "[ meta load mark => reg 1 ]",
+        "[ bitwise reg 1 = ( reg 1 & 0x00004000 ) ^ 0x00000000 ]",
+        "[ cmp eq reg 1 0x00004000 ]",
+        "[ meta load mark => reg 1 ]",
+        "[ bitwise reg 1 = ( reg 1 & 0xffffffff ) ^ 0x00004000 ]",
+        "[ meta set mark with reg 1 ]",
+        "[ masq flags 0x10 ]"]
+    record = st.update("affinity-tcp", (st.addr("ip", "saddr"), st.ct_daddr("ip"), st.CT_PROTO_DST),
+                       (st.addr("ip", "daddr"), st.DPORT), 10800)
+    assert _debug([st.l4proto("tcp"), record])[2:] == [
+        "[ payload load 4b @ network header + 12 => reg 1 ]",
+        "[ ct load dst_ip => reg 9 , dir original ]",
+        "[ ct load proto_dst => reg 10 , dir original ]",
+        "[ payload load 4b @ network header + 16 => reg 2 ]",
+        "[ payload load 2b @ transport header + 2 => reg 13 ]",
+        "[ dynset update reg_key 1 set affinity-tcp sreg_data 2 timeout 10800000ms ]"]
+
+
+def test_set_user_data_is_what_nft_writes() -> None:
+    """Bytes read back from the kernel after nft 1.0.6 created these sets."""
+    verdict_map = Set("sips", "ipv4_addr . inet_proto . inet_service", "verdict")
+    assert encode.set_udata(verdict_map).hex() == "000400000000010400000000030800040d0000000100060400000000"
+    assert encode.set_udata(Set("cips", "ipv4_addr")).hex() == "000402000000"
+    typeof = Set("eps", "ip daddr . th dport . numgen random mod 1", "ip daddr . th dport", typeof=True)
+    assert encode.set_udata(typeof).hex() == (
+        "000400000000010400000000035000040d00000001480014000407000000010c00040c00000001040c000000011400"
+        "0407000000010c00040b000000010402000000021a0004170000000112000401000000010401000000020400000000"
+        "043400040d000000012c0014000407000000010c00040c00000001040c0000000114000407000000010c00040b0000"
+        "00010402000000060400000000")
+    sticky = Set("aff", "ipv6_addr . ipv6_addr . inet_service", flags=("dynamic", "timeout"), timeout=60,
+                 comment="ns/x:y")
+    assert encode.set_udata(sticky).hex() == "000400000000030800040d000000010007076e732f783a7900"
+
+
+def test_elements_pack_per_field_and_runs_equal_single_elements() -> None:
+    m = Set("eps", "ip daddr . th dport . numgen random mod 1", "ip daddr . th dport", typeof=True)
+    enc = encode.Encoder()
+    endpoints = ElementRun("eps", "10.96.0.10 . 80", ("10.1.0.1 . 8080", "10.1.0.2 . 8080"))
+    run = [("add", "ip", m), ("add", "ip", endpoints)]
+    single = [("add", "ip", m)] + [("add", "ip", e) for e in endpoints.elements()]
+    a = [msg for msg, _ in enc.messages(run)]
+    b = [msg for msg, _ in encode.Encoder().messages(single)]
+    assert a[1][3] == b[1][3]
+    body = a[1][3]
+    key = bytes([10, 96, 0, 10]) + (80).to_bytes(2, "big") + b"\0\0" + struct.pack("=I", 1)
+    assert key in body and bytes([10, 1, 0, 2]) + (8080).to_bytes(2, "big") + b"\0\0" in body
+    with pytest.raises(encode.EncodeError, match="does not fit"):
+        list(encode.Encoder().messages([("add", "ip", m), ("add", "ip", Element("eps", "10.96.0.10 . 80", "x"))]))
+
+
+def test_messages_and_batches_frame_as_netlink_wants() -> None:
+    msg = wire.message(wire.NEWTABLE, wire.NLM_F_CREATE, 7, 2, wire.string(wire.TABLE_NAME, "netproxy"))
+    length, kind, flags, seq, _ = struct.unpack_from("=IHHII", msg)
+    assert (length, kind, flags, seq) == (len(msg), (10 << 8) | wire.NEWTABLE, wire.NLM_F_CREATE, 7)
+    assert msg[16:20] == bytes([2, 0, 0, 0])  # nfgenmsg: AF_INET, version 0, res_id 0
+    begin = wire.batch_begin(1)
+    assert struct.unpack_from("=H", begin, 4)[0] == wire.NFNL_MSG_BATCH_BEGIN and begin[18:20] == b"\x00\x0a"
+    assert len(wire.attr(1, b"abc")) == 8 and wire.attr(1, b"abc")[:4] == struct.pack("=HH", 7, 1)
+    assert struct.unpack_from("=H", wire.nest(3, b""), 2)[0] == 3 | wire.NLA_F_NESTED
+    table = list(encode.Encoder().messages([("add", "ip", Table("ip", "netproxy", "hi"))]))[0][0]
+    assert table[0] == wire.NEWTABLE and wire.attributes(table[3])[wire.TABLE_USERDATA] == b"\x00\x03hi\x00"
+
+
+class _FakeSock:
+    """What the kernel answers a batch: one NLMSG_ERROR per message (errno 0: ACK)."""
+
+    def __init__(self, answers: List[bytes], enobufs: int = 0) -> None:
+        self.answers = answers
+        self.enobufs = enobufs
+        self.sent: List[bytes] = []
+
+    def setsockopt(self, *args: object) -> None:
+        pass
+
+    def sendall(self, data: bytes) -> None:
+        self.sent.append(data)
+
+    def recv(self, size: int, flags: int = 0) -> bytes:
+        if flags:  # MSG_PEEK | MSG_DONTWAIT
+            if not self.answers:
+                raise BlockingIOError
+            return self.answers[0][:1]
+        if self.enobufs:
+            self.enobufs -= 1
+            raise OSError(errno.ENOBUFS, "No buffer space available")
+        return self.answers.pop(0)
+
+
+def _answer(seq: int, err: int) -> bytes:
+    inner = struct.pack("=IHHII", 16, 0, 0, seq, 0)
+    payload = struct.pack("=i", -err) + inner
+    return struct.pack("=IHHII", 16 + len(payload), wire.NLMSG_ERROR, 0, seq, 0) + payload
+
+
+def _socket(answers: List[bytes], enobufs: int = 0) -> nlsocket.NlSocket:
+    s = nlsocket.NlSocket.__new__(nlsocket.NlSocket)
+    s.sock = _FakeSock(answers, enobufs)  # type: ignore[assignment]
+    s._seq = 100
+    return s
+
+
+def test_a_refusal_names_the_index_of_its_message() -> None:
+    bodies = [(wire.NEWTABLE, 0, 2, b""), (wire.NEWCHAIN, 0, 2, b""), (wire.NEWRULE, 0, 2, b"")]
+    s = _socket([_answer(102, 0), _answer(103, errno.ENOENT), _answer(104, 0)])
+    with pytest.raises(nlsocket.NetlinkError) as err:
+        s.send_batch(bodies)
+    assert err.value.seq == 1 and err.value.errno == errno.ENOENT
+    assert len(s.sock.sent) == 1, "the whole batch in one sendmsg"  # type: ignore[attr-defined]
+
+
+def test_a_failed_commit_answers_once_for_the_batch() -> None:
+    s = _socket([_answer(101, errno.EBUSY)])
+    with pytest.raises(nlsocket.NetlinkError) as err:
+        s.send_batch([(wire.NEWTABLE, 0, 2, b"")])
+    assert err.value.seq == -1
+
+
+def test_lost_answers_are_reported_not_fatal() -> None:
+    s = _socket([_answer(102, 0)], enobufs=1)
+    assert s.send_batch([(wire.NEWTABLE, 0, 2, b""), (wire.NEWCHAIN, 0, 2, b"")]) is False
+    s = _socket([_answer(102, 0), _answer(103, 0)])
+    assert s.send_batch([(wire.NEWTABLE, 0, 2, b""), (wire.NEWCHAIN, 0, 2, b"")]) is True
