@@ -8,7 +8,7 @@ A backend renders a :class:`~netproxy.model.Snapshot` into its desired state wit
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import FrozenSet, Optional, Tuple
 
 try:  # Python 3.8+: typing.Protocol; kept behind a name so that mypy sees one definition.
     from typing import Protocol
@@ -62,6 +62,38 @@ class SyncResult:
     """How many service ports' objects were (re)written."""
     bytes_written: int = 0
     """Size of the payload handed to the kernel tool or library."""
+
+
+@dataclass(frozen=True)
+class Packet:
+    """The first packet of a connection, as a hook sees it (for tracers: ``netproxy trace``)."""
+
+    saddr: str
+    daddr: str
+    dport: int
+    proto: str = "tcp"
+    sport: int = 40000
+    hook: str = "prerouting"
+    """``prerouting`` (from the network) or ``output`` (from the node itself)."""
+    local: FrozenSet[str] = frozenset()
+    """The node's own addresses (what ``fib ... type local`` / ``--dst-type LOCAL`` match)."""
+
+    @property
+    def family(self) -> str:
+        return "ip6" if ":" in self.daddr else "ip"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One way a traced packet can go: its verdict, its DNAT target, whether it is masqueraded, the
+    chains it went through, and its share of the random choices on the way."""
+
+    verdict: str
+    """``dnat``, ``accept`` (untouched), ``drop`` or ``reject``."""
+    target: Optional[str] = None
+    masquerade: bool = False
+    chains: Tuple[str, ...] = ()
+    share: float = 1.0
 
 
 class Backend(Protocol):

@@ -435,7 +435,7 @@ class Bench:
             self.progress(f"{combo.key} mixed N={n:,}: `netproxy sync` peak RSS {res['maxrss_mib']:.0f} MiB")
 
 
-MIXED_AT_LARGEST = ("nftables", "iptables-legacy/restore")
+MIXED_AT_LARGEST = ("nftables", "nftables/libnftables", "iptables-legacy/restore")
 MIXED_AT_LARGEST_WHY = {
     "iptables-legacy/libiptc": "same legacy table as iptables-legacy/restore: the kernel's swap cost is its",
     "iptables-nft/restore": "its uniform cold sync alone takes ~25 s at this N",

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, List, NoReturn, Optional, Protocol, Sequence, 
 
 from netproxy import detect as detect_mod
 from netproxy.backends import BackendError, create
-from netproxy.backends.base import Backend
+from netproxy.backends.base import Backend, Packet
 from netproxy.config import BACKENDS, IPTABLES_WRITERS, NFTABLES_WRITERS, ProxyConfig, parse_cidrs
 from netproxy.model import Changes, NodeInfo, Snapshot, ValidationError
 from netproxy.source.files import FileSource, SourceError, load
@@ -113,6 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", required=True, help="manifest file or directory")
     _add_common(p)
     _add_proxy(p)
+    p = sub.add_parser("trace", help="where a packet to a service address would go, and why; touches nothing")
+    p.add_argument("--source", required=True, help="manifest file or directory")
+    p.add_argument("--to", required=True, metavar="ADDRESS:PORT",
+                   help="destination, e.g. 10.96.0.10:53 or [fd00::10]:80")
+    p.add_argument("--protocol", default="tcp", choices=["tcp", "udp", "sctp"])
+    p.add_argument("--from", dest="source_address", default="203.0.113.1", metavar="ADDRESS",
+                   help="the client's address (default: outside the cluster)")
+    p.add_argument("--from-node", action="store_true", help="the connection starts on the node itself")
+    p.add_argument("--node-address", action="append", default=[], metavar="ADDRESS",
+                   help="this node's addresses (NodePorts, the node's own traffic); repeat")
+    _add_common(p, ("auto", "nftables"))
+    _add_proxy(p)
     p = sub.add_parser("detect", help="print the backend the version check picks and the evidence")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p = sub.add_parser("cleanup", help="remove every rule, chain and table netproxy created, nothing else")
@@ -194,6 +206,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
     backend, config = make_backend(args)
     snapshot, errors = _snapshot(args, config)
     sys.stdout.write(backend.plan(snapshot))
+    _report_rejections(errors)
+    return EXIT_REJECTED if errors else EXIT_OK
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from netproxy.trace import parse_destination, report
+
+    if args.backend == "auto":
+        args.backend = "nftables"  # a trace reads no kernel: the layout it follows is nftables'
+    backend, config = make_backend(args)
+    tracer = getattr(backend, "trace", None)
+    if tracer is None:
+        print(f"netproxy trace: the {backend.name} backend has no tracer", file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        address, port = parse_destination(args.to)
+    except ValueError as err:
+        print(f"netproxy trace: --to: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    snapshot, errors = _snapshot(args, config)
+    local = frozenset(args.node_address)
+    packet = Packet(args.node_address[0] if args.from_node and local else args.source_address, address, port,
+                    args.protocol, hook="output" if args.from_node else "prerouting", local=local)
+    sys.stdout.write(report(packet, tracer(snapshot, packet)))
     _report_rejections(errors)
     return EXIT_REJECTED if errors else EXIT_OK
 
@@ -309,7 +345,8 @@ def _make_source(args: argparse.Namespace, config: ProxyConfig) -> Source:
     return kube.KubeSource(client, config.hostname, use_endpoints=args.use_endpoints)
 
 
-COMMANDS = {"sync": cmd_sync, "run": cmd_run, "plan": cmd_plan, "detect": cmd_detect, "cleanup": cmd_cleanup}
+COMMANDS = {"sync": cmd_sync, "run": cmd_run, "plan": cmd_plan, "trace": cmd_trace, "detect": cmd_detect,
+            "cleanup": cmd_cleanup}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

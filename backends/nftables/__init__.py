@@ -7,7 +7,7 @@ import gc
 import logging
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
-from netproxy.backends.base import SyncError, SyncResult
+from netproxy.backends.base import Outcome, Packet, SyncError, SyncResult
 from netproxy.backends.nftables import kernel, render
 from netproxy.backends.nftables.fake import FakeNft
 from netproxy.backends.nftables.kernel import Runner
@@ -78,6 +78,18 @@ class NftablesBackend:
             # the kernel and rewrite everything next time.
             self._state = None
             raise
+
+    def trace(self, snapshot: Snapshot, packet: Packet) -> List[Outcome]:
+        """Where ``packet`` would go in the tables this backend writes for ``snapshot``: the rendered
+        rules' own kernel expressions run against a fake kernel (nothing is read or written)."""
+        from netproxy.backends.nftables.trace import Tracer
+
+        kernel = FakeNft()
+        NftablesBackend(self.config, runner=kernel).sync(snapshot, Changes(full=True))
+        if packet.family not in kernel.tables:
+            return [Outcome("accept")]
+        outcomes: List[Outcome] = Tracer(kernel, packet.family).trace(packet)
+        return outcomes
 
     def cleanup(self) -> None:
         gone = self.runner.delete_tables()

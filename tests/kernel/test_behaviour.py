@@ -153,6 +153,27 @@ def test_client_ip_affinity_releases_the_clients_of_an_endpoint_that_leaves(prox
         assert proxy.stop_runs() == [0], proxy.run_output()[-3000:]
 
 
+def test_trace_names_the_endpoints_real_traffic_reaches(proxy: Proxy, sandbox: Sandbox) -> None:
+    """`netproxy trace` (the nftables layout's rules, run without a kernel) against real traffic
+    through this combination: the same endpoints, with equal odds; a port without endpoints refused."""
+    pods = endpoints_of(sandbox, 3)
+    empty = [service("empty", OTHER_IP, [port(80, 8080)])]
+    proxy.sync(web(pods) + empty)
+    proc = proxy.command("trace", "--source", proxy.source, *proxy.base_flags, "--to", f"{WEB_IP}:80",
+                         "--from", sandbox.client_ip, combo_flags=False)
+    assert proc.returncode == 0, proc.stderr
+    traced = {addr: float(share) for share, addr in re.findall(r"^\s+([\d.]+)%  DNAT to ([\d.]+):8080",
+                                                               proc.stdout, re.M)}
+    assert set(traced) == {p.ip for p in pods}, proc.stdout
+    assert all(abs(share - 100 / 3) < 0.1 for share in traced.values()), proc.stdout
+    res = sandbox.connect(WEB_IP, 80, count=300)
+    assert_only_and_all(res, pods, total=300, at_least=50)
+    refused = proxy.command("trace", "--source", proxy.source, *proxy.base_flags, "--to", f"{OTHER_IP}:80",
+                            combo_flags=False)
+    assert "100.0%  refused" in refused.stdout, refused.stdout
+    assert sandbox.connect(OTHER_IP, 80, count=3, timeout=0.3).answered == 0
+
+
 def test_external_and_load_balancer_ips(proxy: Proxy, sandbox: Sandbox) -> None:
     pods = endpoints_of(sandbox, 3)
     proxy.sync(web(pods, externalIPs=[EXTERNAL_IP], load_balancer_ips=[LB_IP]))
