@@ -3,7 +3,7 @@
 Two variants, both deterministic (a seeded RNG) so that every backend sees the same cluster:
 
 - ``uniform``: N services ``bench/svc-00000`` … each with one TCP port (80 → 8080) and one
-  EndpointSlice of 10 ready endpoints — the workload of ``shared/PERF-NOTES.md``;
+  EndpointSlice of 10 ready endpoints — the workload of ``docs/performance.md``;
 - ``mixed``: 1–50 endpoints per service, one service in five UDP, one in ten with ClientIP affinity,
   one in four a NodePort (a fifth of those externalTrafficPolicy: Local), one in twenty
   internalTrafficPolicy: Local; every other endpoint on another node.

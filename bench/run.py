@@ -25,7 +25,7 @@ from bench.combos import Combo
 
 DP_EXTRA = 1  # the data plane also runs at N=1
 # Run at the largest N after everything else: iptables-nft's kernel cost grows faster than linearly
-# (shared/PERF-NOTES.md), and a forced iptables-nft backend is the least common set-up.
+# (docs/performance.md), and a forced iptables-nft backend is the least common set-up.
 DEFERRED = ("iptables-nft/restore",)
 LARGE = 10000
 AT_LARGE = ("nftables", "nftables/libnftables")
@@ -331,7 +331,7 @@ class Bench:
             for n in [n for n in self.sizes if (upto is None or n <= upto) and (only is None or n == only)
                       and n <= LARGE]:
                 if ref == "kube-proxy iptables-nft" and n > 2000:
-                    # Quadratic in the kernel: 43 s at 2k, 307 s at 4k (shared/PERF-NOTES.md); ~30 min at 10k.
+                    # Quadratic in the kernel: 43 s at 2k, 307 s at 4k (docs/performance.md); ~30 min at 10k.
                     self._cell("reference", ref, n)["cold"] = self._skip(
                         "quadratic in the kernel past 2k services (docs/performance.md)")
                     continue

@@ -19,7 +19,7 @@ python-iptables' traps, and what this module does about each:
 - **Every target lookup opens every table**: ``Target`` asks ``rule.tables`` (the singletons, with
   autocommit on) whether its name is a chain.  Our rule classes answer with no tables; jumps to our
   chains are written as standard targets by name (:meth:`RuleBuilder.build_slow`).
-- **Per-rule cost** (~390 µs to build a rule object, PERF-NOTES.md): rule blobs are built from
+- **Per-rule cost** (~390 µs to build a rule object, docs/performance.md): rule blobs are built from
   templates.  For each rule *shape* (the arguments with addresses, ports, comments, odds and names
   blanked) python-iptables builds one template with sentinel values; each rule is then the template's
   bytes with its own values patched in.  The first rule of every shape is also built the slow way and

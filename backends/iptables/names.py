@@ -2,7 +2,7 @@
 
 ``KUBE-SVC-<hash>`` is base32(sha256("<ns>/<name>:<port>" + protocol))[:16], as kube-proxy names it, so
 that people who grep for a service's chain find it where they expect.  Hashing is cached because
-recomputing sha256 for every service on every sync cost 1.1 s at 10k services (PERF-NOTES.md).
+recomputing sha256 for every service on every sync cost 1.1 s at 10k services (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def service_chain(name: ServicePortName, protocol: str, prefix: str = SVC_PREFIX
 def endpoint_name(name: ServicePortName, protocol: str, endpoint: Endpoint) -> str:
     """``KUBE-SEP-<hash>``: the seed's per-endpoint chain name, used here as the ``-m recent`` list name.
 
-    Endpoint rules sit inline in the service chain (PERF-NOTES.md: a chain per endpoint costs 8.5 s
+    Endpoint rules sit inline in the service chain (docs/performance.md: a chain per endpoint costs 8.5 s
     against 1.55 s at 10k), but the affinity list keeps the name an operator knows.
     """
     key = (name, protocol, endpoint)

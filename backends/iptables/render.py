@@ -9,7 +9,7 @@ mode names it:
   ``KUBE-NODEPORTS``) to ``KUBE-EXT-``.
 - ``KUBE-SVC-<hash>`` (all eligible endpoints) and ``KUBE-SVL-<hash>`` (this node's endpoints, for the
   Local traffic policies) hold the endpoint choice inline: ``-m statistic --probability 1/(n-i)`` +
-  ``DNAT`` per endpoint, the last unconditional.  No per-endpoint ``KUBE-SEP-`` chains (PERF-NOTES.md:
+  ``DNAT`` per endpoint, the last unconditional.  No per-endpoint ``KUBE-SEP-`` chains (docs/performance.md:
   8.5 s against 1.55 s at 10k); ClientIP affinity uses ``KUBE-SEP-<hash>`` as each endpoint's
   ``-m recent`` list name, as the seed did.  Hairpin masquerade is not here: ``assemble.py`` checks
   "source is the endpoint" after the DNAT, in ``KUBE-POSTROUTING``.

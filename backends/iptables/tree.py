@@ -1,6 +1,6 @@
 """Dispatch trees: a long list of keyed rules split into chains by key prefix.
 
-A flat chain makes every packet check every rule before its own (PERF-NOTES.md: ~24 ns per rule on
+A flat chain makes every packet check every rule before its own (docs/performance.md: ~24 ns per rule on
 legacy, 252 µs at 10k services).  The tree jumps on a key prefix 16 ways per level until a chain
 holds at most :data:`LEAF_SIZE` rules, so a packet checks a few dozen rules whatever the size.  It is
 deterministic in the set of keys, so a one-service change rewrites only the chains on that

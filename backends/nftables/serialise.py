@@ -1,7 +1,7 @@
 """The one place that turns typed objects into libnftables input (nft text syntax).
 
 Text, not JSON: building libnftables JSON as Python dicts for 10k services measured 25-35x the cost
-of the equivalent text (PERF-NOTES.md), and text is what an operator reads in logs and test
+of the equivalent text (docs/performance.md), and text is what an operator reads in logs and test
 failures.  Consecutive element operations on one set become one command with many elements, which
 is what keeps a 100k-element transaction cheap to parse.
 """
