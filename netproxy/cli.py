@@ -62,7 +62,14 @@ def cidr_list(text: str) -> Tuple[object, ...]:
 
 def _add_common(p: argparse.ArgumentParser, backends: Sequence[str] = BACKENDS) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--backend", default="auto", choices=list(backends),
+    shown = [b for b in backends if b != "fake"]  # the in-memory test backend: accepted, not advertised
+
+    def backend_name(text: str) -> str:
+        if text not in backends:
+            raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(shown)})")
+        return text
+
+    p.add_argument("--backend", default="auto", type=backend_name, metavar="{" + ",".join(shown) + "}",
                    help="dataplane; auto runs the iptables version check (see `netproxy detect`)")
     p.add_argument("--iptables-writer", default="restore", choices=list(IPTABLES_WRITERS),
                    help="iptables backend: atomic iptables-restore (default) or in-process libiptc")

@@ -302,3 +302,11 @@ def test_usage_errors_exit_1_not_2() -> None:
     with pytest.raises(SystemExit) as info:
         cli.main(["sync", "--source", "x", "--backend", "nope"])
     assert info.value.code == 1
+
+
+def test_the_fake_backend_is_accepted_but_not_advertised(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["sync", "--help"])
+    out = capsys.readouterr().out
+    assert "{auto,iptables,nftables}" in out and "fake" not in out
+    assert cli.build_parser().parse_args(["sync", "--source", "x", "--backend", "fake"]).backend == "fake"
