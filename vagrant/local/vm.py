@@ -308,6 +308,33 @@ def _download_for(wh: Path, built: Path, reqs: List[str], target: List[str], pyt
     for this Python; they become the guest's constraints, because the guest's pip does not
     backtrack past a distribution that is missing from the wheelhouse.
     """
+    excluded: List[str] = []
+    while True:
+        pins = _resolve(wh, built, reqs + excluded, target, pytag)
+        res = subprocess.run(host_pip() + ["download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(wh),
+                                           "--find-links", str(wh)] + target + pins,
+                             capture_output=True, text=True)
+        if res.returncode == 0:
+            break
+        # An index without Requires-Python data lets the resolver pick a release the guest's Python
+        # cannot run (iniconfig 2.3 needs 3.10; Debian 11 has 3.9); the wheel's own metadata says so.
+        m = re.search(r"Package '([^']+)' requires a different Python", res.stderr)
+        bad = _normal(m.group(1)) if m else None
+        pin = next((p for p in pins if _normal(p.split("==")[0]) == bad), None)
+        if pin is None or pin.replace("==", "!=") in excluded:
+            die(f"pip cannot download the guest requirements for {pytag}:\n{res.stderr}")
+        log(f"wheelhouse: {pin} does not run on {pytag}; resolving again without it")
+        excluded.append(pin.replace("==", "!="))
+    (wh / f"{pytag}.constraints").write_text("\n".join(pins) + "\n")
+
+
+def _normal(name: str) -> str:
+    """A distribution name as pip compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _resolve(wh: Path, built: Path, reqs: List[str], target: List[str], pytag: str) -> List[str]:
+    """The versions the host's resolver picks for the target Python (a dry-run install's report)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         cmd = host_pip() + ["install", "-q", "--dry-run", "--ignore-installed", "--only-binary=:all:",
@@ -335,9 +362,7 @@ def _download_for(wh: Path, built: Path, reqs: List[str], target: List[str], pyt
                     retag_ctypes_wheel(w, wh)
         pins = sorted(f"{it['metadata']['name']}=={it['metadata']['version']}"
                       for it in json.loads(report.read_text())["install"])
-    run(host_pip() + ["download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(wh), "--find-links", str(wh)]
-        + target + pins, stdout=subprocess.DEVNULL)
-    (wh / f"{pytag}.constraints").write_text("\n".join(pins) + "\n")
+    return pins
 
 
 # ---------------------------------------------------------------------------------------------
