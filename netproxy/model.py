@@ -11,8 +11,13 @@ import functools
 import ipaddress
 import re
 import socket
+import sys
 from dataclasses import dataclass, field
 from typing import FrozenSet, Iterable, List, Mapping, Optional, Tuple, Union
+
+_SLOTS = {"slots": True} if sys.version_info >= (3, 10) else {}
+"""No per-instance ``__dict__`` for the objects there are 100k of (Python >= 3.10: 40 MB at 10k
+services x 10 endpoints); Python 3.9 (Debian 11) gets plain dataclasses."""
 
 IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
@@ -142,7 +147,7 @@ def check_zone(value: object, field_path: str) -> Optional[str]:
     return value
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, **_SLOTS)
 class ServicePortName:
     """namespace/name:port — the identity of one service port, as the seed's proxier keys it."""
 
@@ -189,7 +194,7 @@ class ServicePort:
         return self.cluster_ips + self.external_ips + self.load_balancer_ips
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, **_SLOTS)
 class Endpoint:
     """One backend of a service port: an address and a (resolved) port."""
 
