@@ -25,7 +25,7 @@ from netproxy import detect as detect_mod
 from netproxy.backends import BackendError, create
 from netproxy.backends.base import Backend, Packet
 from netproxy.config import BACKENDS, IPTABLES_WRITERS, NFTABLES_WRITERS, ProxyConfig, parse_cidrs
-from netproxy.model import Changes, NodeInfo, Snapshot, ValidationError
+from netproxy.model import Changes, NodeInfo, Snapshot, ValidationError, forget_parsed_addresses
 from netproxy.source.files import FileSource, SourceError, load
 from netproxy.tracker import ChangeTracker
 
@@ -196,6 +196,7 @@ def _snapshot(args: argparse.Namespace, config: ProxyConfig) -> Tuple[Snapshot, 
         tracker.set_node_addresses(local_addresses(config.nodeport_addresses))
     tracker.replace_services(loaded.services)
     tracker.replace_endpoints(loaded.endpoints)
+    forget_parsed_addresses()  # no reload follows: the memory goes to the sync instead
     return tracker.take()[0], loaded.errors
 
 
