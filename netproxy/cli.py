@@ -19,7 +19,7 @@ import re
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, List, NoReturn, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, List, NoReturn, Optional, Protocol, Sequence, Tuple
 
 from netproxy import detect as detect_mod
 from netproxy.backends import BackendError, create
@@ -291,7 +291,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     proxier = Proxier(tracker, backend, config)
     runner = BoundedFrequencyRunner(proxier.sync, config.min_sync_period, config.sync_period)
     proxier.retry = runner.retry_after
-    tracker.on_change = runner.request
+    tracker.on_change = lambda: _queued(tracker, proxier, runner.request)
     source = _make_source(args, config)
     _add_post_sync_steps(proxier, config, args)
     stop = threading.Event()
@@ -304,6 +304,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     metrics.serve(args.metrics_bind_address)
+    metrics.BACKEND.labels(backend.name, config.nftables_writer if backend.name == "nftables"
+                           else config.iptables_writer if backend.name == "iptables" else "").set(1)
     source.start(tracker)
     watcher = None
     if config.nodeport_addresses:
@@ -321,6 +323,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _queued(tracker: ChangeTracker, proxier: Proxier, request: Callable[[], None]) -> None:
+    """A change reached the tracker: kube-proxy's queued-change metrics and health, then a sync."""
+    from netproxy import metrics
+
+    services, endpoints = tracker.pending_changes()
+    metrics.LAST_QUEUED.set_to_current_time()
+    metrics.SERVICE_CHANGES_PENDING.set(services)
+    metrics.ENDPOINT_CHANGES_PENDING.set(endpoints)
+    seen = proxier.changes_counted
+    metrics.SERVICE_CHANGES.inc(tracker.service_changes - seen[0])
+    metrics.ENDPOINT_CHANGES.inc(tracker.endpoint_changes - seen[1])
+    proxier.changes_counted = (tracker.service_changes, tracker.endpoint_changes)
+    if proxier.health is not None:
+        proxier.health.queued()
+    request()
+
+
 def _add_post_sync_steps(proxier: Proxier, config: ProxyConfig, args: argparse.Namespace) -> None:
     """What kube-proxy does after writing rules: UDP conntrack cleanup and the health-check servers."""
     from netproxy.conntrack import ConntrackCleaner, stale_udp
@@ -328,8 +347,9 @@ def _add_post_sync_steps(proxier: Proxier, config: ProxyConfig, args: argparse.N
 
     cleaner = ConntrackCleaner()
     services = ServiceHealthServers()
-    health = ProxyHealth(config.sync_period)
+    health = ProxyHealth(2 * config.sync_period)  # kube-proxy's healthz timeout
     health.serve(args.healthz_bind_address)
+    proxier.health = health
 
     def clean_conntrack(prev: Optional[Snapshot], cur: Snapshot) -> None:
         cleaner.clean(stale_udp(prev, cur))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence, Tuple
 
-from netproxy.model import Endpoint, NodeInfo, ServicePort
+from netproxy.model import Endpoint, NodeInfo, ServicePort, Snapshot
 
 PREFER_ZONE = ("PreferClose", "PreferSameZone")
 
@@ -62,3 +62,21 @@ def _by_topology(svc: ServicePort, endpoints: Tuple[Endpoint, ...], node: NodeIn
         return endpoints  # kube-proxy ignores hints unless every endpoint has them
     same = tuple(e for e, z in zip(endpoints, zones) if node.zone in z)
     return same or endpoints
+
+
+def no_local_endpoints(snapshot: Snapshot) -> Tuple[int, int]:
+    """(internal, external): service ports with a Local traffic policy of that kind and no eligible
+    local endpoint while they have endpoints elsewhere (kube-proxy's
+    sync_proxy_rules_no_local_endpoints_total); counted once per service port."""
+    internal = external = 0
+    for name, svc in snapshot.services.items():
+        eps = snapshot.endpoints_of(name)
+        if not eps or not usable(eps):
+            continue
+        local = local_endpoints(eps, snapshot.node)
+        if svc.internal_traffic_policy == "Local" and not local:
+            internal += 1
+        if svc.external_traffic_policy == "Local" and (svc.node_port or svc.external_ips or svc.load_balancer_ips) \
+                and not local:
+            external += 1
+    return internal, external

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import threading
@@ -28,10 +29,14 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
 
 
-def _handler(body: Callable[[], Tuple[int, Dict[str, object]]]) -> type:
+Body = Callable[[str], Tuple[int, Dict[str, object]]]
+"""Answers a GET of a path: (HTTP code, JSON payload)."""
+
+
+def _handler(body: Body) -> type:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-            code, payload = body()
+            code, payload = body(self.path)
             data = json.dumps(payload).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
@@ -46,7 +51,7 @@ def _handler(body: Callable[[], Tuple[int, Dict[str, object]]]) -> type:
     return Handler
 
 
-def _serve(host: str, port: int, body: Callable[[], Tuple[int, Dict[str, object]]]) -> Optional[_Server]:
+def _serve(host: str, port: int, body: Body) -> Optional[_Server]:
     try:
         server = _Server((host, port), _handler(body))
     except OSError as err:
@@ -90,8 +95,8 @@ class ServiceHealthServers:
                     old[1].server_close()
                 self._servers[port] = (key, _serve(self.host, port, self._answer(key)))
 
-    def _answer(self, key: Key) -> Callable[[], Tuple[int, Dict[str, object]]]:
-        def body() -> Tuple[int, Dict[str, object]]:
+    def _answer(self, key: Key) -> Body:
+        def body(path: str) -> Tuple[int, Dict[str, object]]:
             with self._lock:
                 count = self._counts.get(key, 0)
             payload: Dict[str, object] = {"service": {"namespace": key[0], "name": key[1]},
@@ -108,23 +113,61 @@ class ServiceHealthServers:
 
 
 class ProxyHealth:
-    """/healthz: healthy when the last successful sync is younger than ``2 × sync_period``."""
+    """/healthz and /livez with kube-proxy's semantics (its ``ProxierHealthServer``).
 
-    def __init__(self, sync_period: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.sync_period = sync_period
+    Unhealthy (503) before the first successful sync, and while a change has been queued for longer
+    than ``timeout`` without a successful sync (kube-proxy: 2 × ``--sync-period``).  A proxy with
+    nothing to do stays healthy however long ago it last synced: the age of the last sync is not
+    a fault, a change that does not get written is.  Each answer is counted per HTTP code in
+    ``kubeproxy_proxy_healthz_total`` / ``kubeproxy_proxy_livez_total``.
+    """
+
+    def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.timeout = timeout
         self.clock = clock
+        self.wall = wall
         self.last_ok: Optional[float] = None
+        """Wall-clock time of the last successful sync."""
+        self.oldest_queued: Optional[float] = None
+        """When the oldest change not yet written was queued (monotonic)."""
         self.server: Optional[_Server] = None
+        self._lock = threading.Lock()
+
+    def queued(self) -> None:
+        with self._lock:
+            if self.oldest_queued is None:
+                self.oldest_queued = self.clock()
 
     def synced(self) -> None:
-        self.last_ok = self.clock()
+        with self._lock:
+            self.last_ok = self.wall()
+            self.oldest_queued = None
 
     def status(self) -> Tuple[int, Dict[str, object]]:
-        healthy = self.last_ok is not None and self.clock() - self.last_ok <= 2 * self.sync_period
-        return (200 if healthy else 503), {"lastUpdated": self.last_ok, "healthy": healthy}
+        with self._lock:
+            last, queued = self.last_ok, self.oldest_queued
+        healthy = last is not None and (queued is None or self.clock() - queued <= self.timeout)
+        payload: Dict[str, object] = {"lastUpdated": _iso(last), "currentTime": _iso(self.wall()),
+                                      "nodeEligible": True}
+        return (200 if healthy else 503), payload
 
     def serve(self, address: str) -> None:
         if not address:
             return
         host, _, port = address.rpartition(":")
-        self.server = _serve(host.strip("[]"), int(port), self.status)
+        self.server = _serve(host.strip("[]"), int(port), self._answer)
+
+    def _answer(self, path: str) -> Tuple[int, Dict[str, object]]:
+        """/livez and /healthz (any other path: /healthz, as kube-proxy's mux)."""
+        from netproxy import metrics
+
+        code, payload = self.status()
+        (metrics.LIVEZ if path.split("?")[0] == "/livez" else metrics.HEALTHZ).labels(str(code)).inc()
+        return code, payload
+
+
+def _iso(t: Optional[float]) -> str:
+    if t is None:
+        return ""
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

@@ -1,20 +1,78 @@
-"""Prometheus metrics (kube-proxy's names where one exists), served by ``netproxy run``."""
+"""Prometheus metrics under kube-proxy's names, types, labels and buckets (its
+``pkg/proxy/metrics``), so that dashboards and alerts written for kube-proxy work unchanged; what
+netproxy adds carries the ``netproxy_`` prefix.  Served by ``netproxy run`` on
+``--metrics-bind-address``.
+"""
 
 from __future__ import annotations
 
 import logging
+from typing import Tuple
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 log = logging.getLogger(__name__)
 
-SYNC_DURATION = Histogram(
-    "netproxy_sync_proxy_rules_duration_seconds", "Time of one sync of the proxy rules", ["mode"],
-    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-SYNC_TOTAL = Counter("netproxy_sync_proxy_rules_total", "Syncs of the proxy rules", ["result"])
-LAST_SYNC = Gauge("netproxy_sync_proxy_rules_last_timestamp_seconds", "When the rules were last synced successfully")
-REJECTED = Counter("netproxy_rejected_objects_total", "Source objects rejected by validation")
+
+def _exponential(start: float, factor: float, count: int) -> Tuple[float, ...]:
+    return tuple(start * factor ** i for i in range(count))
+
+
+def _linear(start: float, width: float, count: int) -> Tuple[float, ...]:
+    return tuple(start + width * i for i in range(count))
+
+
+SYNC_BUCKETS = _exponential(0.001, 2, 15)
+"""kube-proxy's ExponentialBuckets(0.001, 2, 15): 1 ms … 16 s."""
+PROGRAMMING_BUCKETS = _linear(0.25, 0.25, 2) + _linear(1, 1, 59) + _linear(60, 5, 12) + _linear(120, 30, 7)
+
+# -- kube-proxy's --------------------------------------------------------------------------------
+SYNC_DURATION = Histogram("kubeproxy_sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds",
+                          buckets=SYNC_BUCKETS)
+SYNC_FULL_DURATION = Histogram("kubeproxy_sync_full_proxy_rules_duration_seconds",
+                               "SyncProxyRules latency in seconds for full resyncs", buckets=SYNC_BUCKETS)
+SYNC_PARTIAL_DURATION = Histogram("kubeproxy_sync_partial_proxy_rules_duration_seconds",
+                                  "SyncProxyRules latency in seconds for partial resyncs", buckets=SYNC_BUCKETS)
+LAST_SYNC = Gauge("kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+                  "The last time proxy rules were successfully synced")
+LAST_QUEUED = Gauge("kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+                    "The last time a sync of proxy rules was queued")
+NETWORK_PROGRAMMING = Histogram("kubeproxy_network_programming_duration_seconds",
+                                "In Cluster Network Programming Latency in seconds", buckets=PROGRAMMING_BUCKETS)
+ENDPOINT_CHANGES_PENDING = Gauge("kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+                                 "Pending proxy rules Endpoint changes")
+ENDPOINT_CHANGES = Counter("kubeproxy_sync_proxy_rules_endpoint_changes", "Cumulative proxy rules Endpoint changes")
+SERVICE_CHANGES_PENDING = Gauge("kubeproxy_sync_proxy_rules_service_changes_pending",
+                                "Pending proxy rules Service changes")
+SERVICE_CHANGES = Counter("kubeproxy_sync_proxy_rules_service_changes", "Cumulative proxy rules Service changes")
+IPTABLES_RESTORE_FAILURES = Counter("kubeproxy_sync_proxy_rules_iptables_restore_failures",
+                                    "Cumulative proxy iptables restore failures")
+IPTABLES_PARTIAL_RESTORE_FAILURES = Counter("kubeproxy_sync_proxy_rules_iptables_partial_restore_failures",
+                                            "Cumulative proxy iptables partial restore failures")
+NFTABLES_SYNC_FAILURES = Counter("kubeproxy_sync_proxy_rules_nftables_sync_failures",
+                                 "Cumulative proxy nftables sync failures")
+NFTABLES_CLEANUP_FAILURES = Counter("kubeproxy_sync_proxy_rules_nftables_cleanup_failures",
+                                    "Cumulative proxy nftables cleanup failures")
+NO_LOCAL_ENDPOINTS = Gauge("kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+                           "Number of services with a Local traffic policy and no endpoints", ["traffic_policy"])
+HEALTHZ = Counter("kubeproxy_proxy_healthz", "Cumulative proxy healthz HTTP status", ["code"])
+LIVEZ = Counter("kubeproxy_proxy_livez", "Cumulative proxy livez HTTP status", ["code"])
+
+# -- netproxy's own ------------------------------------------------------------------------------
+SYNC_TOTAL = Counter("netproxy_sync_proxy_rules", "Syncs of the proxy rules, by result", ["result"])
+REJECTED = Counter("netproxy_rejected_objects", "Source objects rejected by validation")
 SERVICES = Gauge("netproxy_service_ports", "Service ports in the last synced snapshot")
+BACKEND = Gauge("netproxy_backend_info", "The dataplane in use (value 1)", ["backend", "writer"])
+
+
+def record_failure(backend: str, full: bool) -> None:
+    """A refused write, counted under kube-proxy's name for the backend's mode."""
+    if backend == "nftables":
+        NFTABLES_SYNC_FAILURES.inc()
+    elif backend == "iptables":
+        IPTABLES_RESTORE_FAILURES.inc()
+        if not full:
+            IPTABLES_PARTIAL_RESTORE_FAILURES.inc()
 
 
 def serve(address: str) -> None:

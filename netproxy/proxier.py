@@ -9,11 +9,12 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 from netproxy import metrics
 from netproxy.backends.base import Backend, BackendError, SyncResult
 from netproxy.config import ProxyConfig
+from netproxy.endpoints import no_local_endpoints
 from netproxy.model import Changes, Snapshot
 from netproxy.tracker import ChangeTracker
 
@@ -40,6 +41,10 @@ class Proxier:
         """Called with (previous, current) snapshot after each successful sync: conntrack cleanup,
         health-check servers.  A failing hook is logged and does not fail the sync."""
         self._previous: Optional[Snapshot] = None
+        self.health: Optional[Any] = None
+        """The /healthz state (``netproxy run``), told about queued changes by the CLI."""
+        self.changes_counted = (0, 0)
+        """The tracker's (service, endpoint) change counts already added to the metrics."""
 
     def sync(self) -> None:
         """One sync; the runner calls this.  Never raises for a kernel error: it schedules a retry."""
@@ -56,13 +61,11 @@ class Proxier:
         try:
             self.last_result = self.backend.sync(snapshot, Changes(full=full, services=changes.services))
         except BackendError as err:  # a refused write, or e.g. a binary gone: retry either way
+            metrics.record_failure(self.backend.name, full)
             self._failed(err)
             return
         elapsed = time.perf_counter() - start
-        metrics.SYNC_DURATION.labels("full" if full else "partial").observe(elapsed)
-        metrics.SYNC_TOTAL.labels("ok").inc()
-        metrics.LAST_SYNC.set_to_current_time()
-        metrics.SERVICES.set(len(snapshot.services))
+        self._record(snapshot, full, elapsed)
         if full:
             self._last_full = now
             # A full sync leaves ~100k long-lived objects (snapshot, the backend's record); moving them
@@ -81,6 +84,20 @@ class Proxier:
             except Exception:  # noqa: BLE001 - a hook must never stop the proxy from syncing
                 log.exception("post-sync step %r failed", hook)
         self._previous = snapshot
+
+    @staticmethod
+    def _record(snapshot: Snapshot, full: bool, elapsed: float) -> None:
+        """kube-proxy's metrics of one successful sync."""
+        metrics.SYNC_DURATION.observe(elapsed)
+        (metrics.SYNC_FULL_DURATION if full else metrics.SYNC_PARTIAL_DURATION).observe(elapsed)
+        metrics.SYNC_TOTAL.labels("ok").inc()
+        metrics.LAST_SYNC.set_to_current_time()
+        metrics.SERVICES.set(len(snapshot.services))
+        metrics.SERVICE_CHANGES_PENDING.set(0)
+        metrics.ENDPOINT_CHANGES_PENDING.set(0)
+        internal, external = no_local_endpoints(snapshot)
+        metrics.NO_LOCAL_ENDPOINTS.labels("internal").set(internal)
+        metrics.NO_LOCAL_ENDPOINTS.labels("external").set(external)
 
     def _failed(self, err: BackendError) -> None:
         # The backend left the previous ruleset in place; the changes taken from the tracker are not

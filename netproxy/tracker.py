@@ -49,6 +49,11 @@ class ChangeTracker:
         self._endpoints_synced = False
         self.rejected = 0  # a count: a long-running proxy must not keep every error it ever saw
         self.on_change = on_change
+        self.service_changes = 0
+        """Changes of services seen (kube-proxy's sync_proxy_rules_service_changes_total)."""
+        self.endpoint_changes = 0
+        self._pending_services = 0
+        self._pending_endpoints = 0
 
     # -- events from sources ------------------------------------------------------------------
 
@@ -125,6 +130,11 @@ class ChangeTracker:
         with self._lock:
             return bool(self._dirty) or self._node_changed
 
+    def pending_changes(self) -> Tuple[int, int]:
+        """(service changes, endpoint changes) not yet taken by a sync."""
+        with self._lock:
+            return self._pending_services, self._pending_endpoints
+
     def take(self) -> Tuple[Snapshot, Changes]:
         """The current snapshot and the service ports changed since the last call (then cleared)."""
         with self._lock:
@@ -132,6 +142,7 @@ class ChangeTracker:
             for key in self._dirty:
                 changed.update(self._resolve(key))
             self._dirty.clear()
+            self._pending_services = self._pending_endpoints = 0
             full = self._node_changed  # node zone/name changes can affect every service
             self._node_changed = False
             node = replace(self._node, addresses=self._node_addresses) if self._node_addresses else self._node
@@ -152,15 +163,23 @@ class ChangeTracker:
             if old is not None:
                 del self._services[key]
                 self._dirty.add(key)
+                self._count_service()
             return
         if old != ports:
             self._services[key] = ports
             self._dirty.add(key)
+            self._count_service()
+
+    def _count_service(self) -> None:
+        self.service_changes += 1
+        self._pending_services += 1
 
     def _set_slice(self, key: Key, eps: Optional[EndpointSet]) -> None:
         old = self._slices.get(key)
         if old is eps or old == eps:
             return
+        self.endpoint_changes += 1
+        self._pending_endpoints += 1
         if old is not None:
             service = (old.namespace, old.service)
             keys = self._slices_by_service.get(service)
