@@ -32,7 +32,6 @@ FIB_F_SADDR, FIB_F_DADDR = 0x1, 0x2
 FIB_RESULT_ADDRTYPE = 3
 NG_RANDOM = 1
 DYNSET_UPDATE = 1
-BYTEORDER_HTON = 1
 LOOKUP_F_INV = 1
 _FAMILY_NUMBERS = {"ip": 2, "ip6": 10}
 _VERDICTS = {wire.NF_DROP: "drop", wire.NF_ACCEPT: "accept", wire.NFT_JUMP: "jump", wire.NFT_GOTO: "goto",
@@ -131,23 +130,6 @@ class Bitwise:
 
     def debug(self) -> str:
         return f"[ bitwise reg {self.reg} = ( reg {self.reg} & {words(self.mask)} ) ^ {words(self.xor)} ]"
-
-
-@dataclass(frozen=True)
-class Byteorder:
-    """``hton`` in place; ``nft`` puts one after ``meta l4proto`` in a concatenation looked up in an
-    interval set (a no-op for one byte, kept so the sequence is nft's own)."""
-
-    reg: int
-    length: int
-    size: int
-
-    def encode(self) -> bytes:
-        return _expr("byteorder", wire.u32(1, self.reg) + wire.u32(2, self.reg) + wire.u32(3, BYTEORDER_HTON)
-                     + wire.u32(4, self.length) + wire.u32(5, self.size))
-
-    def debug(self) -> str:
-        return f"[ byteorder reg {self.reg} = hton(reg {self.reg}, {self.size}, {self.length}) ]"
 
 
 @dataclass(frozen=True)

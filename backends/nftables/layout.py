@@ -86,7 +86,7 @@ def base_chains(family: str, config: ProxyConfig) -> List[Tuple[Chain, Tuple[Rul
     nodeports = nodeport_match(fam, config)
     mark = config.masquerade_mark
     firewall = (st.lookup(dispatch, names.FIREWALL_IPS),
-                st.lookup(dispatch + (st.addr(fam, "saddr"),), names.FIREWALL_ALLOW, invert=True, interval=True),
+                st.lookup(dispatch + (st.addr(fam, "saddr"),), names.FIREWALL_ALLOW, invert=True),
                 st.DROP)
 
     def filter_rules(chain: str, with_nodeports: bool) -> Tuple[Rule, ...]:

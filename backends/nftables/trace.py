@@ -231,8 +231,6 @@ class Tracer:
             have = _load(regs, e.reg, len(e.mask))
             _store(regs, e.reg, bytes((a & m) ^ x for a, m, x in zip(have, e.mask, e.xor)))
             return None
-        if isinstance(e, ex.Byteorder):
-            return None  # one byte: a no-op in the kernel too
         if isinstance(e, ex.Fib):
             which = p.saddr if e.flags & ex.FIB_F_SADDR else daddr
             _store(regs, e.dreg, struct.pack("=I", 2 if which in p.local else 1))
