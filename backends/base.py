@@ -62,6 +62,11 @@ class SyncResult:
     """How many service ports' objects were (re)written."""
     bytes_written: int = 0
     """Size of the payload handed to the kernel tool or library."""
+    rules_owned: Tuple[Tuple[str, int], ...] = ()
+    """(table, rules) this backend owns after the sync, for a backend that counts rules by table
+    (iptables: kube-proxy's ``sync_proxy_rules_iptables_total{table}``); empty when it does not."""
+    rules_written: Tuple[Tuple[str, int], ...] = ()
+    """(table, rules) written by this sync (``sync_proxy_rules_iptables_last{table}``)."""
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 - Per service with ``externalTrafficPolicy: Local`` and a ``healthCheckNodePort``: a server on that
   port answering 200 with the number of local endpoints when there are some, 503 when not, so that
   a load balancer only sends traffic to nodes that can serve it locally.
-- ``/healthz`` for the proxy itself (``--healthz-bind-address``): 200 once the rules were synced
-  recently, 503 before the first sync or when syncs have stopped succeeding.
+- ``/healthz`` and ``/livez`` for the proxy itself (``--healthz-bind-address``): 503 once a queued
+  change has waited longer than the healthz timeout (and /healthz while the node is being deleted).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Dict, Optional, Tuple
 
 from netproxy.endpoints import local_endpoints
-from netproxy.model import Snapshot
+from netproxy.model import NodeInfo, Snapshot
 
 log = logging.getLogger(__name__)
 Key = Tuple[str, str]
@@ -113,12 +113,14 @@ class ServiceHealthServers:
 
 
 class ProxyHealth:
-    """/healthz and /livez with kube-proxy's semantics (its ``ProxierHealthServer``).
+    """/healthz and /livez with kube-proxy's semantics (its ``proxierHealthServer``).
 
-    Unhealthy (503) before the first successful sync, and while a change has been queued for longer
-    than ``timeout`` without a successful sync (kube-proxy: 2 × ``--sync-period``).  A proxy with
-    nothing to do stays healthy however long ago it last synced: the age of the last sync is not
-    a fault, a change that does not get written is.  Each answer is counted per HTTP code in
+    Healthy (200) while no change is waiting, or the oldest waiting change was queued less than
+    ``timeout`` ago (kube-proxy: 2 × ``--sync-period``); 503 once a change has waited longer.  A
+    proxy with nothing to do stays healthy however long ago it last synced, and so does one still
+    starting: the age of the last sync is not a fault, a change that does not get written is.
+    /healthz is also 503 while this node is being deleted (``nodeEligible`` false) so that load
+    balancers drain it; /livez ignores the node.  Each answer is counted per HTTP code in
     ``kubeproxy_proxy_healthz_total`` / ``kubeproxy_proxy_livez_total``.
     """
 
@@ -131,6 +133,8 @@ class ProxyHealth:
         """Wall-clock time of the last successful sync."""
         self.oldest_queued: Optional[float] = None
         """When the oldest change not yet written was queued (monotonic)."""
+        self.node_eligible = True
+        """kube-proxy starts eligible and only a node event says otherwise."""
         self.server: Optional[_Server] = None
         self._lock = threading.Lock()
 
@@ -144,12 +148,29 @@ class ProxyHealth:
             self.last_ok = self.wall()
             self.oldest_queued = None
 
-    def status(self) -> Tuple[int, Dict[str, object]]:
+    def sync_node(self, node: NodeInfo) -> None:
+        """This node's state from the source: not eligible while it is being deleted."""
         with self._lock:
-            last, queued = self.last_ok, self.oldest_queued
-        healthy = last is not None and (queued is None or self.clock() - queued <= self.timeout)
-        payload: Dict[str, object] = {"lastUpdated": _iso(last), "currentTime": _iso(self.wall()),
-                                      "nodeEligible": True}
+            self.node_eligible = node.eligible
+
+    def healthy(self) -> bool:
+        """The proxier's own health, without the node (what /livez answers)."""
+        with self._lock:
+            queued = self.oldest_queued
+        return queued is None or self.clock() - queued < self.timeout
+
+    def status(self, path: str = "/healthz") -> Tuple[int, Dict[str, object]]:
+        """(code, kube-proxy's JSON body) for /healthz or /livez."""
+        livez = path.split("?")[0] == "/livez"
+        with self._lock:
+            last, eligible = self.last_ok, self.node_eligible
+        now = self.wall()
+        healthy = self.healthy() and (livez or eligible)
+        if healthy:
+            last = now  # as kube-proxy: a healthy answer says "recent", whatever the last sync's age
+        payload: Dict[str, object] = {"lastUpdated": _iso(last), "currentTime": _iso(now)}
+        if not livez:
+            payload["nodeEligible"] = eligible
         return (200 if healthy else 503), payload
 
     def serve(self, address: str) -> None:
@@ -162,7 +183,7 @@ class ProxyHealth:
         """/livez and /healthz (any other path: /healthz, as kube-proxy's mux)."""
         from netproxy import metrics
 
-        code, payload = self.status()
+        code, payload = self.status(path)
         (metrics.LIVEZ if path.split("?")[0] == "/livez" else metrics.HEALTHZ).labels(str(code)).inc()
         return code, payload
 

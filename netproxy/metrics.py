@@ -24,7 +24,8 @@ def _linear(start: float, width: float, count: int) -> Tuple[float, ...]:
 
 SYNC_BUCKETS = _exponential(0.001, 2, 15)
 """kube-proxy's ExponentialBuckets(0.001, 2, 15): 1 ms … 16 s."""
-PROGRAMMING_BUCKETS = _linear(0.25, 0.25, 2) + _linear(1, 1, 59) + _linear(60, 5, 12) + _linear(120, 30, 7)
+PROGRAMMING_BUCKETS = (0.0,) + _linear(0.25, 0.25, 2) + _linear(1, 1, 59) + _linear(60, 5, 12) + _linear(120, 30, 7)
+"""kube-proxy's MergeBuckets(...) of those linear runs; MergeBuckets starts from a 0 bucket."""
 
 # -- kube-proxy's --------------------------------------------------------------------------------
 SYNC_DURATION = Histogram("kubeproxy_sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds",
@@ -55,12 +56,18 @@ NFTABLES_CLEANUP_FAILURES = Counter("kubeproxy_sync_proxy_rules_nftables_cleanup
                                     "Cumulative proxy nftables cleanup failures")
 NO_LOCAL_ENDPOINTS = Gauge("kubeproxy_sync_proxy_rules_no_local_endpoints_total",
                            "Number of services with a Local traffic policy and no endpoints", ["traffic_policy"])
+IPTABLES_RULES = Gauge("kubeproxy_sync_proxy_rules_iptables_total",
+                       "Total number of iptables rules owned by kube-proxy", ["table"])
+IPTABLES_RULES_LAST = Gauge("kubeproxy_sync_proxy_rules_iptables_last",
+                            "Number of iptables rules written by kube-proxy in last sync", ["table"])
 HEALTHZ = Counter("kubeproxy_proxy_healthz", "Cumulative proxy healthz HTTP status", ["code"])
 LIVEZ = Counter("kubeproxy_proxy_livez", "Cumulative proxy livez HTTP status", ["code"])
 
 # -- netproxy's own ------------------------------------------------------------------------------
 SYNC_TOTAL = Counter("netproxy_sync_proxy_rules", "Syncs of the proxy rules, by result", ["result"])
 REJECTED = Counter("netproxy_rejected_objects", "Source objects rejected by validation")
+LAST_DURATION = Gauge("netproxy_sync_proxy_rules_last_duration_seconds",
+                      "How long the last successful sync took (`netproxy status`)")
 SERVICES = Gauge("netproxy_service_ports", "Service ports in the last synced snapshot")
 BACKEND = Gauge("netproxy_backend_info", "The dataplane in use (value 1)", ["backend", "writer"])
 

@@ -227,6 +227,9 @@ class NodeInfo:
     zone: Optional[str] = None
     addresses: Tuple[IPAddress, ...] = ()
     """The node's local addresses that accept NodePorts (only used with --nodeport-addresses)."""
+    eligible: bool = True
+    """False while the node is being deleted (deletionTimestamp, or the cluster autoscaler's
+    ToBeDeletedByClusterAutoscaler taint): /healthz then answers 503 so that load balancers drain it."""
 
 
 @dataclass(frozen=True, eq=False)

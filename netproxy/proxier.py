@@ -26,11 +26,12 @@ AfterSync = Callable[[Optional[Snapshot], Snapshot], None]
 
 class Proxier:
     def __init__(self, tracker: ChangeTracker, backend: Backend, config: ProxyConfig,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.tracker = tracker
         self.backend = backend
         self.config = config
         self.clock = clock
+        self.wall = wall
         self._last_full: Optional[float] = None
         self._need_full = True  # at start: re-read the kernel and write everything
         self._failures = 0
@@ -43,8 +44,8 @@ class Proxier:
         self._previous: Optional[Snapshot] = None
         self.health: Optional[Any] = None
         """The /healthz state (``netproxy run``), told about queued changes by the CLI."""
-        self.changes_counted = (0, 0)
-        """The tracker's (service, endpoint) change counts already added to the metrics."""
+        self.changes_counted = (0, 0, 0)
+        """The tracker's (service, endpoint, rejected) counts already added to the metrics."""
 
     def sync(self) -> None:
         """One sync; the runner calls this.  Never raises for a kernel error: it schedules a retry."""
@@ -66,6 +67,12 @@ class Proxier:
             return
         elapsed = time.perf_counter() - start
         self._record(snapshot, full, elapsed)
+        self._record_result(self.last_result)
+        programmed = self.wall()
+        for stamp in self.tracker.last_trigger_times:
+            # From the EndpointSlice controller's trigger time to rules in the kernel; a stamp from
+            # a clock ahead of ours would be negative, and kube-proxy's histogram has no such bucket.
+            metrics.NETWORK_PROGRAMMING.observe(max(0.0, programmed - stamp))
         if full:
             self._last_full = now
             # A full sync leaves ~100k long-lived objects (snapshot, the backend's record); moving them
@@ -91,6 +98,7 @@ class Proxier:
         metrics.SYNC_DURATION.observe(elapsed)
         (metrics.SYNC_FULL_DURATION if full else metrics.SYNC_PARTIAL_DURATION).observe(elapsed)
         metrics.SYNC_TOTAL.labels("ok").inc()
+        metrics.LAST_DURATION.set(elapsed)
         metrics.LAST_SYNC.set_to_current_time()
         metrics.SERVICES.set(len(snapshot.services))
         metrics.SERVICE_CHANGES_PENDING.set(0)
@@ -98,6 +106,14 @@ class Proxier:
         internal, external = no_local_endpoints(snapshot)
         metrics.NO_LOCAL_ENDPOINTS.labels("internal").set(internal)
         metrics.NO_LOCAL_ENDPOINTS.labels("external").set(external)
+
+    @staticmethod
+    def _record_result(result: SyncResult) -> None:
+        """What the backend reported of its own write (rule counts by table, when it keeps them)."""
+        for table, count in result.rules_owned:
+            metrics.IPTABLES_RULES.labels(table).set(count)
+        for table, count in result.rules_written:
+            metrics.IPTABLES_RULES_LAST.labels(table).set(count)
 
     def _failed(self, err: BackendError) -> None:
         # The backend left the previous ruleset in place; the changes taken from the tracker are not

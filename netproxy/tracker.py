@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import replace
-from typing import Callable, Dict, Mapping, Optional, Set, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from netproxy.model import (
     Changes,
@@ -54,6 +55,11 @@ class ChangeTracker:
         self.endpoint_changes = 0
         self._pending_services = 0
         self._pending_endpoints = 0
+        self._started = time.time()
+        self._trigger_times: List[float] = []
+        self.last_trigger_times: Tuple[float, ...] = ()
+        """The last-change-trigger-times of the endpoint changes in the last :meth:`take`, for
+        kube-proxy's network programming latency (observed once those changes are written)."""
 
     # -- events from sources ------------------------------------------------------------------
 
@@ -143,6 +149,7 @@ class ChangeTracker:
                 changed.update(self._resolve(key))
             self._dirty.clear()
             self._pending_services = self._pending_endpoints = 0
+            self.last_trigger_times, self._trigger_times = tuple(self._trigger_times), []
             full = self._node_changed  # node zone/name changes can affect every service
             self._node_changed = False
             node = replace(self._node, addresses=self._node_addresses) if self._node_addresses else self._node
@@ -180,6 +187,11 @@ class ChangeTracker:
             return
         self.endpoint_changes += 1
         self._pending_endpoints += 1
+        stamp = eps.trigger_time if eps is not None else None
+        if stamp is not None and stamp >= self._started:
+            # As kube-proxy: a change from before this proxy started (the initial list after a
+            # restart) would measure the restart, not the network programming.
+            self._trigger_times.append(stamp)
         if old is not None:
             service = (old.namespace, old.service)
             keys = self._slices_by_service.get(service)

@@ -7,7 +7,8 @@ object's kind, namespace/name and the failing field.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import datetime
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
 
 from netproxy.model import (
@@ -51,6 +52,10 @@ class EndpointSet:
     service: str
     ports: Tuple[SlicePort, ...]
     endpoints: Tuple[Endpoint, ...]
+    trigger_time: Optional[float] = field(default=None, compare=False)
+    """The slice's ``endpoints.kubernetes.io/last-change-trigger-time`` (Unix seconds): when the
+    change it carries began, for kube-proxy's network programming latency.  Not compared: a slice
+    whose only difference is this stamp is no change to program."""
 
     def for_port(self, port_name: str, protocol: str) -> Tuple[Endpoint, ...]:
         """This set's endpoints with the port that ``port_name``/``protocol`` resolves to here.
@@ -258,7 +263,7 @@ def parse_endpoint_slice(obj: Mapping[str, Any], families: Tuple[str, ...] = ("I
                 # "endpoints[i]..." for every field of 100k endpoints cost more than parsing them.
                 sub = f".{err.field_path}" if err.field_path else ""
                 raise FieldError(f"endpoints[{i}]{sub}", err.message) from None
-        return EndpointSet(ns, service, ports, tuple(eps))
+        return EndpointSet(ns, service, ports, tuple(eps), trigger_time(obj))
 
     return _guard(kind, ref, build)
 
@@ -319,6 +324,37 @@ def parse_endpoints(obj: Mapping[str, Any]) -> EndpointSet:
 
 
 ZONE_LABEL = "topology.kubernetes.io/zone"
+TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
+TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
+"""The cluster autoscaler's taint on a node it is about to delete (kube-proxy's ToBeDeletedTaint)."""
+
+
+def trigger_time(obj: Mapping[str, Any]) -> Optional[float]:
+    """The object's last-change-trigger-time annotation (RFC 3339) as Unix seconds; None when absent
+    or unreadable: it only feeds a metric, so a bad stamp is ignored rather than rejected."""
+    meta = obj.get("metadata")
+    notes = meta.get("annotations") if isinstance(meta, Mapping) else None
+    raw = notes.get(TRIGGER_TIME) if isinstance(notes, Mapping) else None
+    if not isinstance(raw, str):
+        return None
+    try:
+        stamp = datetime.datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=datetime.timezone.utc)
+    return stamp.timestamp()
+
+
+def node_eligible(obj: Mapping[str, Any]) -> bool:
+    """False while the node is being deleted: a deletionTimestamp, or the autoscaler's taint
+    (kube-proxy's SyncNode), so that /healthz sends load balancers elsewhere."""
+    meta = obj.get("metadata")
+    if isinstance(meta, Mapping) and meta.get("deletionTimestamp"):
+        return False
+    spec = obj.get("spec")
+    taints = spec.get("taints") if isinstance(spec, Mapping) else None
+    return not any(isinstance(t, Mapping) and t.get("key") == TO_BE_DELETED_TAINT for t in taints or ())
 
 
 def parse_node(obj: Mapping[str, Any], node_name: str) -> NodeInfo:
@@ -330,4 +366,4 @@ def parse_node(obj: Mapping[str, Any], node_name: str) -> NodeInfo:
         zone = check_zone(raw, f"metadata.labels[{ZONE_LABEL}]")
     except FieldError as err:
         raise ValidationError("Node", node_name, err.field_path, err.message) from None
-    return NodeInfo(name=node_name, zone=zone)
+    return NodeInfo(name=node_name, zone=zone, eligible=node_eligible(obj))

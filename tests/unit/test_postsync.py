@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any, List, Optional
 
 from netproxy.conntrack import ConntrackCleaner, Stale, stale_udp
-from netproxy.healthcheck import ProxyHealth, ServiceHealthServers
+from netproxy.healthcheck import ServiceHealthServers
 from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
 from netproxy.nodeaddr import local_addresses
 
@@ -143,25 +143,6 @@ def test_health_check_node_port_answers_local_endpoint_count() -> None:
             pass
     finally:
         servers.close()
-
-
-def test_proxy_healthz_as_kube_proxy_a_queued_change_older_than_the_timeout() -> None:
-    now = [100.0]
-    health = ProxyHealth(timeout=60, clock=lambda: now[0], wall=lambda: 1_700_000_000.0 + now[0])
-    assert health.status()[0] == 503  # never synced
-    health.synced()
-    now[0] += 1000
-    code, body = health.status()
-    assert code == 200, "nothing queued: healthy however old the last sync"
-    assert body["nodeEligible"] is True and body["lastUpdated"].startswith("2023-11-14T22:15")
-    health.queued()
-    now[0] += 59
-    assert health.status()[0] == 200
-    health.queued()  # a second change does not move the oldest one
-    now[0] += 2
-    assert health.status()[0] == 503, "a change waited longer than the timeout"
-    health.synced()
-    assert health.status()[0] == 200
 
 
 def test_local_addresses_filters_by_cidr_and_family() -> None:
