@@ -3,6 +3,7 @@
     netproxy sync    --source PATH [--backend B] [--iptables-writer W]   sync once, exit 0/1/2
     netproxy run     --source PATH | --kubeconfig PATH                   the long-running proxy
     netproxy plan    --source PATH [--backend B]                         print the ruleset, touch nothing
+    netproxy status  [--metrics-address A] [-o json]                    what a running `run` has programmed
     netproxy detect                                                      print the version check's choice
     netproxy cleanup [--backend B|all]                                   remove what netproxy created
 
@@ -132,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this node's addresses (NodePorts, the node's own traffic); repeat")
     _add_common(p, ("auto", "nftables"))
     _add_proxy(p)
+    p = sub.add_parser("status", help="what a running `netproxy run` has programmed, from its /metrics and /healthz")
+    p.add_argument("--metrics-address", default="127.0.0.1:10249", help="the run's --metrics-bind-address")
+    p.add_argument("--healthz-address", default="127.0.0.1:10256", help="the run's --healthz-bind-address ('' skip)")
+    p.add_argument("-o", "--output", default="table", choices=["table", "json"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p = sub.add_parser("detect", help="print the backend the version check picks and the evidence")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p = sub.add_parser("cleanup", help="remove every rule, chain and table netproxy created, nothing else")
@@ -242,6 +248,19 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return EXIT_REJECTED if errors else EXIT_OK
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """0 when the proxy answers and is healthy; 1 when it does not answer or /healthz fails."""
+    from netproxy.status import read, render
+
+    try:
+        status = read(args.metrics_address, args.healthz_address)
+    except OSError as err:
+        print(f"netproxy status: no netproxy run answers on {args.metrics_address}: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    sys.stdout.write(render(status, args.output))
+    return EXIT_OK if status.health_code in (200, None) and status.last_sync else EXIT_FAILED
+
+
 def cmd_detect(args: argparse.Namespace) -> int:
     try:
         decision = detect_mod.detect()
@@ -334,7 +353,8 @@ def _queued(tracker: ChangeTracker, proxier: Proxier, request: Callable[[], None
     seen = proxier.changes_counted
     metrics.SERVICE_CHANGES.inc(tracker.service_changes - seen[0])
     metrics.ENDPOINT_CHANGES.inc(tracker.endpoint_changes - seen[1])
-    proxier.changes_counted = (tracker.service_changes, tracker.endpoint_changes)
+    metrics.REJECTED.inc(tracker.rejected - seen[2])
+    proxier.changes_counted = (tracker.service_changes, tracker.endpoint_changes, tracker.rejected)
     if proxier.health is not None:
         proxier.health.queued()
     request()
@@ -357,6 +377,7 @@ def _add_post_sync_steps(proxier: Proxier, config: ProxyConfig, args: argparse.N
     proxier.after_sync.append(clean_conntrack)
     proxier.after_sync.append(lambda prev, cur: services.update(cur))
     proxier.after_sync.append(lambda prev, cur: health.synced())
+    proxier.after_sync.append(lambda prev, cur: health.sync_node(cur.node))
 
 
 def _make_source(args: argparse.Namespace, config: ProxyConfig) -> Source:
@@ -373,7 +394,8 @@ def _make_source(args: argparse.Namespace, config: ProxyConfig) -> Source:
     return kube.KubeSource(client, config.hostname, use_endpoints=args.use_endpoints)
 
 
-COMMANDS = {"sync": cmd_sync, "run": cmd_run, "plan": cmd_plan, "trace": cmd_trace, "detect": cmd_detect,
+COMMANDS = {"sync": cmd_sync, "run": cmd_run, "plan": cmd_plan, "trace": cmd_trace, "status": cmd_status,
+            "detect": cmd_detect,
             "cleanup": cmd_cleanup}
 
 

@@ -202,8 +202,8 @@ def test_cleanup_fake(made: Made) -> None:
 
 # -- flags -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv", [[], ["sync"], ["run"], ["plan"], ["detect"], ["cleanup"]],
-                         ids=["top", "sync", "run", "plan", "detect", "cleanup"])
+@pytest.mark.parametrize("argv", [[], ["sync"], ["run"], ["plan"], ["status"], ["detect"], ["cleanup"]],
+                         ids=["top", "sync", "run", "plan", "status", "detect", "cleanup"])
 def test_help_on_every_command(argv: List[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         cli.main([*argv, "--help"])
