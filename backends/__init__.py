@@ -8,9 +8,10 @@ other way round.
 from __future__ import annotations
 
 from netproxy.backends.base import Backend, BackendError, BackendUnavailable, SyncError, SyncResult
+from netproxy.backends.listing import Listing
 from netproxy.config import ProxyConfig
 
-__all__ = ["Backend", "BackendError", "BackendUnavailable", "SyncError", "SyncResult", "create"]
+__all__ = ["Backend", "BackendError", "BackendUnavailable", "SyncError", "SyncResult", "create", "listing"]
 
 
 def create(name: str, config: ProxyConfig) -> Backend:
@@ -28,3 +29,16 @@ def create(name: str, config: ProxyConfig) -> Backend:
 
         return FakeBackend(config)
     raise BackendUnavailable(f"unknown backend {name!r}")
+
+
+def listing(name: str, config: ProxyConfig) -> Listing:
+    """How backend ``name`` lists its objects in the kernel (``netproxy plan --diff``)."""
+    if name == "iptables":
+        from netproxy.backends.iptables.listing import IptablesListing
+
+        return IptablesListing(config)
+    if name == "nftables":
+        from netproxy.backends.nftables.listing import NftablesListing
+
+        return NftablesListing(config)
+    raise BackendUnavailable(f"the {name} backend cannot list what the kernel holds")

@@ -2,7 +2,7 @@
 
     netproxy sync    --source PATH [--backend B] [--iptables-writer W]   sync once, exit 0/1/2
     netproxy run     --source PATH | --kubeconfig PATH                   the long-running proxy
-    netproxy plan    --source PATH [--backend B]                         print the ruleset, touch nothing
+    netproxy plan    --source PATH [--backend B] [--diff]                print the ruleset (or its diff with the kernel)
     netproxy status  [--metrics-address A] [-o json]                    what a running `run` has programmed
     netproxy detect                                                      print the version check's choice
     netproxy cleanup [--backend B|all]                                   remove what netproxy created
@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_proxy(p)
     p = sub.add_parser("plan", help="print the ruleset that sync would write, touching nothing")
     p.add_argument("--source", required=True, help="manifest file or directory")
+    p.add_argument("--diff", action="store_true", help="show what a sync would change against the kernel now, "
+                   "by service (exit 0 same, 1 differs, 2 bad input or unreadable kernel); writes nothing")
     _add_common(p)
     _add_proxy(p)
     p = sub.add_parser("trace", help="where a packet to a service address would go, and why; touches nothing")
@@ -218,10 +220,37 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     backend, config = make_backend(args)
-    snapshot, errors = _snapshot(args, config)
+    try:
+        snapshot, errors = _snapshot(args, config)
+    except SourceError as err:
+        if not args.diff:
+            raise
+        print(f"netproxy: source: {err}", file=sys.stderr)
+        return EXIT_REJECTED  # with --diff, 1 means "differs": bad input is 2, as diff's trouble
+    if args.diff:
+        return _plan_diff(backend, config, snapshot, errors)
     sys.stdout.write(backend.plan(snapshot))
     _report_rejections(errors)
     return EXIT_REJECTED if errors else EXIT_OK
+
+
+def _plan_diff(backend: Backend, config: ProxyConfig, snapshot: Snapshot, errors: Sequence[Exception]) -> int:
+    """The diff convention: 0 the kernel matches, 1 it differs, 2 trouble (rejected input, or the
+    kernel could not be read)."""
+    from netproxy import plandiff
+    from netproxy.backends import listing
+
+    _report_rejections(errors)
+    if errors:
+        return EXIT_REJECTED
+    try:
+        lister = listing(backend.name, config)
+        changes = plandiff.diff(lister.kernel(), lister.rendered(backend.plan(snapshot)), snapshot)
+    except BackendError as err:
+        print(f"netproxy plan --diff: {err}", file=sys.stderr)
+        return EXIT_REJECTED
+    sys.stdout.write(plandiff.render(changes))
+    return EXIT_FAILED if changes else EXIT_OK
 
 
 def cmd_trace(args: argparse.Namespace) -> int:

@@ -4,14 +4,16 @@ combination: kube-proxy's metric names, moving with real syncs, and its /healthz
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import re
-from typing import Optional
+import time
+from typing import Optional, Tuple
 
 from harness import Proxy, endpoint_slice, port, service, wait_for, write_manifests
 from test_parity import http_get
 
-from netproxy.sandbox import Sandbox
+from netproxy.sandbox import NODE_NAME, Sandbox
 
 WEB_IP = "10.96.0.10"
 METRICS = "127.0.0.1:10249"
@@ -89,4 +91,99 @@ def test_run_serves_kube_proxys_metrics_and_healthz(proxy: Proxy, sandbox: Sandb
     assert _value(later, "kubeproxy_sync_proxy_rules_last_timestamp_seconds") >= \
         _value(first, "kubeproxy_sync_proxy_rules_last_timestamp_seconds")  # type: ignore[operator]
     assert (_value(later, "kubeproxy_proxy_healthz_total", '{code="200"}') or 0) >= 1
+    assert proxy.stop_runs() == [0], proxy.run_output()[-3000:]
+
+
+API_IP = "10.96.0.20"
+
+
+def _diff(proxy: Proxy, objects: list) -> Tuple[int, str]:  # type: ignore[type-arg]
+    write_manifests(proxy.source, objects)
+    proc = proxy.command("plan", "--diff", "--source", proxy.source, *proxy.base_flags)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    return proc.returncode, proc.stdout
+
+
+def test_plan_diff_names_what_a_sync_would_change_and_writes_nothing(proxy: Proxy, sandbox: Sandbox) -> None:
+    pods = sandbox.pods
+    cluster = web(pods[:2]) + [service("api", API_IP, [port(80, 9090, name="http")]),
+                               endpoint_slice("api", pods[:1], [port(9090, name="http")])]
+    code, out = _diff(proxy, cluster)
+    assert code == 1 and "default/web:http: +" in out and "default/api:http: +" in out, out
+    before = proxy.ruleset()
+    assert _diff(proxy, cluster)[0] == 1 and proxy.ruleset() == before, "plan --diff wrote to the kernel"
+
+    proxy.sync(cluster)
+    code, out = _diff(proxy, cluster)
+    assert (code, out) == (0, "the kernel already holds this plan: a sync would change nothing\n")
+
+    # One endpoint more for web: only web's lines move, and the diff adds its address.
+    changed = web(pods[:3]) + cluster[2:]
+    code, out = _diff(proxy, changed)
+    assert code == 1 and "default/web:http: +" in out and "default/api" not in out, out
+    assert pods[2].ip in out
+    proxy.sync(changed)
+    assert _diff(proxy, changed)[0] == 0
+
+
+def test_bad_input_to_plan_diff_exits_2(proxy: Proxy) -> None:
+    with open(proxy.source, "w") as f:
+        f.write("kind: [unclosed\n")
+    proc = proxy.command("plan", "--diff", "--source", proxy.source, *proxy.base_flags)
+    assert proc.returncode == 2, proc.stderr
+
+
+def test_status_and_network_programming_from_a_running_proxy(proxy: Proxy, sandbox: Sandbox) -> None:
+    pods = sandbox.pods[:2]
+    started = time.time()
+    proxy.start_run(web(pods[:1]), "--metrics-bind-address", METRICS, "--healthz-bind-address", HEALTHZ)
+
+    def status_ok() -> Optional[str]:
+        if proxy.running() is False:
+            raise AssertionError(proxy.run_output()[-3000:])
+        proc = proxy.command("status", "-o", "json", combo_flags=False)
+        return None if proc.returncode == 0 else proc.stderr[-300:] + proc.stdout[-300:]
+
+    wait_for(status_ok, timeout=20)
+    doc = json.loads(proxy.command("status", "-o", "json", combo_flags=False).stdout)
+    assert (doc["backend"], doc["writer"], doc["service_ports"], doc["health_code"]) == \
+        (proxy.combo.backend, proxy.combo.writer, 1, 200)
+    assert doc["last_sync"] > time.time() - 60 and doc["last_sync_seconds"] > 0
+    table = proxy.command("status", combo_flags=False).stdout
+    assert f"backend:          {proxy.combo.backend}" in table and "healthz:          ok (200)" in table
+
+    # A slice change stamped by the EndpointSlice controller 2 s ago reaches the kernel: one
+    # network programming observation of at least 2 s.
+    # (Stamps from before the proxy started are ignored, as kube-proxy does: keep this one after it.)
+    time.sleep(max(0.0, started + 4 - time.time()))
+    first = _scrape(sandbox)
+    changed = web(pods)
+    stamp = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=2)
+    changed[1]["metadata"]["annotations"] = {
+        "endpoints.kubernetes.io/last-change-trigger-time": stamp.strftime("%Y-%m-%dT%H:%M:%SZ")}
+    write_manifests(proxy.source, changed)
+
+    def programmed() -> Optional[str]:
+        n = _value(_scrape(sandbox), "kubeproxy_network_programming_duration_seconds_count") or 0
+        return None if n > (_value(first, "kubeproxy_network_programming_duration_seconds_count") or 0) else "none yet"
+
+    wait_for(programmed, timeout=10)
+    later = _scrape(sandbox)
+    added = (_value(later, "kubeproxy_network_programming_duration_seconds_sum") or 0) - \
+        (_value(first, "kubeproxy_network_programming_duration_seconds_sum") or 0)
+    assert 1.0 <= added < 30, added  # the stamp has whole seconds: 2 s back, less up to 1 s
+    assert _value(later, "kubeproxy_network_programming_duration_seconds_bucket", '{le="0.0"}') == 0
+
+    # The node is being deleted: /healthz drains it (503, nodeEligible false), /livez stays 200.
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE_NAME},
+            "spec": {"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]}}
+    write_manifests(proxy.source, changed + [node])
+
+    def draining() -> Optional[str]:
+        code, body = http_get(sandbox, sandbox.node, f"http://{HEALTHZ}/healthz")
+        return None if code == 503 and json.loads(body)["nodeEligible"] is False else f"{code} {body}"
+
+    wait_for(draining, timeout=10)
+    assert http_get(sandbox, sandbox.node, f"http://{HEALTHZ}/livez")[0] == 200
+    assert (_value(_scrape(sandbox), "kubeproxy_proxy_healthz_total", '{code="503"}') or 0) >= 1
     assert proxy.stop_runs() == [0], proxy.run_output()[-3000:]
