@@ -1,0 +1,79 @@
+"""plan --diff's pure parts: the listings' normalisation and the grouping by service."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from netproxy import plandiff
+from netproxy.backends.iptables.listing import _ours, split_plan
+from netproxy.backends.nftables.listing import normalise
+from netproxy.model import NodeInfo, ServicePort, ServicePortName, Snapshot
+
+WEB = ServicePortName("default", "web", "http")
+
+
+def _snapshot() -> Snapshot:
+    svc = ServicePort(WEB, "TCP", 80, 8080, cluster_ips=(ipaddress.ip_address("10.96.0.10"),))
+    return Snapshot({WEB: svc}, {WEB: ()}, NodeInfo("n"))
+
+
+NFT = """table ip netproxy {
+	map service-ips {
+		type ipv4_addr . inet_proto . inet_service : verdict
+		elements = { 10.96.0.53 . udp . 53 comment "kube-system/dns:dns" : goto cluster-udp-pick-2,
+				10.96.0.10 . tcp . 80 comment "default/web:http" : goto cluster-tcp-pick-3 }
+	}
+	map affinity-tcp {
+		type ipv4_addr . ipv4_addr . inet_service : ipv4_addr . inet_service
+		flags dynamic,timeout
+		elements = { 10.0.0.1 . 10.96.0.10 . 80 timeout 3h expires 2h59m : 10.244.1.11 . 8080 }
+	}
+	chain services {
+		ip daddr . meta l4proto . th dport vmap @service-ips
+	}
+}
+"""
+
+
+def test_nft_listing_is_one_line_per_object_sorted_without_affinity_entries() -> None:
+    lines = normalise(NFT)
+    elements = [x for x in lines if " element " in x]
+    assert elements == sorted(elements) and len(elements) == 2, "elements sorted, the expiring one dropped"
+    assert "table ip netproxy chain services ip daddr . meta l4proto . th dport vmap @service-ips" in lines
+    assert normalise(NFT.replace("10.96.0.53 . udp", "10.96.0.99 . udp")) != lines
+
+
+SAVE = """*nat
+:PREROUTING ACCEPT [5:300]
+:KUBE-SERVICES - [0:0]
+:DOCKER - [0:0]
+-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A PREROUTING -j DOCKER
+-A KUBE-SERVICES -d 10.96.0.10/32 -p tcp -m tcp --dport 80 -j KUBE-SVC-X
+COMMIT
+"""
+
+
+def test_iptables_listing_keeps_only_ours_without_counters() -> None:
+    assert _ours(SAVE, 4) == [
+        "ipv4 nat :KUBE-SERVICES",
+        "ipv4 nat -A KUBE-SERVICES -d 10.96.0.10/32 -p tcp -m tcp --dport 80 -j KUBE-SVC-X",
+        'ipv4 nat -A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES',
+    ]
+    assert sorted(split_plan("# IPv4 (x)\n*nat\nCOMMIT\n# IPv6 (y)\n*nat\nCOMMIT\n")) == [4, 6]
+
+
+def test_diff_groups_by_service_and_is_empty_when_equal() -> None:
+    snap = _snapshot()
+    kernel = ['ipv4 nat -A KUBE-SVC-X -m comment --comment "default/web:http" -j DNAT --to-destination 10.244.1.11:80',
+              "ipv4 nat -A KUBE-HAIRPIN -s 10.244.1.11/32 -d 10.244.1.11/32 -j KUBE-MARK-MASQ"]
+    assert plandiff.diff(kernel, list(kernel), snap) == {}
+    rendered = [kernel[0].replace("1.11:80", "1.12:80"),
+                "table ip netproxy map m element 10.96.0.10 . 80 . 0 : 10.244.1.12 . 8080"]
+    changes = plandiff.diff(kernel, rendered, snap)
+    assert set(changes) == {"default/web:http", plandiff.SHARED}
+    assert changes["default/web:http"] == (rendered, [kernel[0]]), "by comment, and by address . port"
+    assert changes[plandiff.SHARED] == ([], [kernel[1]])
+    text = plandiff.render(changes)
+    assert text.index("default/web:http: +2 -1") < text.index(plandiff.SHARED)
+    assert plandiff.diff(kernel, kernel[::-1], snap) != {}, "a reordering is a change"
