@@ -110,8 +110,11 @@ def test_plan_diff_names_what_a_sync_would_change_and_writes_nothing(proxy: Prox
                                endpoint_slice("api", pods[:1], [port(9090, name="http")])]
     code, out = _diff(proxy, cluster)
     assert code == 1 and "default/web:http: +" in out and "default/api:http: +" in out, out
-    before = proxy.ruleset()
-    assert _diff(proxy, cluster)[0] == 1 and proxy.ruleset() == before, "plan --diff wrote to the kernel"
+    def tables() -> list:  # type: ignore[type-arg]
+        return [line for line in proxy.ruleset().splitlines() if not line.startswith("#")]  # save's timestamps
+
+    before = tables()
+    assert _diff(proxy, cluster)[0] == 1 and tables() == before, "plan --diff wrote to the kernel"
 
     proxy.sync(cluster)
     code, out = _diff(proxy, cluster)
