@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-node", action="store_true", help="the connection starts on the node itself")
     p.add_argument("--node-address", action="append", default=[], metavar="ADDRESS",
                    help="this node's addresses (NodePorts, the node's own traffic); repeat")
-    _add_common(p, ("auto", "nftables"))
+    _add_common(p, ("auto", "nftables", "iptables"))
     _add_proxy(p)
     p = sub.add_parser("status", help="what a running `netproxy run` has programmed, from its /metrics and /healthz")
     p.add_argument("--metrics-address", default="127.0.0.1:10249", help="the run's --metrics-bind-address")

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from netproxy.backends.base import BackendError, BackendUnavailable, SyncResult
+from netproxy.backends.base import BackendError, BackendUnavailable, Outcome, Packet, SyncResult
 from netproxy.backends.iptables import cleanup as cleanup_mod
 from netproxy.backends.iptables.assemble import JUMPS, TABLES, assemble
 from netproxy.backends.iptables.diff import TableChange, Writer, full_change, partial_change
@@ -115,6 +115,19 @@ class IptablesBackend:
             t: tuple((hook, rule) for hook, _target, rule in JUMPS[t]) for t in TABLES}
         text: str = plan_text((f, desired[f].tables, jumps) for f in FAMILIES)
         return text
+
+    def trace(self, snapshot: Snapshot, packet: Packet) -> List[Outcome]:
+        """Where ``packet`` goes in the rules this backend renders for ``snapshot`` (``netproxy trace``):
+        the rendered rules interpreted as the kernel would; nothing is read or written."""
+        from netproxy.backends.iptables.trace import Packet as TracedPacket
+        from netproxy.backends.iptables.trace import Tracer
+
+        desired, _ = self._render(snapshot)
+        family = 6 if packet.family == "ip6" else 4
+        traced = TracedPacket(packet.saddr, packet.daddr, packet.dport, packet.proto,
+                              from_node=packet.hook == "output")
+        outcomes: List[Outcome] = Tracer(desired[family], packet.local).outcomes(traced)
+        return outcomes
 
     def sync(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
         full = changes.full or self._need_full

@@ -1,0 +1,259 @@
+"""A packet tracer over a rendered :class:`FamilyRuleset`: kube-proxy's unit-test idea ("this packet to
+this address from this source ends at these endpoints, masqueraded or not, or is dropped/rejected").
+
+It interprets the argument lists the renderer produced, as the kernel would for the first packet of a
+connection: nat ``KUBE-SERVICES`` (from PREROUTING for a packet from elsewhere, OUTPUT for one from
+the node), then filter ``KUBE-SERVICES`` (ctstate NEW, on the DNAT-ed destination), then nat
+``KUBE-POSTROUTING``.  ``-m statistic`` forks the trace (each branch is one possible endpoint), so a
+trace returns every possible outcome, with the chains it went through and its share of the random
+choices (:meth:`Tracer.outcomes`, what ``netproxy trace --backend iptables`` prints).  Unknown matches
+or targets raise: the tracer must understand every rule it walks, or it would pass packets it should
+not.  The unit tests of the renderer use the same tracer.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field, replace
+from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+
+from netproxy.backends import base
+from netproxy.backends.iptables import names
+from netproxy.backends.iptables.render import FamilyRuleset, Rule
+
+TERMINAL = ("DNAT", "DROP", "REJECT", "ACCEPT", "MASQUERADE")
+
+
+@dataclass(frozen=True)
+class Packet:
+    src: str
+    dst: str
+    dport: int
+    proto: str = "tcp"
+    from_node: bool = False
+    """Sent by the node itself (nat OUTPUT, ``--src-type LOCAL``) rather than arriving (PREROUTING)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    verdict: str
+    """"accept", "drop" or "reject"."""
+    endpoint: Optional[str] = None
+    """"ip:port" it was DNAT-ed to, if any."""
+    masqueraded: bool = False
+
+
+@dataclass(frozen=True)
+class _State:
+    mark: int = 0
+    dnat: Optional[str] = None
+    recent_set: Tuple[str, ...] = ()
+    chains: Tuple[str, ...] = ()
+    """The chains walked so far, as "table/chain"."""
+    share: float = 1.0
+    """The probability of this branch (the product of the -m statistic choices on the way)."""
+
+
+@dataclass
+class Tracer:
+    ruleset: FamilyRuleset
+    local_addresses: Iterable[str] = ()
+    """The node's addresses (``addrtype LOCAL``); loopback is always local."""
+    recent: Dict[str, Set[str]] = field(default_factory=dict)
+    """Affinity lists: name → sources seen (``--rcheck`` hits); :meth:`remember` fills it."""
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        self._local: FrozenSet[ipaddress._BaseAddress] = frozenset(
+            ipaddress.ip_address(a) for a in self.local_addresses)
+
+    # -- public ----------------------------------------------------------------------------------
+
+    def trace(self, pkt: Packet) -> Set[Outcome]:
+        out: Set[Outcome] = set()
+        for state, verdict in self._run("nat", names.SERVICES, pkt, pkt.dst, _State(), "NEW"):
+            if verdict not in (None, "DNAT"):
+                raise AssertionError(f"nat KUBE-SERVICES ended in {verdict}")
+            dst = _dest_ip(state.dnat) if state.dnat else pkt.dst
+            filtered = self._run("filter", names.SERVICES, pkt, dst, state, "NEW")
+            for fstate, fverdict in filtered:
+                if fverdict in ("DROP", "REJECT"):
+                    out.add(Outcome(fverdict.lower(), state.dnat))
+                    continue
+                ctstate = "DNAT" if state.dnat else "NEW"
+                post = self._run("nat", names.POSTROUTING, pkt, dst, fstate, ctstate)
+                masq = {v == "MASQUERADE" for _, v in post}
+                assert len(masq) == 1, "postrouting must not depend on chance"
+                out.add(Outcome("accept", state.dnat, masq.pop()))
+        return out
+
+    def outcomes(self, pkt: Packet) -> List[base.Outcome]:
+        """Every way ``pkt`` can go, with its chains and share (``netproxy trace``)."""
+        out: List[base.Outcome] = []
+        start = _State(chains=("nat/" + ("OUTPUT" if pkt.from_node else "PREROUTING"),))
+        for state, _ in self._run("nat", names.SERVICES, pkt, pkt.dst, start, "NEW"):
+            dst = _dest_ip(state.dnat) if state.dnat else pkt.dst
+            for fstate, fverdict in self._run("filter", names.SERVICES, pkt, dst, state, "NEW"):
+                if fverdict in ("DROP", "REJECT"):
+                    out.append(base.Outcome(fverdict.lower(), state.dnat, False, fstate.chains, fstate.share))
+                    continue
+                post = self._run("nat", names.POSTROUTING, pkt, dst, fstate, "DNAT" if state.dnat else "NEW")
+                masq = any(v == "MASQUERADE" for _, v in post)
+                verdict = "dnat" if state.dnat else "accept"
+                chains = fstate.chains + (("nat/" + names.POSTROUTING,) if masq else ())
+                out.append(base.Outcome(verdict, state.dnat, masq, chains, fstate.share))
+        return out
+
+    def endpoints(self, pkt: Packet) -> Set[Optional[str]]:
+        return {o.endpoint for o in self.trace(pkt)}
+
+    def remember(self, pkt: Packet) -> None:
+        """Run the packet and record its ``-m recent --set`` as the kernel would (affinity)."""
+        for state, _ in self._run("nat", names.SERVICES, pkt, pkt.dst, _State(), "NEW"):
+            for name in state.recent_set:
+                self.recent.setdefault(name, set()).add(pkt.src)
+
+    # -- the interpreter -------------------------------------------------------------------------
+
+    def _run(self, table: str, chain: str, pkt: Packet, dst: str, state: _State,
+             ctstate: str) -> List[Tuple[_State, Optional[str]]]:
+        rules = self.ruleset.chains(table)[chain]
+        results: List[Tuple[_State, Optional[str]]] = []
+        state = replace(state, chains=state.chains + (f"{table}/{chain}",))
+        pending: List[Tuple[int, _State]] = [(0, state)]
+
+        def walk(start: int, st: _State) -> None:
+            for i in range(start, len(rules)):
+                self.steps += 1
+                match = self._matches(rules[i], pkt, dst, st, ctstate)
+                if match == "no":
+                    continue
+                if match == "maybe":
+                    p = _probability(rules[i])
+                    # the branch where the random match failed, for later
+                    pending.append((i + 1, replace(st, share=st.share * (1 - p))))
+                    st = replace(st, share=st.share * p)
+                target, opts = _target(rules[i])
+                st = _recent_side_effect(rules[i], pkt, st)
+                if target is None:
+                    continue
+                if target == "RETURN":
+                    results.append((st, None))
+                    return
+                if target == "MARK":
+                    st = replace(st, mark=_mark(st.mark, opts))
+                    continue
+                if target in TERMINAL:
+                    if target == "DNAT":
+                        st = replace(st, dnat=opts["--to-destination"])
+                    results.append((st, target))
+                    return
+                for sub_state, verdict in self._run(table, target, pkt, dst, st, ctstate):
+                    if verdict is None:
+                        walk(i + 1, sub_state)
+                    else:
+                        results.append((sub_state, verdict))
+                return
+            results.append((st, None))
+
+        while pending:
+            walk(*pending.pop())
+        return results
+
+    def _is_local(self, addr: str) -> bool:
+        ip = ipaddress.ip_address(addr)
+        return ip.is_loopback or ip in self._local
+
+    def _matches(self, rule: Rule, pkt: Packet, dst: str, st: _State, ctstate: str) -> str:
+        result = "yes"
+        negate = False
+        i = 0
+        while i < len(rule):
+            arg = rule[i]
+            if arg == "!":
+                negate = True
+                i += 1
+                continue
+            if arg in ("-j", "-g"):
+                break
+            value = rule[i + 1] if i + 1 < len(rule) else ""
+            step = 2
+            ok: Optional[bool]
+            if arg == "-s":
+                ok = ipaddress.ip_address(pkt.src) in ipaddress.ip_network(value)
+            elif arg == "-d":
+                ok = ipaddress.ip_address(dst) in ipaddress.ip_network(value)
+            elif arg == "-p":
+                ok = pkt.proto == value
+            elif arg == "-m" or arg in ("--comment", "--mode", "--seconds", "--name"):
+                ok = None
+            elif arg == "--dport":  # a port, or a range (the NodePort tree's "LO:HI")
+                lo, _, hi = value.partition(":")
+                ok = int(lo) <= pkt.dport <= int(hi or lo)
+            elif arg == "--dst-type":
+                ok = self._is_local(dst) if value == "LOCAL" else _unknown(arg, value)
+            elif arg == "--src-type":
+                ok = (pkt.from_node or self._is_local(pkt.src)) if value == "LOCAL" else _unknown(arg, value)
+            elif arg == "--ctstate":
+                ok = ctstate in value.split(",")
+            elif arg == "--mark":
+                want, _, mask = value.partition("/")
+                ok = st.mark & int(mask or "0xffffffff", 0) == int(want, 0)
+            elif arg == "--probability":
+                ok = None
+                if float(value) < 1.0:
+                    result = "maybe"
+            elif arg in ("--rcheck", "--update"):  # --update refreshes on a hit: the same answer here
+                name = rule[i - 1] if rule[i - 2] == "--name" else _unknown(arg, "")
+                ok = pkt.src in self.recent.get(str(name), set())
+                step = 1
+            elif arg in ("--reap", "--set"):
+                ok, step = None, 1
+            else:
+                _unknown(arg, value)
+                ok = None
+            if ok is not None and ok == negate:
+                return "no"
+            negate = False
+            i += step
+        return result
+
+
+def _probability(rule: Rule) -> float:
+    return float(rule[rule.index("--probability") + 1])
+
+
+def _unknown(arg: str, value: str) -> bool:
+    raise AssertionError(f"the tracer does not know {arg} {value}")
+
+
+def _target(rule: Rule) -> Tuple[Optional[str], Dict[str, str]]:
+    if "-j" not in rule:
+        return None, {}
+    at = rule.index("-j")
+    opts: Dict[str, str] = {}
+    rest = rule[at + 2:]
+    i = 0
+    while i < len(rest):
+        has_value = i + 1 < len(rest) and not rest[i + 1].startswith("--")
+        opts[rest[i]] = rest[i + 1] if has_value else ""
+        i += 2 if has_value else 1
+    return rule[at + 1], opts
+
+
+def _recent_side_effect(rule: Rule, pkt: Packet, st: _State) -> _State:
+    sets = tuple(rule[i - 1] for i, a in enumerate(rule) if a == "--set" and rule[i - 2] == "--name")
+    return replace(st, recent_set=st.recent_set + sets) if sets else st
+
+
+def _mark(mark: int, opts: Dict[str, str]) -> int:
+    if "--or-mark" in opts:
+        return mark | int(opts["--or-mark"], 0)
+    if "--xor-mark" in opts:
+        return mark ^ int(opts["--xor-mark"], 0)
+    raise AssertionError(f"the tracer does not know MARK {opts}")
+
+
+def _dest_ip(dest: str) -> str:
+    host = dest.rpartition(":")[0]
+    return host.strip("[]")
