@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from netproxy.backends.base import BackendError, BackendUnavailable, Outcome, Packet, SyncResult
 from netproxy.backends.iptables import cleanup as cleanup_mod
@@ -56,6 +56,7 @@ class IptablesBackend:
         self._stamps: Dict[int, Optional[Stamp]] = {}
         """Per family: its tables' fingerprints right after our last full write (gone after any other write)."""
         self._skips = 0
+        self._rules_written: Dict[str, int] = {}
 
     @staticmethod
     def _make_writer(config: ProxyConfig) -> Writer:
@@ -139,6 +140,7 @@ class IptablesBackend:
             log.debug("iptables: tables as netproxy left them and nothing to change: full sync skipped")
             return SyncResult(full=True, services_written=0, bytes_written=0)
         total = 0
+        self._rules_written = {t: 0 for t in TABLES}
         try:
             for family in FAMILIES:
                 written = self._sync_family(desired[family], full)
@@ -152,7 +154,8 @@ class IptablesBackend:
         if full:
             self._skips = 0
         return SyncResult(full=full, services_written=len(snapshot.services) if full else rerendered,
-                          bytes_written=total)
+                          bytes_written=total, rules_owned=_rule_counts(self._written.values()),
+                          rules_written=tuple(sorted(self._rules_written.items())))
 
     def _untouched(self, desired: Dict[int, FamilyRuleset]) -> bool:
         """Whether a full sync would write exactly what the kernel holds from our last full write:
@@ -189,6 +192,8 @@ class IptablesBackend:
             written = self._written[family]
             table_changes = [partial_change(t, ruleset.chains(t), written.get(t, {})) for t in TABLES]
         changed: List[TableChange] = [c for c in table_changes if not c.empty()]
+        for c in changed:  # kube-proxy's sync_proxy_rules_iptables_last{table}, both families summed
+            self._rules_written[c.table] = self._rules_written.get(c.table, 0) + c.rule_count()
         if changed:
             self._stamps.pop(family, None)  # the write changes the tables: the old fingerprint means nothing
         size = self.writer.apply(family, changed) if changed else 0
@@ -209,3 +214,12 @@ class IptablesBackend:
         self._stamps.clear()
         self._written.clear()
         self._need_full = True
+
+
+def _rule_counts(written: Iterable[Mapping[str, Mapping[str, Sequence[object]]]]) -> Tuple[Tuple[str, int], ...]:
+    """(table, rules in our chains) over both families: kube-proxy's sync_proxy_rules_iptables_total."""
+    counts = {t: 0 for t in TABLES}
+    for tables in written:
+        for table, chains in tables.items():
+            counts[table] = counts.get(table, 0) + sum(len(rules) for rules in chains.values())
+    return tuple(sorted(counts.items()))

@@ -157,6 +157,11 @@ def test_status_and_network_programming_from_a_running_proxy(proxy: Proxy, sandb
 
     # A slice change stamped by the EndpointSlice controller 2 s ago reaches the kernel: one
     # network programming observation of at least 2 s.
+    if proxy.combo.backend == "iptables":  # rule counts by table, reported by the backend in its SyncResult
+        text = _scrape(sandbox)
+        assert (_value(text, "kubeproxy_sync_proxy_rules_iptables_total", '{table="nat"}') or 0) > 0, text
+        assert _value(text, "kubeproxy_sync_proxy_rules_iptables_last", '{table="nat"}') is not None
+
     # (Stamps from before the proxy started are ignored, as kube-proxy does: keep this one after it.)
     time.sleep(max(0.0, started + 4 - time.time()))
     first = _scrape(sandbox)
