@@ -195,3 +195,42 @@ def test_status_and_network_programming_from_a_running_proxy(proxy: Proxy, sandb
     assert http_get(sandbox, sandbox.node, f"http://{HEALTHZ}/livez")[0] == 200
     assert (_value(_scrape(sandbox), "kubeproxy_proxy_healthz_total", '{code="503"}') or 0) >= 1
     assert proxy.stop_runs() == [0], proxy.run_output()[-3000:]
+
+
+CLIENT4 = "10.244.1.2"
+
+
+def _traced(proxy: Proxy, to: str) -> Tuple[set, set]:  # type: ignore[type-arg]
+    """(DNAT targets' addresses, other verdicts) that `netproxy trace` predicts from the client."""
+    proc = proxy.command("trace", "--source", proxy.source, "--to", to, "--from", CLIENT4, *proxy.base_flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    targets, others = set(), set()
+    for line in proc.stdout.splitlines()[1:]:
+        m = re.search(r"DNAT to \[?([0-9a-f.:]+?)\]?:\d+,", line)
+        if m:
+            targets.add(m.group(1))
+        else:
+            others.add(line.split("%", 1)[1].split("via")[0].strip())
+    return targets, others
+
+
+def test_trace_predicts_the_endpoints_real_connections_reach(proxy: Proxy, sandbox: Sandbox) -> None:
+    pods = sandbox.pods[:3]
+    remote = dataclasses.replace(pods[1], node_name="np-other-node")
+    cluster = [service("web", "10.96.0.10", [port(80, 8080)]), endpoint_slice("web", pods[:2], [port(8080)]),
+               service("near", "10.96.0.11", [port(80, 8080)], internalTrafficPolicy="Local"),
+               endpoint_slice("near", [pods[0], remote, pods[2]], [port(8080)]),
+               service("empty", "10.96.0.12", [port(80, 8080)])]
+    proxy.sync(cluster)
+    by_ip = {p.ip: p.name for p in pods}
+    for to, want in (("10.96.0.10:80", {pods[0].name, pods[1].name}), ("10.96.0.11:80", {pods[0].name, pods[2].name})):
+        targets, others = _traced(proxy, to)
+        predicted = {by_ip[t] for t in targets}
+        assert predicted == want and not others, (to, targets, others)
+        address, _, number = to.partition(":")
+        reached = sandbox.connect(address, int(number), count=40, source=sandbox.client)
+        assert reached.errors == {} and set(reached.counts) == predicted, (to, reached.counts, predicted)
+    targets, others = _traced(proxy, "10.96.0.12:80")
+    assert not targets and others == {"refused (ICMP port unreachable)"}, others
+    refused = sandbox.connect("10.96.0.12", 80, count=3, timeout=0.5, source=sandbox.client)
+    assert refused.counts == {} and refused.failed == 3, refused.errors
