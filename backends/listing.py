@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 try:
     from typing import Protocol
@@ -30,6 +30,10 @@ class Listing(Protocol):
     def rendered(self, plan: str) -> List[str]:
         """``plan`` (the backend's :meth:`Backend.plan` text) loaded into a scratch namespace and
         listed exactly as :meth:`kernel` lists the node's tables."""
+
+    def programmed(self) -> List[Tuple[str, str, Tuple[str, ...]]]:
+        """(service, "address:port/proto", endpoints, or ("reject",)) for every service port the
+        node's tables dispatch now (``netproxy status --kernel``)."""
 
 
 def run(cmd: List[str], stdin: Optional[str] = None, scratch: bool = False) -> str:

@@ -139,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-address", default="127.0.0.1:10249", help="the run's --metrics-bind-address")
     p.add_argument("--healthz-address", default="127.0.0.1:10256", help="the run's --healthz-bind-address ('' skip)")
     p.add_argument("-o", "--output", default="table", choices=["table", "json"])
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--kernel", action="store_true", help="also list the service ports -> endpoints the kernel "
+                   "holds now (read with iptables-save / nft list; the backend from --backend or the version check)")
+    _add_common(p, ("auto", "iptables", "nftables"))
     p = sub.add_parser("detect", help="print the backend the version check picks and the evidence")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p = sub.add_parser("cleanup", help="remove every rule, chain and table netproxy created, nothing else")
@@ -278,16 +280,26 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """0 when the proxy answers and is healthy; 1 when it does not answer or /healthz fails."""
-    from netproxy.status import read, render
+    """0 when the proxy answers, has synced and /healthz is 200; 1 otherwise.  With --kernel the
+    kernel's service ports are listed even when no proxy answers."""
+    from netproxy.status import Status, read, render
 
     try:
-        status = read(args.metrics_address, args.healthz_address)
+        status, reached = read(args.metrics_address, args.healthz_address), True
     except OSError as err:
         print(f"netproxy status: no netproxy run answers on {args.metrics_address}: {err}", file=sys.stderr)
-        return EXIT_FAILED
-    sys.stdout.write(render(status, args.output))
-    return EXIT_OK if status.health_code in (200, None) and status.last_sync else EXIT_FAILED
+        if not args.kernel:
+            return EXIT_FAILED
+        status, reached = Status(), False
+    ports = None
+    if args.kernel:
+        from netproxy.backends import listing
+
+        name, flavour = choose_backend(args)
+        ports = listing(name, _config(args, name, flavour)).programmed()
+    sys.stdout.write(render(status, args.output, ports=ports))
+    healthy = reached and status.health_code in (200, None) and bool(status.last_sync)
+    return EXIT_OK if healthy else EXIT_FAILED
 
 
 def cmd_detect(args: argparse.Namespace) -> int:

@@ -77,9 +77,28 @@ def read(metrics_address: str, healthz_address: str, timeout: float = 5.0) -> St
     return status
 
 
-def render(status: Status, output: str = "table", now: Optional[float] = None) -> str:
+Programmed = List[Tuple[str, str, Tuple[str, ...]]]
+"""(service, "address:port/proto", endpoints or ("reject",)) as the kernel holds them."""
+
+
+def render(status: Status, output: str = "table", now: Optional[float] = None,
+           ports: Optional[Programmed] = None) -> str:
     if output == "json":
-        return json.dumps(asdict(status), indent=2, sort_keys=True) + "\n"
+        doc: Dict[str, object] = asdict(status)
+        if ports is not None:
+            doc["kernel"] = [{"service": s, "frontend": f, "endpoints": list(e)} for s, f, e in ports]
+        return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    return _table(status, now) + ("" if ports is None else _ports(ports))
+
+
+def _ports(ports: Programmed) -> str:
+    """The kernel's service ports, one per line: SERVICE  FRONTEND  ENDPOINTS."""
+    rows = [("SERVICE", "FRONTEND", "ENDPOINTS")] + [(s, f, ", ".join(e) or "-") for s, f, e in ports]
+    wide = [max(len(r[i]) for r in rows) for i in range(2)]
+    return "\n" + "".join(f"{s:<{wide[0]}}  {f:<{wide[1]}}  {e}\n" for s, f, e in rows)
+
+
+def _table(status: Status, now: Optional[float]) -> str:
     now = time.time() if now is None else now
 
     def show(value: object) -> str:

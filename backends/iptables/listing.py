@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from typing import Dict, List, Tuple
+from typing import Dict, Iterable, List, Set, Tuple
 
 from netproxy.backends.iptables.restore import tool
 from netproxy.backends.listing import run
@@ -59,9 +59,55 @@ class IptablesListing:
             out += _ours(run([tool(family, self.flavour, "save")]), family)
         return out
 
+    def programmed(self) -> List[Tuple[str, str, Tuple[str, ...]]]:
+        return programmed(self.kernel())
+
     def rendered(self, plan: str) -> List[str]:
         out: List[str] = []
         for family, payload in sorted(split_plan(plan).items()):
             restore, save = (shlex.quote(tool(family, self.flavour, v)) for v in ("restore", "save"))
             out += _ours(run([f"{restore} --noflush; {save}"], stdin=payload, scratch=True), family)
         return out
+
+
+def _opt(args: List[str], flag: str) -> str:
+    return args[args.index(flag) + 1] if flag in args else ""
+
+
+def programmed(lines: Iterable[str]) -> List[Tuple[str, str, Tuple[str, ...]]]:
+    """(service, "address:port/proto", endpoints or ("reject",)) for every service port the tables
+    dispatch, read from :meth:`IptablesListing.kernel`'s lines (``netproxy status --kernel``): the
+    KUBE-SERVICES / KUBE-NODEPORTS jumps, followed to the DNAT targets they can reach."""
+    rules: Dict[Tuple[str, str, str], List[List[str]]] = {}
+    for line in lines:
+        family, table, rest = line.split(" ", 2)
+        if rest.startswith("-A "):
+            args = shlex.split(rest)
+            rules.setdefault((family, table, args[1]), []).append(args)
+
+    def targets(family: str, chain: str, depth: int = 0) -> Set[str]:
+        found: Set[str] = set()
+        for args in rules.get((family, "nat", chain), []) if depth < 8 else []:
+            jump = _opt(args, "-j")
+            if jump == "DNAT":
+                found.add(_opt(args, "--to-destination"))
+            elif jump.startswith(PREFIX) and jump != "KUBE-MARK-MASQ":
+                found |= targets(family, jump, depth + 1)
+        return found
+
+    out: List[Tuple[str, str, Tuple[str, ...]]] = []
+    for (family, table, chain), chain_rules in sorted(rules.items()):
+        if chain not in ("KUBE-SERVICES", "KUBE-NODEPORTS"):
+            continue
+        for args in chain_rules:
+            svc, port, proto, jump = _opt(args, "--comment"), _opt(args, "--dport"), _opt(args, "-p"), _opt(args, "-j")
+            if "/" not in svc or not port:
+                continue  # the NodePort jump, or a rule that is not one service's
+            addr = _opt(args, "-d").split("/")[0] or "*"
+            front = f"[{addr}]:{port}/{proto}" if ":" in addr else f"{addr}:{port}/{proto}"
+            if table == "filter":
+                if jump == "REJECT":
+                    out.append((svc, front, ("reject",)))
+                continue
+            out.append((svc, front, tuple(sorted(targets(family, jump)))))
+    return sorted(out)

@@ -9,7 +9,7 @@ traffic adds and time removes).
 from __future__ import annotations
 
 import re
-from typing import List, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 from netproxy.backends.listing import run
 from netproxy.backends.nftables.names import TABLE
@@ -79,5 +79,58 @@ class NftablesListing:
                 text += run(["nft", "list", "table", family, TABLE])
         return normalise(text)
 
+    def programmed(self) -> List[Tuple[str, str, Tuple[str, ...]]]:
+        return programmed(self.kernel())
+
     def rendered(self, plan: str) -> List[str]:
         return normalise(run(["nft -f -; nft list ruleset"], stdin=plan, scratch=True))
+
+
+_ELEMENT = re.compile(r"^table (\S+) \S+ map (\S+) element (.*)$")
+_RULE = re.compile(r"^table (\S+) \S+ chain (\S+) (.*)$")
+_DISPATCH = re.compile(r'^(?P<key>.*?)(?: comment "(?P<svc>[^"]*)")? : goto (?P<chain>\S+)$')
+FRONTS = {"service-ips": False, "no-endpoint-services": False, "service-nodeports": True,
+          "no-endpoint-nodeports": True}
+"""The dispatch maps: name → whether keyed by nodePort (protocol . port) rather than address . protocol . port."""
+
+
+def programmed(lines: Iterable[str]) -> List[Tuple[str, str, Tuple[str, ...]]]:
+    """(service, "address:port/proto", endpoints or ("reject",)) for every service port the tables
+    dispatch, read from a normalised listing (``netproxy status --kernel``)."""
+    elements: Dict[Tuple[str, str], List[str]] = {}
+    uses: Dict[Tuple[str, str], List[str]] = {}
+    for line in lines:
+        m = _ELEMENT.match(line)
+        if m:
+            elements.setdefault((m.group(1), m.group(2)), []).append(m.group(3))
+            continue
+        m = _RULE.match(line)
+        if m:
+            maps = [n for n in re.findall(r"map @(\S+)", m.group(3)) if not n.startswith("affinity-")]
+            uses.setdefault((m.group(1), m.group(2)), []).extend(maps)
+    out: List[Tuple[str, str, Tuple[str, ...]]] = []
+    for (family, name), by_nodeport in [(k, FRONTS[k[1]]) for k in sorted(elements) if k[1] in FRONTS]:
+        for element in elements[(family, name)]:
+            d = _DISPATCH.match(element)
+            if d is None:
+                continue
+            parts = [p.strip() for p in d.group("key").split(" . ")]
+            if by_nodeport:
+                proto, port = parts[0], parts[1]
+                front, prefix = f"*:{port}/{proto}", f"{port} . "
+            else:
+                addr, proto, port = parts[0], parts[1], parts[2]
+                front = f"[{addr}]:{port}/{proto}" if ":" in addr else f"{addr}:{port}/{proto}"
+                prefix = f"{addr} . {port} . "
+            if d.group("chain") == "reject-packet":
+                out.append((d.group("svc") or "", front, ("reject",)))
+                continue
+            eps = [_endpoint(e.split(" : ", 1)[1]) for m in uses.get((family, d.group("chain")), ())
+                   for e in elements.get((family, m), ()) if e.startswith(prefix) and " : " in e]
+            out.append((d.group("svc") or "", front, tuple(sorted(eps))))
+    return sorted(out)
+
+
+def _endpoint(value: str) -> str:
+    addr, _, port = value.rpartition(" . ")
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"

@@ -176,6 +176,10 @@ def test_status_and_network_programming_from_a_running_proxy(proxy: Proxy, sandb
         return None if n > (_value(first, "kubeproxy_network_programming_duration_seconds_count") or 0) else "none yet"
 
     wait_for(programmed, timeout=10)
+    # What the kernel holds, read back by `status --kernel` (iptables-save / nft list): web's two pods.
+    doc = json.loads(proxy.command("status", "--kernel", "-o", "json").stdout)
+    assert {"service": "default/web:http", "frontend": f"{WEB_IP}:80/tcp",
+            "endpoints": sorted(f"{p.ip}:8080" for p in pods)} in doc["kernel"], doc["kernel"]
     later = _scrape(sandbox)
     added = (_value(later, "kubeproxy_network_programming_duration_seconds_sum") or 0) - \
         (_value(first, "kubeproxy_network_programming_duration_seconds_sum") or 0)

@@ -77,3 +77,22 @@ def test_diff_groups_by_service_and_is_empty_when_equal() -> None:
     text = plandiff.render(changes)
     assert text.index("default/web:http: +2 -1") < text.index(plandiff.SHARED)
     assert plandiff.diff(kernel, kernel[::-1], snap) != {}, "a reordering is a change"
+
+
+def test_status_kernel_reads_service_ports_from_both_listings() -> None:
+    from netproxy.backends.iptables.listing import programmed as ipt_programmed
+    from netproxy.backends.nftables.listing import programmed as nft_programmed
+
+    nft = NFT.replace("\tchain services {", """\tmap cluster-tcp-endpoints-1 {
+		type ipv4_addr . inet_service . integer : ipv4_addr . inet_service
+		elements = { 10.96.0.10 . 80 . 0 : 10.244.1.11 . 8080 }
+	}
+	chain cluster-tcp-pick-3 {
+		dnat ip to ip daddr . tcp dport . numgen random mod 1 map @cluster-tcp-endpoints-1
+	}
+	chain services {""")
+    assert ("default/web:http", "10.96.0.10:80/tcp", ("10.244.1.11:8080",)) in nft_programmed(normalise(nft))
+    save = SAVE.replace("COMMIT", '-A KUBE-SVC-X -m comment --comment "default/web:http" -j DNAT '
+                                  '--to-destination 10.244.1.11:8080\nCOMMIT').replace(
+        "-d 10.96.0.10/32 -p tcp", '-d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http"')
+    assert ipt_programmed(_ours(save, 4)) == [("default/web:http", "10.96.0.10:80/tcp", ("10.244.1.11:8080",))]
