@@ -18,7 +18,7 @@ try:
 except ImportError:  # pragma: no cover
     from typing_extensions import Protocol  # type: ignore[assignment]
 
-from netproxy.backends.base import BackendUnavailable
+from netproxy.backends.base import BackendUnavailable, Outcome, Packet
 
 TIMEOUT = 60.0
 
@@ -30,6 +30,10 @@ class Listing(Protocol):
     def rendered(self, plan: str) -> List[str]:
         """``plan`` (the backend's :meth:`Backend.plan` text) loaded into a scratch namespace and
         listed exactly as :meth:`kernel` lists the node's tables."""
+
+    def trace(self, packet: Packet) -> List[Outcome]:
+        """Where ``packet`` goes through the rules the node's tables hold now (``netproxy trace
+        --kernel``); BackendUnavailable where this backend cannot trace its kernel state yet."""
 
     def programmed(self) -> List[Tuple[str, str, Tuple[str, ...]]]:
         """(service, "address:port/proto", endpoints, or ("reject",)) for every service port the

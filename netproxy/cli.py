@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-node", action="store_true", help="the connection starts on the node itself")
     p.add_argument("--node-address", action="append", default=[], metavar="ADDRESS",
                    help="this node's addresses (NodePorts, the node's own traffic); repeat")
+    p.add_argument("--kernel", action="store_true", help="trace the rules the kernel holds now instead of the "
+                   "rendered ones (iptables backend)")
     _add_common(p, ("auto", "nftables", "iptables"))
     _add_proxy(p)
     p = sub.add_parser("status", help="what a running `netproxy run` has programmed, from its /metrics and /healthz")
@@ -258,7 +260,7 @@ def _plan_diff(backend: Backend, config: ProxyConfig, snapshot: Snapshot, errors
 def cmd_trace(args: argparse.Namespace) -> int:
     from netproxy.trace import parse_destination, report
 
-    if args.backend == "auto":
+    if args.backend == "auto" and not args.kernel:
         args.backend = "nftables"  # a trace reads no kernel: the layout it follows is nftables'
     backend, config = make_backend(args)
     tracer = getattr(backend, "trace", None)
@@ -274,7 +276,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
     local = frozenset(args.node_address)
     packet = Packet(args.node_address[0] if args.from_node and local else args.source_address, address, port,
                     args.protocol, hook="output" if args.from_node else "prerouting", local=local)
-    sys.stdout.write(report(packet, tracer(snapshot, packet)))
+    if args.kernel:
+        from netproxy.backends import listing
+
+        outcomes = listing(backend.name, config).trace(packet)
+    else:
+        outcomes = tracer(snapshot, packet)
+    sys.stdout.write(report(packet, outcomes))
     _report_rejections(errors)
     return EXIT_REJECTED if errors else EXIT_OK
 

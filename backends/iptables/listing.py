@@ -10,6 +10,8 @@ import re
 import shlex
 from typing import Dict, Iterable, List, Set, Tuple
 
+from netproxy.backends.base import Outcome, Packet
+from netproxy.backends.iptables.render import FamilyRuleset
 from netproxy.backends.iptables.restore import tool
 from netproxy.backends.listing import run
 from netproxy.config import ProxyConfig
@@ -62,6 +64,16 @@ class IptablesListing:
     def programmed(self) -> List[Tuple[str, str, Tuple[str, ...]]]:
         return programmed(self.kernel())
 
+    def trace(self, packet: Packet) -> List[Outcome]:
+        from netproxy.backends.iptables.trace import Packet as TracedPacket
+        from netproxy.backends.iptables.trace import Tracer
+
+        family = 6 if packet.family == "ip6" else 4
+        traced = TracedPacket(packet.saddr, packet.daddr, packet.dport, packet.proto,
+                              from_node=packet.hook == "output")
+        outcomes: List[Outcome] = Tracer(kernel_ruleset(self.kernel(), family), packet.local).outcomes(traced)
+        return outcomes
+
     def rendered(self, plan: str) -> List[str]:
         out: List[str] = []
         for family, payload in sorted(split_plan(plan).items()):
@@ -111,3 +123,22 @@ def programmed(lines: Iterable[str]) -> List[Tuple[str, str, Tuple[str, ...]]]:
                 continue
             out.append((svc, front, tuple(sorted(targets(family, jump)))))
     return sorted(out)
+
+
+def kernel_ruleset(lines: Iterable[str], family: int) -> FamilyRuleset:
+    """The node's netproxy chains of one family as a :class:`FamilyRuleset` (argument lists as
+    ``iptables-save`` spells them), for tracing what the kernel holds (``netproxy trace --kernel``)."""
+    ruleset = FamilyRuleset(family)
+    collected: Dict[Tuple[str, str], List[Tuple[str, ...]]] = {}
+    for line in lines:
+        fam, table, rest = line.split(" ", 2)
+        if fam != f"ipv{family}":
+            continue
+        if rest.startswith(":"):
+            collected.setdefault((table, rest[1:]), [])
+        elif rest.startswith("-A "):
+            args = shlex.split(rest)
+            collected.setdefault((table, args[1]), []).append(tuple(args[2:]))
+    for (table, chain), rules in collected.items():
+        ruleset.chains(table)[chain] = tuple(rules)
+    return ruleset

@@ -185,7 +185,7 @@ class Tracer:
                 ok = ipaddress.ip_address(dst) in ipaddress.ip_network(value)
             elif arg == "-p":
                 ok = pkt.proto == value
-            elif arg == "-m" or arg in ("--comment", "--mode", "--seconds", "--name"):
+            elif arg == "-m" or arg in ("--comment", "--mode", "--seconds", "--name", "--reject-with"):
                 ok = None
             elif arg == "--dport":  # a port, or a range (the NodePort tree's "LO:HI")
                 lo, _, hi = value.partition(":")
@@ -204,11 +204,14 @@ class Tracer:
                 if float(value) < 1.0:
                     result = "maybe"
             elif arg in ("--rcheck", "--update"):  # --update refreshes on a hit: the same answer here
-                name = rule[i - 1] if rule[i - 2] == "--name" else _unknown(arg, "")
+                # The renderer writes "--name N --rcheck"; iptables-save writes "--rcheck ... --name N".
+                name = rule[rule.index("--name") + 1] if "--name" in rule else _unknown(arg, "")
                 ok = pkt.src in self.recent.get(str(name), set())
                 step = 1
-            elif arg in ("--reap", "--set"):
+            elif arg in ("--reap", "--set", "--rsource"):
                 ok, step = None, 1
+            elif arg == "--mask":  # iptables-save adds recent's default --mask 255.255.255.255 --rsource
+                ok = None
             else:
                 _unknown(arg, value)
                 ok = None
@@ -242,11 +245,14 @@ def _target(rule: Rule) -> Tuple[Optional[str], Dict[str, str]]:
 
 
 def _recent_side_effect(rule: Rule, pkt: Packet, st: _State) -> _State:
-    sets = tuple(rule[i - 1] for i, a in enumerate(rule) if a == "--set" and rule[i - 2] == "--name")
+    sets = (rule[rule.index("--name") + 1],) if "--set" in rule and "--name" in rule else ()
     return replace(st, recent_set=st.recent_set + sets) if sets else st
 
 
 def _mark(mark: int, opts: Dict[str, str]) -> int:
+    if "--set-xmark" in opts:  # how iptables-save spells --or-mark (V/V) and --xor-mark (V/0)
+        value, _, mask = opts["--set-xmark"].partition("/")
+        return (mark & ~int(mask or "0xffffffff", 0)) ^ int(value, 0)
     if "--or-mark" in opts:
         return mark | int(opts["--or-mark"], 0)
     if "--xor-mark" in opts:

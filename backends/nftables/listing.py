@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Dict, Iterable, List, Tuple
 
+from netproxy.backends.base import BackendUnavailable, Outcome, Packet
 from netproxy.backends.listing import run
 from netproxy.backends.nftables.names import TABLE
 from netproxy.config import ProxyConfig
@@ -81,6 +82,10 @@ class NftablesListing:
 
     def programmed(self) -> List[Tuple[str, str, Tuple[str, ...]]]:
         return programmed(self.kernel())
+
+    def trace(self, packet: Packet) -> List[Outcome]:
+        raise BackendUnavailable("tracing what the kernel holds is not there yet for nftables; "
+                                 "trace without --kernel follows the rendered rules")
 
     def rendered(self, plan: str) -> List[str]:
         return normalise(run(["nft -f -; nft list ruleset"], stdin=plan, scratch=True))
