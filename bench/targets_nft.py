@@ -166,10 +166,3 @@ def process(r: Results) -> List[Target]:
 CHECKS: List[Callable[[Results], Any]] = [full_uniform, endpoint, full_mixed, affinity_change, peak_rss, churn,
                                           large, process]
 
-
-def check(results: Results) -> List[Target]:
-    out: List[Target] = []
-    for fn in CHECKS:
-        got = fn(results)
-        out.extend(got if isinstance(got, list) else [got])
-    return out

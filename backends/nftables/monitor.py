@@ -110,3 +110,32 @@ def scan(data: bytes, own: AbstractSet[int], touched: bool) -> Tuple[bool, bool]
         elif payload[0] in _FAMILIES and attrs.get(_ATTR_TABLE, b"").rstrip(b"\0") == names.TABLE.encode():
             touched = True
     return found, touched
+
+
+class Watched:
+    """The change-notification side of a kernel writer, shared by both writers: a subscription
+    opened and closed around netproxy's own rewrites, and asked what others did since."""
+
+    _monitor: Optional[Monitor] = None
+
+    def watch(self, on: bool) -> None:
+        if self._monitor is not None:
+            self._monitor.close()
+            self._monitor = None
+        if on:
+            try:
+                self._monitor = Monitor()
+            except OSError as exc:
+                log.info("no nftables change notifications (%s): every full sync after a foreign write "
+                         "rebuilds netproxy's tables", exc)
+
+    def others_touched(self, own: AbstractSet[int]) -> Optional[bool]:
+        if self._monitor is None:
+            return None
+        try:
+            touched: Optional[bool] = self._monitor.others_touched(own)
+            return touched
+        except OSError as exc:
+            log.info("nftables change notifications failed: %s", exc)
+            self.watch(False)
+            return None

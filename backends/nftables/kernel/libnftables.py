@@ -16,7 +16,7 @@ from typing import AbstractSet, Any, Dict, FrozenSet, List, Optional, Sequence, 
 
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.nftables import names, serialise
-from netproxy.backends.nftables.monitor import Monitor
+from netproxy.backends.nftables.monitor import Watched
 from netproxy.backends.nftables.objects import Element, Set
 from netproxy.backends.nftables.serialise import Op
 
@@ -69,7 +69,14 @@ class LibNftRunner:
         self._nft.set_handle_output(False)
         self._check: Optional[Any] = None
         self._gen_socket: Optional[Tuple[Any, int, Any]] = None
-        self._monitor: Optional[Monitor] = None
+        self.notifications = Watched()
+
+    def watch(self, on: bool) -> None:
+        self.notifications.watch(on)
+
+    def others_touched(self, own: AbstractSet[int]) -> Optional[bool]:
+        touched: Optional[bool] = self.notifications.others_touched(own)
+        return touched
 
     def _cmd(self, text: str, json_output: bool = False) -> Tuple[int, str, str]:
         self._nft.set_json_output(json_output)
@@ -189,27 +196,6 @@ class LibNftRunner:
             log.debug("cannot read the nftables generation: %s", exc)
         return None
 
-    def watch(self, on: bool) -> None:
-        if self._monitor is not None:
-            self._monitor.close()
-            self._monitor = None
-        if on:
-            try:
-                self._monitor = Monitor()
-            except OSError as exc:
-                log.info("no nftables change notifications (%s): every full sync after a foreign write "
-                         "rebuilds netproxy's tables", exc)
-
-    def others_touched(self, own: AbstractSet[int]) -> Optional[bool]:
-        if self._monitor is None:
-            return None
-        try:
-            touched: Optional[bool] = self._monitor.others_touched(own)
-            return touched
-        except OSError as exc:
-            log.info("nftables change notifications failed: %s", exc)
-            self.watch(False)
-            return None
 
     def probe(self) -> None:
         if self._list("list tables") is None:

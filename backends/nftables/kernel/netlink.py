@@ -15,7 +15,7 @@ from typing import AbstractSet, Dict, FrozenSet, List, Optional, Sequence, Tuple
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.nftables import encode, names, serialise, wire
 from netproxy.backends.nftables.kernel.nlsocket import NetlinkError, NlSocket
-from netproxy.backends.nftables.monitor import Monitor
+from netproxy.backends.nftables.monitor import Watched
 from netproxy.backends.nftables.objects import Element, Set, Table
 from netproxy.backends.nftables.serialise import Op
 
@@ -69,9 +69,16 @@ class NetlinkRunner:
             self._sock = NlSocket()
         except OSError as exc:
             raise BackendUnavailable("no nf_tables netlink socket", detail=str(exc)) from exc
-        self._monitor: Optional[Monitor] = None
         self._sets: Dict[Tuple[str, str], Set] = {}
         """The sets this writer created and has not deleted: their types pack later elements."""
+        self.notifications = Watched()
+
+    def watch(self, on: bool) -> None:
+        self.notifications.watch(on)
+
+    def others_touched(self, own: AbstractSet[int]) -> Optional[bool]:
+        touched: Optional[bool] = self.notifications.others_touched(own)
+        return touched
 
     # --- writes ----------------------------------------------------------------------------------
 
@@ -208,29 +215,7 @@ class NetlinkRunner:
             raise SyncError(f"cannot read the elements of {spec.name}", detail=str(exc)) from exc
         return out
 
-    # --- change notifications (shared with the libnftables writer) -------------------------------
 
-    def watch(self, on: bool) -> None:
-        if self._monitor is not None:
-            self._monitor.close()
-            self._monitor = None
-        if on:
-            try:
-                self._monitor = Monitor()
-            except OSError as exc:
-                log.info("no nftables change notifications (%s): every full sync after a foreign write "
-                         "rebuilds netproxy's tables", exc)
-
-    def others_touched(self, own: AbstractSet[int]) -> Optional[bool]:
-        if self._monitor is None:
-            return None
-        try:
-            touched: Optional[bool] = self._monitor.others_touched(own)
-            return touched
-        except OSError as exc:
-            log.info("nftables change notifications failed: %s", exc)
-            self.watch(False)
-            return None
 
 
 def _set_from_attrs(attrs: Dict[int, bytes]) -> Optional[Set]:
