@@ -23,6 +23,7 @@ import threading
 from typing import TYPE_CHECKING, Callable, List, NoReturn, Optional, Protocol, Sequence, Tuple
 
 from netproxy import detect as detect_mod
+from netproxy import logs
 from netproxy.backends import BackendError, create
 from netproxy.backends.base import Backend, Packet
 from netproxy.config import BACKENDS, IPTABLES_WRITERS, NFTABLES_WRITERS, ProxyConfig, parse_cidrs
@@ -63,6 +64,7 @@ def cidr_list(text: str) -> Tuple[object, ...]:
 
 def _add_common(p: argparse.ArgumentParser, backends: Sequence[str] = BACKENDS) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"], help="log lines as text or JSON")
     shown = [b for b in backends if b != "fake"]  # the in-memory test backend: accepted, not advertised
 
     def backend_name(text: str) -> str:
@@ -146,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, ("auto", "iptables", "nftables"))
     p = sub.add_parser("detect", help="print the backend the version check picks and the evidence")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"], help="log lines as text or JSON")
     p = sub.add_parser("cleanup", help="remove every rule, chain and table netproxy created, nothing else")
     _add_common(p, BACKENDS + ("all",))
     p.set_defaults(backend="all")
@@ -381,7 +384,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         watcher = NodeAddressWatcher(config.nodeport_addresses)
         watcher.start(tracker)
-    log.info("running with the %s backend", backend.name)
+    writer = {"nftables": config.nftables_writer, "iptables": config.iptables_writer}.get(backend.name, "-")
+    chosen = "the version check" if args.backend == "auto" else "--backend"
+    log.info("running with the %s backend, writer %s, iptables flavour %s (chosen by %s)", backend.name, writer,
+             config.iptables_flavour, chosen)
     try:
         runner.loop(stop)
     finally:
@@ -450,8 +456,7 @@ COMMANDS = {"sync": cmd_sync, "run": cmd_run, "plan": cmd_plan, "trace": cmd_tra
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup(args.log_level, getattr(args, "log_format", "text"))
     try:
         return COMMANDS[args.command](args)
     except SourceError as err:

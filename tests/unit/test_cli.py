@@ -310,3 +310,16 @@ def test_the_fake_backend_is_accepted_but_not_advertised(capsys: pytest.CaptureF
     out = capsys.readouterr().out
     assert "{auto,iptables,nftables}" in out and "fake" not in out
     assert cli.build_parser().parse_args(["sync", "--source", "x", "--backend", "fake"]).backend == "fake"
+
+
+def test_json_logs_are_one_object_per_line() -> None:
+    import json as _json
+    import logging
+
+    from netproxy import logs
+
+    record = logging.LogRecord("netproxy.test", logging.WARNING, __file__, 1, "rejected %s", ("Service a/b",), None)
+    got = _json.loads(logs.JsonFormatter().format(record))
+    assert got["level"] == "warning" and got["logger"] == "netproxy.test" and got["msg"] == "rejected Service a/b"
+    assert "\n" not in logs.JsonFormatter().format(record)
+    assert cli.build_parser().parse_args(["detect", "--log-format", "json"]).log_format == "json"
