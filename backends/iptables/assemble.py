@@ -65,6 +65,8 @@ def _hairpin_entries(services: Iterable[ServiceRules]) -> List[DispatchEntry]:
             rule = _hairpin_rules.get(addr)
             if rule is None:
                 net = host_net(addr)
+                if len(_hairpin_rules) >= names.CACHE_LIMIT:
+                    _hairpin_rules.clear()  # bounded: see names.CACHE_LIMIT
                 rule = _hairpin_rules[addr] = ("-s", net, "-d", net, "-j", names.MARK_MASQ)
             out.append(DispatchEntry(int(addr), rule))
     return out

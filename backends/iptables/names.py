@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from typing import Dict, Tuple
+from typing import Any, Dict, Tuple
 
 from netproxy.model import Endpoint, ServicePortName
 
@@ -63,6 +63,18 @@ def _hash16(text: str) -> str:
 _svc_cache: Dict[Tuple[ServicePortName, str, str], str] = {}
 _sep_cache: Dict[Tuple[ServicePortName, str, Endpoint], str] = {}
 _net_cache: Dict[Tuple[str, str], str] = {}
+CACHE_LIMIT = 1 << 19
+"""Entries a name cache keeps before it starts over: a long-running proxy sees every service and
+endpoint that ever existed, and the caches must not grow with that history (a 10k-service cluster
+with 25 endpoints each needs ~260k)."""
+
+
+def remember(cache: Dict[Any, str], key: Any, value: str) -> str:
+    """``cache[key] = value``, emptying the cache first when it is full (bounded, still O(1))."""
+    if len(cache) >= CACHE_LIMIT:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 def service_chain(name: ServicePortName, protocol: str, prefix: str = SVC_PREFIX) -> str:
@@ -70,7 +82,7 @@ def service_chain(name: ServicePortName, protocol: str, prefix: str = SVC_PREFIX
     key = (name, protocol, prefix)
     chain = _svc_cache.get(key)
     if chain is None:
-        chain = _svc_cache[key] = prefix + _hash16(str(name) + protocol.lower())
+        chain = remember(_svc_cache, key, prefix + _hash16(str(name) + protocol.lower()))
     return chain
 
 
@@ -83,7 +95,7 @@ def endpoint_name(name: ServicePortName, protocol: str, endpoint: Endpoint) -> s
     key = (name, protocol, endpoint)
     chain = _sep_cache.get(key)
     if chain is None:
-        chain = _sep_cache[key] = SEP_PREFIX + _hash16(str(name) + protocol.lower() + str(endpoint))
+        chain = remember(_sep_cache, key, SEP_PREFIX + _hash16(str(name) + protocol.lower() + str(endpoint)))
     return chain
 
 
@@ -93,7 +105,7 @@ def dispatch_chain(network: str, prefix: str = DISPATCH_PREFIX) -> str:
     key = (network, prefix)
     chain = _net_cache.get(key)
     if chain is None:
-        chain = _net_cache[key] = prefix + _hash16(network)
+        chain = remember(_net_cache, key, prefix + _hash16(network))
     return chain
 
 

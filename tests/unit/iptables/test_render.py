@@ -202,3 +202,12 @@ def test_probability_text_distinct_up_to_100k() -> None:
 ])
 def test_safe_comment(raw: str, expected: str) -> None:
     assert safe_comment(raw) == expected
+
+
+def test_name_caches_are_bounded() -> None:
+    from netproxy.backends.iptables import names as iptnames
+
+    cache: dict = {}  # type: ignore[type-arg]
+    for i in range(iptnames.CACHE_LIMIT + 5):
+        iptnames.remember(cache, i, str(i))
+    assert len(cache) <= iptnames.CACHE_LIMIT and cache[iptnames.CACHE_LIMIT + 4] == str(iptnames.CACHE_LIMIT + 4)
