@@ -15,9 +15,11 @@ from netproxy.backends.base import BackendError, BackendUnavailable, Outcome, Pa
 from netproxy.backends.iptables import cleanup as cleanup_mod
 from netproxy.backends.iptables.assemble import JUMPS, TABLES, assemble
 from netproxy.backends.iptables.diff import TableChange, Writer, full_change, partial_change
+from netproxy.backends.iptables.ipset import Ipsets, KernelIpsets
 from netproxy.backends.iptables.payload import plan_text
 from netproxy.backends.iptables.render import Chains, FamilyRuleset, Rule, ServiceRules, render_service
 from netproxy.backends.iptables.restore import RestoreTools, RestoreWriter, supports_random_fully
+from netproxy.backends.iptables.sets import SetKeeper
 from netproxy.backends.iptables.stamp import Stamp
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
@@ -27,6 +29,8 @@ __all__ = ["IptablesBackend"]
 log = logging.getLogger(__name__)
 FAMILIES = (4, 6)
 MAX_SKIPS = 10
+LARGE_CLUSTER_ENDPOINTS = 1000
+"""kube-proxy's largeClusterEndpointsThreshold: above it, endpoint rules carry no comment."""
 """Periodic full syncs skipped in a row at most (untouched tables): every 11th writes anyway, so that a
 change the fingerprint could not see (made in the instant between a write and its fingerprint) lives
 at most that many sync periods (~5 min at the default 30 s)."""
@@ -57,6 +61,10 @@ class IptablesBackend:
         """Per family: its tables' fingerprints right after our last full write (gone after any other write)."""
         self._skips = 0
         self._rules_written: Dict[str, int] = {}
+        self._comments = True
+        self.ipsets: Ipsets = KernelIpsets()
+        """The kernel's ipsets (hairpin and affinity sets); unit tests put a FakeIpsets here."""
+        self._sets = SetKeeper()
 
     @staticmethod
     def _make_writer(config: ProxyConfig) -> Writer:
@@ -71,8 +79,14 @@ class IptablesBackend:
     def _render(self, snapshot: Snapshot) -> Tuple[Dict[int, FamilyRuleset], int]:
         """Desired state per family, re-rendering only service ports whose inputs changed."""
         rerendered = 0
+        comments = sum(len(snapshot.endpoints_of(n)) for n in snapshot.services) <= LARGE_CLUSTER_ENDPOINTS
+        if comments != self._comments:
+            self._comments = comments
+            self._cache.clear()  # every endpoint rule changes: render them all again
+            self._order = []
         gone = [n for n in self._cache if n not in snapshot.services]
         for name in gone:
+            self._sets.replaced(self._cache[name].rules, {})
             del self._cache[name]
             rerendered += 1
         renamed = bool(gone) or not self._order
@@ -87,9 +101,10 @@ class IptablesBackend:
                 continue
             rules = {}
             for family in FAMILIES:
-                rendered = render_service(svc, eps, node, family, self.config)
+                rendered = render_service(svc, eps, node, family, self.config, comments)
                 if rendered is not None:
                     rules[family] = rendered
+            self._sets.replaced(cached.rules if cached is not None else {}, rules)
             renamed = renamed or cached is None
             self._cache[name] = _Rendered(svc, eps, node, rules)
             rerendered += 1
@@ -196,8 +211,12 @@ class IptablesBackend:
             self._rules_written[c.table] = self._rules_written.get(c.table, 0) + c.rule_count()
         if changed:
             self._stamps.pop(family, None)  # the write changes the tables: the old fingerprint means nothing
+        # Sets the new rules name exist, with the new hairpin elements, before the rules do; what
+        # the old rules alone needed goes after them (sets.py).
+        self._sets.before_write(self.ipsets, ruleset, full)
         size = self.writer.apply(family, changed) if changed else 0
         self._written[family] = {t: dict(ruleset.chains(t)) for t in TABLES}
+        self._sets.after_write(self.ipsets, ruleset, full)
         if full:
             # Right after this family's write (the window in which another writer's change would be
             # taken for ours is this read), and only if the tables hold our chains with our rule
@@ -211,6 +230,7 @@ class IptablesBackend:
         if self.config.iptables_writer == "libiptc" and flavour == "nft":
             raise BackendUnavailable("libiptc cannot reach nf_tables; use the restore writer on this node")
         cleanup_mod.cleanup(RestoreTools(flavour))
+        self._sets.destroy_all(self.ipsets)
         self._stamps.clear()
         self._written.clear()
         self._need_full = True

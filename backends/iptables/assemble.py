@@ -6,13 +6,13 @@ trees) or on the node (NodePort addresses), not on one service port.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Set, Tuple
 
-from netproxy.backends.iptables import names
+from netproxy.backends.iptables import ipset, names
 from netproxy.backends.iptables.render import FamilyRuleset, ServiceRules, host_net
-from netproxy.backends.iptables.tree import Chains, DispatchEntry, Rule, build_port_tree, build_tree
+from netproxy.backends.iptables.tree import Chains, Rule, build_port_tree, build_tree
 from netproxy.config import ProxyConfig
-from netproxy.model import IPAddress, NodeInfo
+from netproxy.model import NodeInfo
 
 SERVICE_PORTALS = "kubernetes service portals"
 NAT_JUMPS: Tuple[Tuple[str, str, Rule], ...] = (
@@ -50,28 +50,6 @@ def nodeport_jumps(family: int, config: ProxyConfig, node: NodeInfo, chain: str)
     return [("-d", host_net(a)) + comment + ("-j", chain) for a in addrs]
 
 
-_hairpin_rules: Dict[IPAddress, Rule] = {}
-
-
-def _hairpin_entries(services: Iterable[ServiceRules]) -> List[DispatchEntry]:
-    """One exact ``-s ep -d ep`` rule per distinct endpoint address; rule tuples cached across syncs."""
-    out: List[DispatchEntry] = []
-    seen = set()
-    for s in services:
-        for addr in s.hairpin:
-            if addr in seen:
-                continue
-            seen.add(addr)
-            rule = _hairpin_rules.get(addr)
-            if rule is None:
-                net = host_net(addr)
-                if len(_hairpin_rules) >= names.CACHE_LIMIT:
-                    _hairpin_rules.clear()  # bounded: see names.CACHE_LIMIT
-                rule = _hairpin_rules[addr] = ("-s", net, "-d", net, "-j", names.MARK_MASQ)
-            out.append(DispatchEntry(int(addr), rule))
-    return out
-
-
 def base_chains(config: ProxyConfig, family: int = 4, random_fully: bool = True,
                 hairpin: bool = False) -> Chains:
     """Masquerade marking and SNAT (and the multi-CIDR helper), whatever the services."""
@@ -80,10 +58,13 @@ def base_chains(config: ProxyConfig, family: int = 4, random_fully: bool = True,
                         "-j", "MASQUERADE")
     postrouting: List[Rule] = []
     if hairpin:
-        # A pod reaching its own service and DNAT-ed to itself: the source is the destination after
-        # DNAT.  Marked here, after the choice, so that only that endpoint's own traffic is SNAT-ed.
-        postrouting.append(("-m", "conntrack", "--ctstate", "DNAT", "-m", "comment", "--comment",
-                            "hairpin: endpoints reaching themselves", "-j", names.HAIRPIN))
+        # A pod reaching its own service and DNAT-ed to itself: after the DNAT its source is its
+        # destination, the endpoint (address and port) — an element of the hairpin set.  Marked here,
+        # after the choice, so that only that endpoint's own traffic is SNAT-ed; one set lookup
+        # instead of a rule per local endpoint (README.md, "Hairpin").
+        postrouting.append(("-m", "conntrack", "--ctstate", "DNAT", "-m", "set", "--match-set",
+                            ipset.hairpin_set(family), "src,dst,dst", "-m", "comment", "--comment",
+                            "hairpin: endpoints reaching themselves", "-j", names.MARK_MASQ))
     postrouting += [
         ("-m", "mark", "!", "--mark", f"{mark}/{mark}", "-j", "RETURN"),
         ("-j", "MARK", "--xor-mark", mark),
@@ -115,14 +96,21 @@ def assemble(family: int, services: Iterable[ServiceRules], config: ProxyConfig,
     nat[names.SERVICES] = top + (tuple(nodeport_jumps(family, config, node, names.NODEPORTS))
                                  if nodeports else ())
     nat[names.NODEPORTS] = nodeports
-    hp_top, hp_sub = build_tree(_hairpin_entries(rendered), family, names.hairpin_chain, "endpoints")
-    nat[names.HAIRPIN] = hp_top
-    nat.update(base_chains(config, family, random_fully, hairpin=bool(hp_top)))
+    out.hairpin = frozenset(e for s in rendered for e in s.hairpin)
+    nat.update(base_chains(config, family, random_fully, hairpin=bool(out.hairpin)))
     nat.update(sub)
     nat.update(np_sub)
-    nat.update(hp_sub)
     for s in rendered:
         nat.update(s.nat)
+    if out.hairpin:
+        out.sets[ipset.hairpin_set(family)] = False
+    keys: Dict[int, Set[Tuple[int, int, int]]] = {}
+    for s in rendered:
+        for slot, _ in s.affinity_slots:
+            keys.setdefault(slot, set()).update(s.affinity_keys)
+    for slot in sorted(keys):
+        out.sets[ipset.affinity_set(family, slot)] = True
+        out.affinity[slot] = frozenset(keys[slot])
 
     # dict.fromkeys: the catch-all REJECT of a multi-port service's cluster IP comes once per port.
     entries = list(dict.fromkeys(e for s in rendered for e in s.filter))

@@ -196,10 +196,17 @@ class RuleBuilder:
                 module = rule.create_target(args[i + 1])
                 i += 2
             elif arg.startswith("--") and module is not None:
-                has_value = i + 1 < len(args) and not args[i + 1].startswith("-") and args[i + 1] != "!"
-                value = args[i + 1] if has_value else ""
-                module.set_parameter(arg[2:], prefix + value)
-                i += 2 if has_value else 1
+                # An option takes the words up to the next option: none (--exist), one, or more
+                # (--match-set NAME src,dst,dst).
+                j = i + 1
+                while j < len(args) and not args[j].startswith("-") and args[j] != "!":
+                    j += 1
+                words = list(args[i + 1:j])
+                if len(words) > 1:
+                    module.set_parameter(arg[2:], ([prefix] if prefix else []) + words)
+                else:
+                    module.set_parameter(arg[2:], prefix + (words[0] if words else ""))
+                i = j
             else:
                 raise ValueError(f"cannot build rule {' '.join(args)!r}: unexpected {arg!r}")
         rule.final_check()

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
-from netproxy.backends.iptables import names
+from netproxy.backends.iptables import affinity, ipset, names
 from netproxy.backends.iptables.tree import Chains, DispatchEntry, Rule, port_key
 from netproxy.config import ProxyConfig
 from netproxy.endpoints import cluster_endpoints, external_endpoints, local_endpoints
@@ -100,8 +100,14 @@ class ServiceRules:
     """filter KUBE-SERVICES: REJECT/DROP for addresses nat left alone."""
     filter_nodeports: Tuple[DispatchEntry, ...] = ()
     """filter KUBE-EXTERNAL-SERVICES: REJECT/DROP for NodePorts nat left alone (keyed like nodeports)."""
-    hairpin: Tuple[IPAddress, ...] = ()
-    """Endpoint addresses this service DNATs to (for the hairpin check in KUBE-POSTROUTING)."""
+    hairpin: Tuple[ipset.Element, ...] = ()
+    """(ip, proto, port, ip) of the endpoints this service DNATs to that can hairpin through this node
+    (elements of the hairpin set that ``KUBE-POSTROUTING`` checks)."""
+    affinity_slots: Tuple[Tuple[int, affinity.EndpointKey], ...] = ()
+    """ClientIP affinity: (slot, endpoint) of every endpoint in its rules."""
+    affinity_keys: Tuple[Tuple[int, int, int], ...] = ()
+    """ClientIP affinity: (proto, port, address) its clients are remembered under; address 0 for a
+    NodePort (any node address)."""
 
 
 @dataclass
@@ -110,42 +116,58 @@ class FamilyRuleset:
 
     family: int
     tables: Dict[str, Chains] = field(default_factory=dict)
+    hairpin: FrozenSet[ipset.Element] = frozenset()
+    """Elements of the family's hairpin set."""
+    sets: Dict[str, bool] = field(default_factory=dict)
+    """The ipsets its rules name → whether each needs per-element timeouts (affinity)."""
+    affinity: Dict[int, FrozenSet[Tuple[int, int, int]]] = field(default_factory=dict)
+    """Affinity slot → the (proto, port, address) keys its elements may have (address 0: a NodePort)."""
 
     def chains(self, table: str) -> Chains:
         return self.tables.setdefault(table, {})
 
 
 def _endpoint_rules(chain_proto: str, comment: Rule, eps: Sequence[Endpoint], svc: ServicePort,
-                    sep_names: Sequence[str]) -> List[Rule]:
-    """Inline endpoint choice: affinity checks first, then 1/(n-i) odds, the last rule unconditional."""
+                    sets: Sequence[str]) -> List[Rule]:
+    """Inline endpoint choice: 1/(n-i) odds per endpoint, the last rule unconditional.
+
+    With ClientIP affinity (``sets``: each endpoint's slot set, ``affinity.py``) every endpoint first
+    gets the remembered-client check — refresh the client's timeout, then DNAT — and the random
+    choice records the client in the chosen endpoint's set before it DNATs.  The checks come before
+    any choice: a client remembered by the third endpoint must not be drawn by the first.
+    """
     proto: Rule = ("-p", chain_proto)
     rules: List[Rule] = []
-    affinity = svc.client_ip_affinity
-    if affinity:
-        seconds = str(svc.affinity_timeout)
-        for ep, sep in zip(eps, sep_names):
-            # --update: seen within --seconds, and then (only then) its timestamp refreshed — the seed's
-            # --rcheck here plus --set in its KUBE-SEP chain, in one match (xt_recent.c: recent_mt).
-            # One match, not two: a legacy table swap looks every -m recent up by name in a linked
-            # list of all lists, so each match costs O(affinity endpoints) on every write (at 23k
-            # affinity endpoints, ~85 s of kernel time per swap with three matches per endpoint).
-            rules.append(proto + comment + ("-m", "recent", "--name", sep, "--update", "--seconds", seconds,
-                                            "--reap", "-j", "DNAT", "--to-destination", destination(ep)))
     n = len(eps)
-    for i, (ep, sep) in enumerate(zip(eps, sep_names)):
+    if svc.client_ip_affinity:
+        seconds = str(svc.affinity_timeout)
+        key = "src,dst,dst"  # client, proto:service port, service address (before the DNAT)
+
+        def remember(s: str) -> Rule:
+            return ("-j", "SET", "--add-set", s, key, "--exist", "--timeout", seconds)
+
+        def hold(s: str, ep: Endpoint) -> Rule:
+            return proto + comment + ("-m", "set", "--match-set", s, key, "-j", "DNAT",
+                                      "--to-destination", destination(ep))
+
+        for ep, s in zip(eps, sets):
+            rules.append(proto + comment + ("-m", "set", "--match-set", s, key) + remember(s))
+            rules.append(hold(s, ep))
+        for i, (ep, s) in enumerate(zip(eps, sets)):
+            odds: Rule = ("-m", "statistic", "--mode", "random", "--probability", probability(n - i)) \
+                if i < n - 1 else ()
+            rules.append(proto + comment + odds + remember(s))
+            # Not the last: DNAT only if the record took (a full set records nothing: the next odds
+            # decide).  The last DNATs whatever happened, so that no packet leaves un-DNAT-ed.
+            rules.append(hold(s, ep) if i < n - 1 else
+                         proto + comment + ("-j", "DNAT", "--to-destination", destination(ep)))
+        return rules
+    for i, ep in enumerate(eps):
         args = proto + comment
         if i < n - 1:
             args += ("-m", "statistic", "--mode", "random", "--probability", probability(n - i))
-        if affinity:
-            args += ("-m", "recent", "--name", sep, "--set")
         rules.append(args + ("-j", "DNAT", "--to-destination", destination(ep)))
     return rules
-
-
-def _sep_names(svc: ServicePort, eps: Sequence[Endpoint]) -> List[str]:
-    if not svc.client_ip_affinity:
-        return [""] * len(eps)
-    return [names.endpoint_name(svc.name, svc.protocol, ep) for ep in eps]
 
 
 @dataclass
@@ -161,6 +183,9 @@ class _Port:
     nat: Dict[str, Tuple[Rule, ...]] = field(default_factory=dict)
     dispatch: List[DispatchEntry] = field(default_factory=list)
     filter: List[DispatchEntry] = field(default_factory=list)
+    endpoint_comment: Rule = ()
+    """The comment on endpoint rules: none in large clusters (kube-proxy's largeClusterMode)."""
+    slots: Dict[affinity.EndpointKey, int] = field(default_factory=dict)
 
     def match(self, addr: IPAddress) -> Rule:
         return ("-d", host_net(addr), "-p", self.proto) + self.comment + self.port_match
@@ -173,8 +198,10 @@ class _Port:
         self.filter.append(DispatchEntry(int(addr), self.match(addr) + verdict, rank))
 
     def endpoints_chain(self, chain: str, eps: Sequence[Endpoint], masq: Sequence[Rule] = ()) -> str:
-        self.nat[chain] = tuple(masq) + tuple(_endpoint_rules(self.proto, self.comment, eps, self.svc,
-                                                              _sep_names(self.svc, eps)))
+        sets = [ipset.affinity_set(self.family, self.slots[(int(e.ip), e.port)]) for e in eps] \
+            if self.svc.client_ip_affinity else []
+        self.nat[chain] = tuple(masq) + tuple(_endpoint_rules(self.proto, self.endpoint_comment, eps, self.svc,
+                                                              sets))
         return chain
 
 
@@ -230,32 +257,37 @@ def _firewall_chain(p: _Port, ext: str) -> str:
     return fw
 
 
-def _hairpin_candidates(node: NodeInfo, *chains: Sequence[Endpoint]) -> Tuple[IPAddress, ...]:
+def _hairpin_candidates(node: NodeInfo, proto: int, *chains: Sequence[Endpoint]) -> Tuple[ipset.Element, ...]:
     """Endpoints that can hairpin *through this node*: those on this node, and those whose node is
     unknown.  An endpoint on another node reaches a service through its own node's proxy, which DNATs
-    it there; its packets never come through our PREROUTING with a service address.  Checking only
-    these keeps the hairpin tree at the node's pods (tens) instead of every endpoint (100k at 10k
-    services: +1.4 s per restore, README.md)."""
-    found = {e.ip for eps in chains for e in eps if not e.node_name or e.node_name == node.name}
+    it there; its packets never come through our PREROUTING with a service address (README.md,
+    "Hairpin")."""
+    found = {(int(e.ip), proto, e.port, int(e.ip)) for eps in chains for e in eps
+             if not e.node_name or e.node_name == node.name}
     return tuple(sorted(found)) if len(found) > 1 else tuple(found)
 
 
 def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeInfo, family: int,
-                   config: ProxyConfig) -> Optional[ServiceRules]:
+                   config: ProxyConfig, comments: bool = True) -> Optional[ServiceRules]:
     """One service port's chains, dispatch rules and filter rules for one family; None if it has no
-    address in that family."""
+    address in that family.  ``comments=False`` (more than 1,000 endpoints on the node, as kube-proxy's
+    largeClusterMode decides) leaves the comment off the endpoint rules: they are most of the table,
+    and a comment is 256 bytes of every rule that the kernel copies and checks on every write."""
     cluster_addrs = [a for a in svc.cluster_ips if a.version == family]
     ext_addrs = [a for a in svc.external_ips if a.version == family]
     lb_addrs = [a for a in svc.load_balancer_ips if a.version == family]
     if not cluster_addrs and not ext_addrs and not lb_addrs:
         return None
     proto = svc.protocol.lower()
-    p = _Port(svc, family, config, proto, ("-m", "comment", "--comment", safe_comment(str(svc.name))),
-              ("-m", proto, "--dport", str(svc.port)))
+    comment: Rule = ("-m", "comment", "--comment", safe_comment(str(svc.name)))
+    p = _Port(svc, family, config, proto, comment, ("-m", proto, "--dport", str(svc.port)),
+              endpoint_comment=comment if comments else ())
     # Eligibility comes from netproxy/endpoints.py only.  The cluster-policy chain serves every
     # eligible endpoint whatever internalTrafficPolicy says (external traffic and ETP Local's
     # short-circuits use it too), as kube-proxy's clusterPolicyChain does.
     fam_eps = [e for e in endpoints if e.ip.version == family]
+    if svc.client_ip_affinity:
+        p.slots = affinity.slots((int(e.ip), e.port) for e in fam_eps)
     internal = cluster_endpoints(svc, fam_eps, node)
     everyone = internal if svc.internal_traffic_policy != "Local" else \
         cluster_endpoints(dataclasses.replace(svc, internal_traffic_policy="Cluster"), fam_eps, node)
@@ -311,5 +343,15 @@ def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeIn
             if not external:
                 verdict = ("-j", "DROP") if has_endpoints else reject_target(family)
                 filter_nodeports = (DispatchEntry(np_key, np_match + verdict),)
-    hairpin = _hairpin_candidates(node, everyone if want_svc else (), local if want_svl else ())
-    return ServiceRules(p.nat, tuple(p.dispatch), nodeports, tuple(p.filter), filter_nodeports, hairpin)
+    proto_num = ipset.PROTOS[proto]
+    hairpin = _hairpin_candidates(node, proto_num, everyone if want_svc else (), local if want_svl else ())
+    used: Tuple[Tuple[int, affinity.EndpointKey], ...] = ()
+    keys: Tuple[Tuple[int, int, int], ...] = ()
+    if svc.client_ip_affinity and (want_svc or want_svl):
+        in_rules = {(int(e.ip), e.port) for e in (everyone if want_svc else ())} | \
+            {(int(e.ip), e.port) for e in (local if want_svl else ())}
+        used = tuple(sorted((p.slots[k], k) for k in in_rules))
+        keys = tuple(sorted({(proto_num, svc.port, int(a)) for a in cluster_addrs + ext_addrs + lb_addrs}
+                            | ({(proto_num, svc.node_port, 0)} if svc.node_port else set())))
+    return ServiceRules(p.nat, tuple(p.dispatch), nodeports, tuple(p.filter), filter_nodeports, hairpin,
+                        used, keys)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from netproxy.backends import base
-from netproxy.backends.iptables import names
+from netproxy.backends.iptables import ipset, names
 from netproxy.backends.iptables.render import FamilyRuleset, Rule
 
 TERMINAL = ("DNAT", "DROP", "REJECT", "ACCEPT", "MASQUERADE")
@@ -47,7 +47,8 @@ class Outcome:
 class _State:
     mark: int = 0
     dnat: Optional[str] = None
-    recent_set: Tuple[str, ...] = ()
+    added: Tuple[Tuple[str, ipset.Element], ...] = ()
+    """Elements this packet added to sets on its way (``-j SET --add-set``)."""
     chains: Tuple[str, ...] = ()
     """The chains walked so far, as "table/chain"."""
     share: float = 1.0
@@ -59,8 +60,9 @@ class Tracer:
     ruleset: FamilyRuleset
     local_addresses: Iterable[str] = ()
     """The node's addresses (``addrtype LOCAL``); loopback is always local."""
-    recent: Dict[str, Set[str]] = field(default_factory=dict)
-    """Affinity lists: name → sources seen (``--rcheck`` hits); :meth:`remember` fills it."""
+    members: Dict[str, Set[ipset.Element]] = field(default_factory=dict)
+    """Affinity sets: name → elements (clients remembered); :meth:`remember` fills them.  The
+    hairpin set is the ruleset's own."""
     steps: int = 0
 
     def __post_init__(self) -> None:
@@ -108,10 +110,11 @@ class Tracer:
         return {o.endpoint for o in self.trace(pkt)}
 
     def remember(self, pkt: Packet) -> None:
-        """Run the packet and record its ``-m recent --set`` as the kernel would (affinity)."""
-        for state, _ in self._run("nat", names.SERVICES, pkt, pkt.dst, _State(), "NEW"):
-            for name in state.recent_set:
-                self.recent.setdefault(name, set()).add(pkt.src)
+        """Run the packet and keep what its ``-j SET --add-set`` added, as the kernel would (affinity).
+        With several possible endpoints the first branch is taken: one packet makes one choice."""
+        for state, _ in self._run("nat", names.SERVICES, pkt, pkt.dst, _State(), "NEW")[:1]:
+            for name, element in state.added:
+                self.members.setdefault(name, set()).add(element)
 
     # -- the interpreter -------------------------------------------------------------------------
 
@@ -134,8 +137,10 @@ class Tracer:
                     pending.append((i + 1, replace(st, share=st.share * (1 - p))))
                     st = replace(st, share=st.share * p)
                 target, opts = _target(rules[i])
-                st = _recent_side_effect(rules[i], pkt, st)
                 if target is None:
+                    continue
+                if target == "SET":
+                    st = replace(st, added=st.added + ((opts["--add-set"], self._key(pkt, dst, st)),))
                     continue
                 if target == "RETURN":
                     results.append((st, None))
@@ -159,6 +164,16 @@ class Tracer:
         while pending:
             walk(*pending.pop())
         return results
+
+    def _key(self, pkt: Packet, dst: str, st: _State) -> ipset.Element:
+        """``src,dst,dst`` of the packet as it is now: after a DNAT, the endpoint's address and port."""
+        port = int(st.dnat.rpartition(":")[2]) if st.dnat else pkt.dport
+        return (int(ipaddress.ip_address(pkt.src)), ipset.PROTOS[pkt.proto], port, int(ipaddress.ip_address(dst)))
+
+    def _member(self, name: str, key: ipset.Element, st: _State) -> bool:
+        if name == ipset.hairpin_set(self.ruleset.family):
+            return key in self.ruleset.hairpin
+        return key in self.members.get(name, set()) or (name, key) in st.added
 
     def _is_local(self, addr: str) -> bool:
         ip = ipaddress.ip_address(addr)
@@ -185,7 +200,7 @@ class Tracer:
                 ok = ipaddress.ip_address(dst) in ipaddress.ip_network(value)
             elif arg == "-p":
                 ok = pkt.proto == value
-            elif arg == "-m" or arg in ("--comment", "--mode", "--seconds", "--name", "--reject-with"):
+            elif arg == "-m" or arg in ("--comment", "--mode", "--reject-with"):
                 ok = None
             elif arg == "--dport":  # a port, or a range (the NodePort tree's "LO:HI")
                 lo, _, hi = value.partition(":")
@@ -203,15 +218,12 @@ class Tracer:
                 ok = None
                 if float(value) < 1.0:
                     result = "maybe"
-            elif arg in ("--rcheck", "--update"):  # --update refreshes on a hit: the same answer here
-                # The renderer writes "--name N --rcheck"; iptables-save writes "--rcheck ... --name N".
-                name = rule[rule.index("--name") + 1] if "--name" in rule else _unknown(arg, "")
-                ok = pkt.src in self.recent.get(str(name), set())
-                step = 1
-            elif arg in ("--reap", "--set", "--rsource"):
-                ok, step = None, 1
-            elif arg == "--mask":  # iptables-save adds recent's default --mask 255.255.255.255 --rsource
-                ok = None
+            elif arg == "--match-set":
+                flags = rule[i + 2]
+                if flags != "src,dst,dst":
+                    _unknown(arg, f"{value} {flags}")
+                ok = self._member(value, self._key(pkt, dst, st), st)
+                step = 3
             else:
                 _unknown(arg, value)
                 ok = None
@@ -236,17 +248,14 @@ def _target(rule: Rule) -> Tuple[Optional[str], Dict[str, str]]:
     at = rule.index("-j")
     opts: Dict[str, str] = {}
     rest = rule[at + 2:]
+    if rule[at + 1] == "SET":  # --add-set NAME FLAGS --exist --timeout T: the set's name is what matters
+        return "SET", {"--add-set": rest[rest.index("--add-set") + 1]}
     i = 0
     while i < len(rest):
         has_value = i + 1 < len(rest) and not rest[i + 1].startswith("--")
         opts[rest[i]] = rest[i + 1] if has_value else ""
         i += 2 if has_value else 1
     return rule[at + 1], opts
-
-
-def _recent_side_effect(rule: Rule, pkt: Packet, st: _State) -> _State:
-    sets = (rule[rule.index("--name") + 1],) if "--set" in rule and "--name" in rule else ()
-    return replace(st, recent_set=st.recent_set + sets) if sets else st
 
 
 def _mark(mark: int, opts: Dict[str, str]) -> int:

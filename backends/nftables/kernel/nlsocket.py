@@ -109,11 +109,37 @@ class NlSocket:
 
     # --- requests --------------------------------------------------------------------------------
 
-    def dump(self, msg_type: int, family: int, body: bytes = b"") -> Iterator[Dict[int, bytes]]:
+    def dump(self, msg_type: int, family: int, body: bytes = b"",
+             subsys: int = wire.NFNL_SUBSYS_NFTABLES) -> Iterator[Dict[int, bytes]]:
         """The attributes of each object a ``GET`` dump returns."""
         seq = self.next_seq()
-        self.sock.sendall(wire.message(msg_type, wire.NLM_F_REQUEST | wire.NLM_F_DUMP, seq, family, body))
+        self.sock.sendall(wire.message(msg_type, wire.NLM_F_REQUEST | wire.NLM_F_DUMP, seq, family, body,
+                                       subsys=subsys))
         yield from self._replies(seq)
+
+    def send_each(self, bodies: Sequence[Tuple[int, int, int, bytes]], subsys: int) -> None:
+        """Send (type, flags, family, attributes) messages that are not a transaction (ipset has
+        none), all in one ``sendall``, and wait for every ACK.  Raises :class:`NetlinkError` for the
+        first refused one (``seq`` is its index in ``bodies``); the kernel still ran the others."""
+        seqs = [self.next_seq() for _ in bodies]
+        data = b"".join(wire.message(t, f | wire.NLM_F_REQUEST | wire.NLM_F_ACK, s, fam, body, subsys=subsys)
+                        for (t, f, fam, body), s in zip(bodies, seqs))
+        self._buffer(SO_SNDBUFFORCE, socket.SO_SNDBUF, len(data) + 65536)
+        self._buffer(SO_RCVBUFFORCE, socket.SO_RCVBUF, max(_BUFFER, 2048 * (len(bodies) + 2)))
+        self.sock.sendall(data)
+        index = {s: i for i, s in enumerate(seqs)}
+        pending = set(seqs)
+        failure: Optional[NetlinkError] = None
+        while pending:
+            for msg_type, _, seq, payload in wire.messages(self.sock.recv(_RECV)):
+                if msg_type != wire.NLMSG_ERROR or seq not in pending:
+                    continue
+                pending.discard(seq)
+                err, _ = wire.error_code(payload)
+                if err and failure is None:
+                    failure = NetlinkError(err, index[seq])
+        if failure is not None:
+            raise failure
 
     def get(self, msg_type: int, family: int, body: bytes = b"") -> Dict[int, bytes]:
         """The attributes of the one object a plain ``GET`` returns."""

@@ -97,8 +97,11 @@ def test_first_sync_is_full_then_partial_writes_only_what_changed(backend: Iptab
     assert not result.full and result.services_written == 1
     (_, changes), = [a for a in writer.applied[-1:]]
     nat = [c for c in changes if c.table == "nat"][0]
-    # The service's chain, and the hairpin check that lists its endpoints (one moved).
-    assert set(nat.write) == {svc_chain(3), names.HAIRPIN} and nat.delete == [] and nat.jumps == []
+    # The service's chain only: the hairpin check names a set, whose elements follow the endpoints.
+    assert set(nat.write) == {svc_chain(3)} and nat.delete == [] and nat.jumps == []
+    hairpin = backend.ipsets.elements("NETPROXY-HAIRPIN-4")
+    assert (int(ip("10.1.3.201")), 6, 80, int(ip("10.1.3.201"))) in hairpin
+    assert (int(ip("10.1.3.2")), 6, 80, int(ip("10.1.3.2"))) not in hairpin
     # Nothing changed: nothing written.
     applied = len(writer.applied)
     backend.sync(snapshot(5, moved=3), Changes(full=False))

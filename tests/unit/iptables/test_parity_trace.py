@@ -112,7 +112,7 @@ def test_hairpin_through_a_deep_tree() -> None:
     t = Tracer(ruleset(svcs, eps[:1]), local_addresses=(NODE_IP,))
     assert reach(t, str(eps[0].ip), CLUSTER_IP) == {Outcome("accept", f"{eps[0].ip}:8080", True)}
     big = Tracer(ruleset(svcs, eps), local_addresses=(NODE_IP,))
-    assert len(big.ruleset.chains("nat")[names.HAIRPIN]) <= 16
+    assert len(big.ruleset.hairpin) == 2000  # one set element per endpoint, no rule per endpoint
     chosen = eps[1234]
     seen = {o for o in reach(big, str(chosen.ip), CLUSTER_IP) if o.masqueraded}
     assert seen == {Outcome("accept", f"{chosen.ip}:8080", True)}
@@ -242,11 +242,13 @@ def test_affinity_sticks_after_the_first_choice() -> None:
     t = tracer(service(affinity="ClientIP"))
     first = Packet(POD, CLUSTER_IP, 80)
     assert t.endpoints(first) == BOTH
-    t.recent.clear()
-    # A client that was sent to REMOTE_EP before (its --set recorded) returns to it.
-    sep = names.endpoint_name(service().name, "TCP", endpoints(REMOTE_EP)[0])
-    t.recent[sep] = {POD}
-    assert t.endpoints(first) == {f"{REMOTE_EP}:8080"}
+    t.remember(first)  # one choice made and recorded
+    (chosen,) = [name for name in t.members if t.members[name]]
+    (ep,) = t.endpoints(first)
+    assert ep is not None and t.endpoints(first) == {ep}  # it sticks
+    # Recorded under (client, proto:service port, service address), in its endpoint's slot set.
+    assert t.members[chosen] == {(int(ip(POD)), 6, 80, int(ip(CLUSTER_IP)))}
+    assert t.endpoints(Packet(CLIENT, CLUSTER_IP, 80)) == BOTH  # another client still chooses
 
 
 def test_ipv6_renders_beside_ipv4() -> None:
@@ -274,14 +276,12 @@ def test_endpoints_of_the_other_family_are_ignored() -> None:
 def test_hairpin_checks_only_endpoints_that_can_hairpin_through_this_node() -> None:
     unknown = Endpoint(ip("10.244.9.9"), 8080)  # no nodeName: kept, it might be behind this node
     rs = ruleset([service()], endpoints(LOCAL_EP, REMOTE_EP) + (unknown,))
-    hairpin = " ".join(" ".join(r) for chain, rules in rs.chains("nat").items()
-                       if chain == names.HAIRPIN or chain.startswith(names.HAIRPIN_PREFIX) for r in rules)
-    assert f"-s {LOCAL_EP}/32 -d {LOCAL_EP}/32" in hairpin and "10.244.9.9/32" in hairpin
+    hairpin = {(str(ipaddress.ip_address(a)), port) for a, _, port, _ in rs.hairpin}
+    assert hairpin == {(LOCAL_EP, 8080), ("10.244.9.9", 8080)}
     # An endpoint on another node reaches the service through its own node's proxy, never through ours.
-    assert REMOTE_EP not in hairpin
     assert reach(Tracer(rs), "10.244.9.9", CLUSTER_IP) >= {Outcome("accept", "10.244.9.9:8080", True)}
 
 
 def test_no_hairpin_jump_when_no_endpoint_can_hairpin() -> None:
     rs = ruleset([service()], endpoints(REMOTE_EP))
-    assert not any(names.HAIRPIN in r for r in rs.chains("nat")[names.POSTROUTING])
+    assert not any("--match-set" in r for r in rs.chains("nat")[names.POSTROUTING]) and not rs.hairpin

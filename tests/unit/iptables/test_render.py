@@ -8,7 +8,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from netproxy.backends.iptables import names
+from netproxy.backends.iptables import affinity, ipset, names
 from netproxy.backends.iptables.assemble import assemble
 from netproxy.backends.iptables.render import Rule, probability, render_service, safe_comment
 from netproxy.backends.iptables.tree import LEAF_SIZE, build_tree
@@ -78,22 +78,51 @@ def test_no_endpoints_rejects_in_filter() -> None:
     assert catch_all.rule[:2] == ("-d", "10.96.0.10/32") and "--dport" not in catch_all.rule
 
 
-def test_affinity_checks_before_choice_and_sets_where_chosen() -> None:
+def test_affinity_checks_before_choice_and_records_where_chosen() -> None:
     s = svc(affinity="ClientIP", affinity_timeout=77)
-    rendered = render_service(s, eps("10.1.0.1", "10.1.0.2"), NodeInfo(), 4, CFG)
+    endpoints = eps("10.1.0.1", "10.1.0.2")
+    rendered = render_service(s, endpoints, NodeInfo(), 4, CFG)
     assert rendered is not None
     rules = rendered.nat[names.service_chain(s.name, "TCP")]
-    seps = [names.endpoint_name(s.name, "TCP", e) for e in eps("10.1.0.1", "10.1.0.2")]
-    checks, choices = rules[:2], rules[2:]
-    for rule, sep in zip(checks, seps):
-        # one match checks and refreshes (--update only refreshes a client seen within --seconds)
-        assert ("--name", sep, "--update", "--seconds", "77", "--reap") == rule[rule.index("--update") - 2:
-                                                                                   rule.index("--reap") + 1]
-        assert rule.count("recent") == 1 and "--rcheck" not in rule and "--set" not in rule
-        assert "--probability" not in rule
-    for rule, sep in zip(choices, seps):
-        assert rule[rule.index("--set") - 2:rule.index("--set") + 1] == ("--name", sep, "--set")
-    assert "--probability" in choices[0] and "--probability" not in choices[1]
+    slots = affinity.slots((int(e.ip), e.port) for e in endpoints)
+    sets = [ipset.affinity_set(4, slots[(int(e.ip), e.port)]) for e in endpoints]
+    assert len(rules) == 8
+    held, chosen = rules[:4], rules[4:]
+    remember = lambda name: ("-j", "SET", "--add-set", name, "src,dst,dst", "--exist", "--timeout", "77")  # noqa: E731
+    for (refresh, dnat), name, ep in zip(zip(held[::2], held[1::2]), sets, ("10.1.0.1:8080", "10.1.0.2:8080")):
+        # a remembered client: its timeout refreshed, then its endpoint — before any random choice
+        assert refresh[refresh.index("--match-set") - 2:] == ("-m", "set", "--match-set", name, "src,dst,dst") + \
+            remember(name)
+        assert dnat[dnat.index("--match-set") + 1] == name and dnat[-1] == ep
+        assert "--probability" not in refresh + dnat
+    (pick0, dnat0), (pick1, dnat1) = zip(chosen[::2], chosen[1::2])
+    assert "--probability" in pick0 and pick0[-8:] == remember(sets[0])
+    assert dnat0[dnat0.index("--match-set") + 1] == sets[0]  # DNAT only if the record took
+    assert "--probability" not in pick1 and pick1[-8:] == remember(sets[1])
+    assert "--match-set" not in dnat1 and dnat1[-1] == "10.1.0.2:8080"  # the last: whatever happened
+    assert rendered.affinity_keys == ((6, 80, int(ip("10.96.0.10"))),)
+    assert sorted(slot for slot, _ in rendered.affinity_slots) == sorted(slots.values())
+
+
+def test_affinity_slots_stay_with_their_endpoints() -> None:
+    keys = [(int(ip(f"10.1.0.{i}")), 8080) for i in range(1, 31)]
+    base = affinity.slots(keys)
+    assert len(set(base.values())) == 30 and max(base.values()) < affinity.MIN_SLOTS
+    assert affinity.slots(reversed(keys)) == base  # order does not matter
+    # One endpoint leaves, one joins: the others keep their slot unless they collided with them.
+    changed = affinity.slots(keys[1:] + [(int(ip("10.1.0.99")), 8080)])
+    moved = [k for k in keys[1:] if changed[k] != base[k]]
+    assert len(moved) <= 2
+    assert affinity.slot_count(32) == 64 and affinity.slot_count(33) == 128
+
+
+def test_large_clusters_leave_the_comment_off_endpoint_rules() -> None:
+    s = svc()
+    rendered = render_service(s, eps("10.1.0.1", "10.1.0.2"), NodeInfo(), 4, CFG, comments=False)
+    assert rendered is not None
+    rules = rendered.nat[names.service_chain(s.name, "TCP")]
+    assert not any("--comment" in r for r in rules if "DNAT" in r)
+    assert all("--comment" in e.rule for e in rendered.dispatch)  # the dispatch keeps it
 
 
 def test_external_and_lb_ips_reach_the_service_chain() -> None:

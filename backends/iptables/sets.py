@@ -1,0 +1,125 @@
+"""Keeping the kernel's ipsets in step with the rules that name them (README.md, "Sets").
+
+Order, so that no rule ever names a missing set and no packet meets a half-made state: before a
+family's rule write the sets its new rules name exist and the hairpin set holds the new endpoints;
+after it, stale hairpin elements go, the clients of affinity slots that changed endpoint are
+released, and sets no rule names any more are destroyed.  A full sync reads the kernel's sets again
+(another program, or a crash, may have changed them) and prunes affinity elements whose
+(service, slot) no longer exists.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, FrozenSet, Iterable, List, Mapping, Set, Tuple
+
+from netproxy.backends.iptables import ipset
+from netproxy.backends.iptables.ipset import Element, IpsetError, Ipsets
+from netproxy.backends.iptables.render import FamilyRuleset, ServiceRules
+
+log = logging.getLogger(__name__)
+Key = Tuple[int, int, int]
+"""(proto, port, service address) under which a client is remembered; address 0: a NodePort."""
+
+
+def _matches(e: Element, keys: FrozenSet[Key] | Set[Key]) -> bool:
+    return (e[1], e[2], e[3]) in keys or (e[1], e[2], 0) in keys
+
+
+class SetKeeper:
+    """What netproxy knows of its sets, per family, and the releases still to do."""
+
+    def __init__(self) -> None:
+        self._known: Dict[int, Set[str]] = {}
+        self._hairpin: Dict[int, FrozenSet[Element]] = {}
+        self._releases: Dict[int, Dict[int, Set[Key]]] = {}
+
+    def replaced(self, old: Mapping[int, ServiceRules], new: Mapping[int, ServiceRules]) -> None:
+        """A service port was rendered again (``new`` empty: it is gone): the slots whose endpoint
+        changed or left release their clients after the next write."""
+        for family, before in old.items():
+            if not before.affinity_slots:
+                continue
+            after = new.get(family)
+            if after is None or after.affinity_keys != before.affinity_keys:
+                gone: Iterable[Tuple[int, object]] = before.affinity_slots
+            else:
+                now = set(after.affinity_slots)
+                gone = [x for x in before.affinity_slots if x not in now]
+            for slot, _ in gone:
+                self._releases.setdefault(family, {}).setdefault(slot, set()).update(before.affinity_keys)
+
+    def before_write(self, sets: Ipsets, ruleset: FamilyRuleset, full: bool) -> None:
+        family = ruleset.family
+        if full or family not in self._known:
+            self._known[family] = {n for n, info in sets.sets().items()
+                                   if n.startswith(ipset.PREFIX) and info.family == family}
+            self._hairpin.pop(family, None)
+        known = self._known[family]
+        for name, timeout in ruleset.sets.items():
+            if name not in known:
+                sets.create(name, family, timeout)
+                known.add(name)
+        if ruleset.hairpin:
+            name = ipset.hairpin_set(family)
+            current = self._hairpin.get(family)
+            if current is None:
+                current = frozenset(sets.elements(name))
+            missing = ruleset.hairpin - current
+            if missing:
+                sets.add(name, family, sorted(missing))
+            self._hairpin[family] = current | missing
+
+    def after_write(self, sets: Ipsets, ruleset: FamilyRuleset, full: bool) -> None:
+        family = ruleset.family
+        known = self._known.setdefault(family, set())
+        name = ipset.hairpin_set(family)
+        stale = self._hairpin.get(family, frozenset()) - ruleset.hairpin
+        if stale and name in ruleset.sets:
+            sets.delete(name, family, sorted(stale))
+        self._hairpin[family] = ruleset.hairpin
+        for slot, keys in sorted(self._releases.pop(family, {}).items()):
+            self._delete_where(sets, family, ipset.affinity_set(family, slot), keys)
+        if full:
+            self._prune(sets, ruleset)
+        for old in sorted(known - set(ruleset.sets)):
+            try:
+                sets.destroy(old)
+            except IpsetError as exc:  # still named by a rule we do not own: keep it, say so
+                log.warning("ipset %s not destroyed: %s", old, exc)
+                continue
+            known.discard(old)
+            if old == name:
+                self._hairpin.pop(family, None)
+
+    def _delete_where(self, sets: Ipsets, family: int, name: str, keys: Set[Key] | FrozenSet[Key]) -> None:
+        if name not in self._known.get(family, set()):
+            return
+        gone: List[Element] = [e for e in sets.elements(name) if _matches(e, keys)]
+        if gone:
+            sets.delete(name, family, gone)
+
+    def _prune(self, sets: Ipsets, ruleset: FamilyRuleset) -> None:
+        """Affinity elements whose (service, slot) no rule holds: left by a crash or a change that
+        never finished.  They would make a later endpoint in that slot inherit strangers' clients."""
+        family = ruleset.family
+        prefix = ipset.affinity_set(family, 0)[:-1]
+        for name in sorted(self._known.get(family, set())):
+            if not name.startswith(prefix):
+                continue
+            keys = ruleset.affinity.get(int(name[len(prefix):]), frozenset())
+            bad = [e for e in sets.elements(name) if not _matches(e, keys)]
+            if bad:
+                sets.delete(name, family, bad)
+
+    def destroy_all(self, sets: Ipsets) -> None:
+        """``netproxy cleanup``: every set netproxy made, once no rule names them."""
+        for name in sorted(sets.sets()):
+            if name.startswith(ipset.PREFIX):
+                try:
+                    sets.destroy(name)
+                except IpsetError as exc:
+                    log.warning("ipset %s not destroyed: %s", name, exc)
+        self._known.clear()
+        self._hairpin.clear()
+        self._releases.clear()
