@@ -166,6 +166,7 @@ def _config(args: argparse.Namespace, backend: str, flavour: str) -> ProxyConfig
         cluster_cidrs=tuple(getattr(args, "cluster_cidr", ())),
         hostname=getattr(args, "hostname_override", "") or socket.gethostname(),
         nodeport_addresses=tuple(getattr(args, "nodeport_addresses", ())),
+        one_shot=getattr(args, "one_shot", False),
     )
 
 
@@ -216,6 +217,7 @@ def _snapshot(args: argparse.Namespace, config: ProxyConfig) -> Tuple[Snapshot, 
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
+    args.one_shot = True
     backend, config = make_backend(args)
     snapshot, errors = _snapshot(args, config)
     backend.probe()

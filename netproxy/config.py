@@ -32,6 +32,9 @@ class ProxyConfig:
     cluster_cidrs: Tuple[IPNetwork, ...] = ()
     hostname: str = field(default_factory=socket.gethostname)
     nodeport_addresses: Tuple[IPNetwork, ...] = ()
+    one_shot: bool = False
+    """Set by ``netproxy sync``: this process writes once and ends, so nothing kept for the next
+    sync (the iptables backend's table fingerprint) is worth its cost."""
 
     @property
     def masquerade_mark(self) -> int:

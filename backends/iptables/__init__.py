@@ -217,7 +217,7 @@ class IptablesBackend:
         size = self.writer.apply(family, changed) if changed else 0
         self._written[family] = {t: dict(ruleset.chains(t)) for t in TABLES}
         self._sets.after_write(self.ipsets, ruleset, full)
-        if full:
+        if full and not self.config.one_shot:
             # Right after this family's write (the window in which another writer's change would be
             # taken for ours is this read), and only if the tables hold our chains with our rule
             # counts: a write that went elsewhere (nf_tables behind a "legacy" name) is not trusted.

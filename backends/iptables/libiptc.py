@@ -158,6 +158,13 @@ class RuleBuilder:
         self._shapes: Dict[Tuple[str, ...], _Shape] = {}
         self.slow_builds = 0
 
+    def forget_sets(self) -> None:
+        """Drop the templates of rules that name an ipset: a blob holds the set's kernel *index*,
+        which changes when sets are destroyed and made again between writes (``sets.py``).  Within
+        one write the sets stay put, so the templates are made again once per write."""
+        for key in [k for k in self._shapes if "--match-set" in k or "--add-set" in k]:
+            del self._shapes[key]
+
     # -- python-iptables, the slow and authoritative way -----------------------------------------
 
     def build_slow(self, args: Sequence[str]) -> bytes:
@@ -444,6 +451,7 @@ class LibiptcWriter:
     def apply(self, family: int, changes: List[TableChange]) -> int:
         self._refuse_nft()
         builder = self.builder(family)
+        builder.forget_sets()
         total = 0
         for change in changes:
             total += self._apply_table(family, builder, change)

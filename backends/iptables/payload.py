@@ -36,7 +36,11 @@ _SAFE_WORDS = re.compile(r"[A-Za-z0-9_.:/\-\[\]!,=+@%]*")
 
 def rule_line(verb: str, chain: str, rule: Rule) -> str:
     """``-A CHAIN args...`` with comments always quoted and any other odd argument quoted too."""
-    if "--comment" in rule:
+    if "--comment" not in rule:
+        # Most rules at scale (large-cluster endpoint rules carry no comment): all plain words.
+        if _SAFE_WORDS.fullmatch("".join(rule)) and "" not in rule:
+            return " ".join((verb, chain) + rule)
+    else:
         at = rule.index("--comment") + 1
         plain = rule[:at] + rule[at + 1:]
         # One regex over the arguments run together (no separator: a space in any argument fails it).

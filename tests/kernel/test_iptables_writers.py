@@ -191,7 +191,8 @@ def test_restore_and_libiptc_writers_leave_identical_tables(kernel_env: None, tm
     assert trees.count(":KUBE-NPS-") >= 2 * 3 and "--dport 32700 " in trees
     port_range = r"-A KUBE-NPS-\S+ -p tcp -m comment --comment \"nodeports in tcp/\d+:\d+\" -m tcp --dport \d+:\d+ "
     assert re.search(port_range, trees), "no port-range jump"
-    for shape in (":KUBE-SVL-", ":KUBE-FW-", "-A KUBE-NODEPORTS", "--random-fully", "-A KUBE-HAIRPIN",
+    for shape in (":KUBE-SVL-", ":KUBE-FW-", "-A KUBE-NODEPORTS", "--random-fully",
+                  "--match-set NETPROXY-HAIRPIN-4 src,dst,dst", "-j SET --add-set NETPROXY-AFFINITY-4-",
                   "-A KUBE-EXTERNAL-SERVICES", "--src-type LOCAL", "--ctstate DNAT", "icmp6-port-unreachable"):
         assert shape in parity, shape
 

@@ -1,0 +1,89 @@
+"""The ipset side of the iptables backend, on the in-memory fake: element encoding, hairpin
+elements following endpoints, affinity clients released when their endpoint leaves, sets made
+before the rules that name them and destroyed after."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import List
+
+from test_backend import RecordingWriter
+
+from netproxy.backends.iptables import IptablesBackend, affinity, ipset
+from netproxy.backends.iptables.ipset import FakeIpsets, element
+from netproxy.config import ProxyConfig
+from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
+
+VIP = "10.96.0.10"
+
+
+def ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    return ipaddress.ip_address(text)
+
+
+def test_fast_element_encoding_is_the_nested_attributes() -> None:
+    for family, e in ((4, element("10.1.2.3", "tcp", 8080, "10.1.2.3")),
+                      (6, element("fd00::7", "sctp", 9, "fd00::8"))):
+        assert ipset._element(family, e) == ipset._element_slow(family, e)
+
+
+def snap(eps: List[str], affinity_on: bool = True) -> Snapshot:
+    svc = ServicePort(ServicePortName("default", "web", "http"), "TCP", 80, 8080, cluster_ips=(ip(VIP),),
+                      affinity="ClientIP" if affinity_on else "None", affinity_timeout=60)
+    endpoints = [Endpoint(ip(e), 8080, node_name="node") for e in eps]
+    return Snapshot.build([svc], {svc.name: endpoints}, NodeInfo(name="node"))
+
+
+def backend() -> IptablesBackend:
+    b = IptablesBackend(ProxyConfig(hostname="node"))
+    b.writer = RecordingWriter()
+    assert isinstance(b.ipsets, FakeIpsets)
+    return b
+
+
+def slot_of(addr: str, eps: List[str]) -> int:
+    return affinity.slots((int(ip(e)), 8080) for e in eps)[(int(ip(addr)), 8080)]
+
+
+def test_a_leaving_endpoint_releases_its_clients_and_only_those() -> None:
+    b = backend()
+    sets = b.ipsets
+    assert isinstance(sets, FakeIpsets)
+    eps = ["10.1.0.1", "10.1.0.2", "10.1.0.3"]
+    b.sync(snap(eps), Changes(full=True))
+    names = {ipset.affinity_set(4, slot_of(e, eps)) for e in eps}
+    assert names <= set(sets.sets()) and ipset.hairpin_set(4) in sets.sets()
+    # The kernel remembers two clients (what -j SET --add-set would do), one per endpoint.
+    gone, stays = ipset.affinity_set(4, slot_of("10.1.0.2", eps)), ipset.affinity_set(4, slot_of("10.1.0.1", eps))
+    sets.add(gone, 4, [element("10.2.0.1", "tcp", 80, VIP)])
+    sets.add(stays, 4, [element("10.2.0.2", "tcp", 80, VIP), element("10.2.0.9", "tcp", 81, "10.96.0.11")])
+    b.sync(snap(["10.1.0.1", "10.1.0.3"]), Changes(full=False))
+    assert gone not in sets.sets() or not sets.elements(gone)
+    assert element("10.2.0.2", "tcp", 80, VIP) in sets.elements(stays)
+    # Another service's client in the same slot set is not touched.
+    assert element("10.2.0.9", "tcp", 81, "10.96.0.11") in sets.elements(stays)
+    # The endpoint left: its hairpin element goes too.
+    assert element("10.1.0.2", "tcp", 8080, "10.1.0.2") not in sets.elements(ipset.hairpin_set(4))
+
+
+def test_sets_are_made_before_the_write_and_destroyed_after_it() -> None:
+    b = backend()
+    sets = b.ipsets
+    assert isinstance(sets, FakeIpsets)
+    b.sync(snap(["10.1.0.1", "10.1.0.2"]), Changes(full=True))
+    (writes,) = [i for i, c in enumerate(sets.calls) if c[0] == "create"][:1] or [None]
+    assert writes is not None
+    b.sync(snap(["10.1.0.1", "10.1.0.2"], affinity_on=False), Changes(full=False))
+    assert not [n for n in sets.sets() if "AFFINITY" in n]  # no rule names them any more
+
+
+def test_a_full_sync_prunes_clients_of_slots_no_rule_holds() -> None:
+    b = backend()
+    sets = b.ipsets
+    assert isinstance(sets, FakeIpsets)
+    eps = ["10.1.0.1", "10.1.0.2"]
+    b.sync(snap(eps), Changes(full=True))
+    used = ipset.affinity_set(4, slot_of("10.1.0.1", eps))
+    sets.add(used, 4, [element("10.2.0.1", "tcp", 80, VIP), element("10.2.0.1", "tcp", 80, "10.96.0.99")])
+    b.sync(snap(eps + ["10.1.0.77"]), Changes(full=True))  # a full sync that writes (an unchanged one is skipped)
+    assert sets.elements(used) == [element("10.2.0.1", "tcp", 80, VIP)]
