@@ -64,7 +64,7 @@ Element = Tuple[int, int, int, int]
 """(first address as an integer, IP protocol number, port, second address as an integer)."""
 
 
-class IpsetError(BackendError):
+class IpsetError(BackendError):  # type: ignore[misc]  # mypy sees netproxy.backends.* as Any
     """The kernel refused an ipset request."""
 
 
@@ -104,7 +104,8 @@ def _addr(kind: int, family: int, value: int) -> bytes:
         inner = wire.attr(ATTR_IPADDR_IPV4 | NLA_F_NET_BYTEORDER, struct.pack(">I", value))
     else:
         inner = wire.attr(ATTR_IPADDR_IPV6 | NLA_F_NET_BYTEORDER, value.to_bytes(16, "big"))
-    return wire.nest(kind, inner)
+    out: bytes = wire.nest(kind, inner)
+    return out
 
 
 def _element_struct(family: int) -> Tuple[struct.Struct, Tuple[int, ...]]:
@@ -131,10 +132,11 @@ def _element(family: int, e: Element) -> bytes:
 
 
 def _element_slow(family: int, e: Element) -> bytes:
-    return wire.nest(ATTR_DATA, _addr(ATTR_IP, family, e[0]),
+    out: bytes = wire.nest(ATTR_DATA, _addr(ATTR_IP, family, e[0]),
                      wire.attr(ATTR_PORT | NLA_F_NET_BYTEORDER, struct.pack(">H", e[2])),
                      wire.u8(ATTR_PROTO, e[1]),
                      _addr(ATTR_IP2, family, e[3]))
+    return out
 
 
 def _parse_addr(payload: bytes) -> int:

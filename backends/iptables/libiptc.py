@@ -47,11 +47,9 @@ from netproxy.backends.iptables.stamp import Expected, Stamp, fingerprint
 log = logging.getLogger(__name__)
 
 COMMENT_LEN = 256  # XT_MAX_COMMENT_LEN
-RECENT_NAME_LEN = 200  # XT_RECENT_NAME_LEN
 TARGET_NAME_LEN = 29  # XT_EXTENSION_MAXNAMELEN
 
 _S_COMMENT = "npx-sentinel-comment-7f3a9c"
-_S_RECENT = "NPX-SENTINEL-RECENT-4D2B"
 _S_CHAIN = "KUBE-NPX-SENTINEL-9E1"
 _S_PORT = 0xC3A7
 _S_PORT_HI = 0xC3B9
@@ -246,8 +244,6 @@ class RuleBuilder:
                 kind = "prob"
             elif prev == "--to-destination":
                 kind = "dest"
-            elif prev == "--name":
-                kind = "recent"
             elif prev == "-j" and arg.startswith("KUBE-"):
                 kind = "chain"
             if kind is None:
@@ -266,12 +262,12 @@ class RuleBuilder:
             return str(ipaddress.ip_network(f"{base}/{prefix}", strict=False))
         dest = _S_DEST[self.family]
         return {"comment": _S_COMMENT, "dport": str(_S_PORT), "dports": f"{_S_PORT}:{_S_PORT_HI}",
-                "prob": _S_PROB, "recent": _S_RECENT, "chain": _S_CHAIN,
+                "prob": _S_PROB, "chain": _S_CHAIN,
                 "dest": f"{dest}:{_S_DEST_PORT}" if self.family == 4 else f"[{dest}]:{_S_DEST_PORT}"}[kind]
 
     def _encoded(self, kind: str, value: str) -> List[Tuple[str, bytes]]:
         """(field, bytes) that a value of this kind leaves in a blob; used to find the sentinels."""
-        if kind in ("comment", "recent", "chain"):
+        if kind in ("comment", "chain"):
             return [(kind, value.encode() + b"\0")]
         if kind in ("dport", "dports"):
             return [(kind, struct.pack("=HH", *_port_range(value)))]
@@ -287,7 +283,7 @@ class RuleBuilder:
         sentinels = iter(self._sentinel(k, v) for k, v in values)
         prev = ""
         for i, arg in enumerate(args):
-            if prev in ("-s", "-d", "--comment", "--dport", "--probability", "--to-destination", "--name") or (
+            if prev in ("-s", "-d", "--comment", "--dport", "--probability", "--to-destination") or (
                     prev == "-j" and arg.startswith("KUBE-")):
                 sentinel_args[i] = next(sentinels)
             prev = arg
@@ -324,13 +320,11 @@ class RuleBuilder:
 
     def _patch(self, shape: _Shape, values: List[Tuple[str, str]]) -> bytes:
         buf = bytearray(shape.blob)
-        by_kind = dict(values)  # a kind repeated in one rule (two -m recent) carries the same value
+        by_kind = dict(values)
         for name, offsets in shape.fields:
             value = by_kind[name.split("_")[0]]
             if name == "comment":
                 data = value.encode()[:COMMENT_LEN - 1].ljust(COMMENT_LEN, b"\0")
-            elif name == "recent":
-                data = value.encode().ljust(RECENT_NAME_LEN, b"\0")
             elif name == "chain":
                 data = value.encode().ljust(TARGET_NAME_LEN, b"\0")
             elif name in ("dport", "dports"):

@@ -11,7 +11,7 @@ import base64
 import hashlib
 from typing import Any, Dict, Tuple
 
-from netproxy.model import Endpoint, ServicePortName
+from netproxy.model import ServicePortName
 
 MAX_CHAIN_LEN = 28
 """iptables' limit on chain names (XT_EXTENSION_MAXNAMELEN - 1)."""
@@ -61,7 +61,6 @@ def _hash16(text: str) -> str:
 
 
 _svc_cache: Dict[Tuple[ServicePortName, str, str], str] = {}
-_sep_cache: Dict[Tuple[ServicePortName, str, Endpoint], str] = {}
 _net_cache: Dict[Tuple[str, str], str] = {}
 CACHE_LIMIT = 1 << 19
 """Entries a name cache keeps before it starts over: a long-running proxy sees every service and
@@ -83,19 +82,6 @@ def service_chain(name: ServicePortName, protocol: str, prefix: str = SVC_PREFIX
     chain = _svc_cache.get(key)
     if chain is None:
         chain = remember(_svc_cache, key, prefix + _hash16(str(name) + protocol.lower()))
-    return chain
-
-
-def endpoint_name(name: ServicePortName, protocol: str, endpoint: Endpoint) -> str:
-    """``KUBE-SEP-<hash>``: the seed's per-endpoint chain name, used here as the ``-m recent`` list name.
-
-    Endpoint rules sit inline in the service chain (docs/performance.md: a chain per endpoint costs 8.5 s
-    against 1.55 s at 10k), but the affinity list keeps the name an operator knows.
-    """
-    key = (name, protocol, endpoint)
-    chain = _sep_cache.get(key)
-    if chain is None:
-        chain = remember(_sep_cache, key, SEP_PREFIX + _hash16(str(name) + protocol.lower() + str(endpoint)))
     return chain
 
 

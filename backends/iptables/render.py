@@ -10,9 +10,9 @@ mode names it:
 - ``KUBE-SVC-<hash>`` (all eligible endpoints) and ``KUBE-SVL-<hash>`` (this node's endpoints, for the
   Local traffic policies) hold the endpoint choice inline: ``-m statistic --probability 1/(n-i)`` +
   ``DNAT`` per endpoint, the last unconditional.  No per-endpoint ``KUBE-SEP-`` chains (docs/performance.md:
-  8.5 s against 1.55 s at 10k); ClientIP affinity uses ``KUBE-SEP-<hash>`` as each endpoint's
-  ``-m recent`` list name, as the seed did.  Hairpin masquerade is not here: ``assemble.py`` checks
-  "source is the endpoint" after the DNAT, in ``KUBE-POSTROUTING``.
+  8.5 s against 1.55 s at 10k).  ClientIP affinity remembers clients in ipsets, one per endpoint
+  *slot* (``affinity.py``, README "Sets").  Hairpin masquerade is not here: ``assemble.py`` checks
+  "source is the endpoint" after the DNAT, in ``KUBE-POSTROUTING``, against the hairpin set.
 - ``KUBE-EXT-<hash>``: externalTrafficPolicy Cluster marks for masquerade and goes to ``KUBE-SVC-``;
   Local sends pod (cluster CIDR) and node-local sources to ``KUBE-SVC-`` (node-local ones masqueraded)
   and everything else to ``KUBE-SVL-`` without masquerade.
@@ -20,7 +20,8 @@ mode names it:
   did not DNAT: REJECT for a port without endpoints, DROP for a Local policy without local endpoints
   and for sources outside loadBalancerSourceRanges, REJECT for any other port of an active cluster IP.
 
-Every service rule carries ``-m comment --comment "<ns>/<name>:<port>"``.
+Every service rule carries ``-m comment --comment "<ns>/<name>:<port>"``, but endpoint rules above
+1,000 endpoints (kube-proxy's large-cluster mode).
 """
 
 from __future__ import annotations
