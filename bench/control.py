@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -104,7 +105,11 @@ def split_plan(combo: Combo, text: str, workdir: str) -> List[Dict[str, Any]]:
         elif line.startswith("# IPv4"):
             family = 4
         sections[family].append(line)
-    spec = []
+    spec: List[Dict[str, Any]] = []
+    sets = sorted(set(re.findall(r"NETPROXY-[A-Z]+-\d(?:-\d+)?", text)))
+    if sets:  # the payload's rules name netproxy's ipsets: they must exist (not timed: not the tool's work)
+        spec.append({"argv": [_python(), "-m", "netproxy.backends.iptables.ipset", "create", *sets],
+                     "untimed": True})
     for family, lines in sections.items():
         if not any(ln.startswith("*") for ln in lines):
             continue
@@ -114,6 +119,25 @@ def split_plan(combo: Combo, text: str, workdir: str) -> List[Dict[str, Any]]:
         tool = f"{'iptables' if family == 4 else 'ip6tables'}-{combo.flavour}-restore"
         spec.append({"argv": [tool, "--noflush"], "stdin": path})
     return spec
+
+
+def floor(combo: Combo, ns: str, workdir: str, timeout: float) -> Step:
+    """The least any write costs on the table as it is now: the raw ``iptables-restore --noflush``
+    of a one-rule change (a new chain with one rule) into the loaded nat table, min of 3 (issue 15).
+    A legacy write swaps the whole table, so this is the table's own price; nftables has no such floor."""
+    if combo.backend != "iptables":
+        return {"skipped": "iptables only"}
+    runs: List[float] = []
+    for k in range(3):
+        path = os.path.join(workdir, f"floor-{k}.rules")
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(f"*nat\n:NP-BENCH-FLOOR-{os.getpid()}-{k} - [0:0]\n-A NP-BENCH-FLOOR-{os.getpid()}-{k} -j RETURN\n"
+                     "COMMIT\n")
+        res = raw_apply([{"argv": [f"iptables-{combo.flavour}-restore", "--noflush"], "stdin": path}], ns, timeout)
+        if "seconds" not in res:
+            return res
+        runs.append(res["seconds"])
+    return {"seconds": min(runs), "runs": runs}
 
 
 def raw_own_payload(combo: Combo, plan_path: str, workdir: str, timeout: float, *, ns: str,

@@ -3,6 +3,7 @@ not counted, as they are not for netproxy's own tool calls).
 
     python -m bench.rawapply '[{"argv": ["nft", "-f", "/tmp/x.nft"]}, {"argv": [...], "stdin": "/tmp/y"}]'
 
+A command with ``"untimed": true`` runs but is not counted (creating the ipsets a payload names).
 Runs the commands one after the other and prints ``{"seconds": total, "steps": [...], "rc": first
 non-zero exit or 0, "stderr": "..."}``; stops at the first failure.
 """
@@ -24,7 +25,8 @@ def run(spec: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
             t0 = time.perf_counter()
             proc = subprocess.run(cmd["argv"], stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                   check=False)
-            steps.append(time.perf_counter() - t0)
+            if not cmd.get("untimed"):
+                steps.append(time.perf_counter() - t0)
         finally:
             if stdin is not subprocess.DEVNULL:
                 stdin.close()  # type: ignore[union-attr]

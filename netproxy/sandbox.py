@@ -494,6 +494,8 @@ class Sandbox:
             "for t in $(cat /proc/net/ip6_tables_names 2>/dev/null); do"
             " printf '*%s\\nCOMMIT\\n' $t | ip6tables-legacy-restore; done",
             "command -v conntrack >/dev/null && conntrack -F >/dev/null 2>&1",
+            # netproxy's ipsets (hairpin, affinity), now that no rule names them: each run starts cold.
+            f"{shlex.quote(sys.executable)} -m netproxy.backends.iptables.ipset destroy-all >/dev/null 2>&1",
             "true",
         ]
         self.exec(ns, ["sh", "-c", "; ".join(script)], check=True)

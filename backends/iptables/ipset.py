@@ -284,3 +284,27 @@ class FakeIpsets:
 def element(first: str, proto: str, port: int, second: str) -> Element:
     """An element from text (tests, the tracer)."""
     return (int(ipaddress.ip_address(first)), PROTOS[proto.lower()], port, int(ipaddress.ip_address(second)))
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python -m netproxy.backends.iptables.ipset create NAME...`` (the sets a raw restore of
+    netproxy's payload needs, for the benchmark) or ``destroy-all`` (netproxy's sets, once no rule
+    names them: the test and benchmark namespaces' reset)."""
+    sets = KernelIpsets()
+    if argv[:1] == ["create"]:
+        for name in argv[1:]:
+            sets.create(name, int(name.split("-")[2]), timeout="AFFINITY" in name)
+        return 0
+    if argv == ["destroy-all"]:
+        for name in sorted(sets.sets()):
+            if name.startswith(PREFIX):
+                sets.destroy(name)
+        return 0
+    print(main.__doc__)
+    return 2
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
