@@ -48,7 +48,7 @@ def uniform_changes(r: Results) -> List[Target]:
 def _full(r: Results, key: str, variant: str, abs_max: float, name: str) -> Target:
     n = _n(r)
     x, raw = _sec(r, key, n, "cold", variant), _sec(r, key, n, "raw", variant)
-    target = f"≤ {abs_max:.0f} s and ≤ 1.3× raw restore of its payload" if abs_max < 60 else f"≤ {abs_max:.0f} s"
+    target = f"≤ {abs_max:g} s and ≤ 1.3× raw restore of its payload" if abs_max < 60 else f"≤ {abs_max:g} s"
     if x is None:
         return _t(name, target, None, _why(_cell(r, key, n, "cold", variant)) + _where(n))
     if abs_max >= 60:
