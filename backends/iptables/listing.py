@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import re
 import shlex
+import sys
 from typing import Dict, Iterable, List, Set, Tuple
 
 from netproxy.backends.base import Outcome, Packet
+from netproxy.backends.iptables import ipset
+from netproxy.backends.iptables.ipset import KernelIpsets
 from netproxy.backends.iptables.render import FamilyRuleset
 from netproxy.backends.iptables.restore import tool
 from netproxy.backends.listing import run
@@ -19,6 +22,7 @@ from netproxy.config import ProxyConfig
 PREFIX = "KUBE-"
 _FAMILY = re.compile(r"^# IPv([46]) ")
 _JUMP = re.compile(r"\s-[jg]\s+" + PREFIX)
+_SETS = re.compile(ipset.PREFIX + r"[A-Z]+-[46](?:-\d+)?")
 
 
 def _ours(save: str, family: int) -> List[str]:
@@ -71,14 +75,23 @@ class IptablesListing:
         family = 6 if packet.family == "ip6" else 4
         traced = TracedPacket(packet.saddr, packet.daddr, packet.dport, packet.proto,
                               from_node=packet.hook == "output")
-        outcomes: List[Outcome] = Tracer(kernel_ruleset(self.kernel(), family), packet.local).outcomes(traced)
+        ruleset = kernel_ruleset(self.kernel(), family)
+        sets = KernelIpsets()
+        name = ipset.hairpin_set(family)
+        if name in sets.sets():  # who hairpins is the set's content, not a rule's
+            ruleset.hairpin = frozenset(sets.elements(name))
+        outcomes: List[Outcome] = Tracer(ruleset, packet.local).outcomes(traced)
         return outcomes
 
     def rendered(self, plan: str) -> List[str]:
         out: List[str] = []
         for family, payload in sorted(split_plan(plan).items()):
             restore, save = (shlex.quote(tool(family, self.flavour, v)) for v in ("restore", "save"))
-            out += _ours(run([f"{restore} --noflush; {save}"], stdin=payload, scratch=True), family)
+            # The scratch namespace has none of the sets the rules name: make them (empty) first.
+            names = sorted(set(_SETS.findall(payload)))
+            make = " ".join([shlex.quote(sys.executable), "-m", "netproxy.backends.iptables.ipset", "create",
+                             *names]) + " && " if names else ""
+            out += _ours(run([f"{make}{restore} --noflush; {save}"], stdin=payload, scratch=True), family)
         return out
 
 
