@@ -7,6 +7,7 @@ rules, diffs the desired chains against what it last wrote (partial syncs) or ag
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -213,8 +214,14 @@ class IptablesBackend:
             self._stamps.pop(family, None)  # the write changes the tables: the old fingerprint means nothing
         # Sets the new rules name exist, with the new hairpin elements, before the rules do; what
         # the old rules alone needed goes after them (sets.py).
-        self._sets.before_write(self.ipsets, ruleset, full)
-        size = self.writer.apply(family, changed) if changed else 0
+        filled = self._sets.before_write(self.ipsets, ruleset, full)
+        try:
+            size = self.writer.apply(family, changed, before_commit=filled) if changed else 0
+        except BaseException:
+            with contextlib.suppress(Exception):
+                filled()  # the write's own error is the one to report
+            raise
+        filled()  # idempotent: returns at once when the writer already waited
         self._written[family] = {t: dict(ruleset.chains(t)) for t in TABLES}
         self._sets.after_write(self.ipsets, ruleset, full)
         if full and not self.config.one_shot:

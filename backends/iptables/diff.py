@@ -6,7 +6,7 @@ Both writers apply the same :class:`TableChange`, so they cannot disagree on wha
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 try:
     from typing import Protocol
@@ -80,7 +80,11 @@ class Writer(Protocol):
 
     def read(self, family: int) -> Dict[str, KernelTable]: ...
 
-    def apply(self, family: int, changes: List[TableChange]) -> int: ...
+    def apply(self, family: int, changes: List[TableChange],
+              before_commit: Optional[Callable[[], None]] = None) -> int:
+        """Write ``changes``; ``before_commit`` is called once, before the first table is committed
+        (the ipsets the new rules need are being filled meanwhile, ``sets.py``)."""
+        ...
 
     def stamp(self, families: Sequence[int], expect: Optional[Expected] = None) -> Optional[Stamp]:
         """A value that changes whenever anyone changes these families' tables (None: cannot tell

@@ -36,7 +36,7 @@ import os
 import shutil
 import struct
 import tempfile
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.iptables.assemble import TABLES
@@ -442,16 +442,19 @@ class LibiptcWriter:
     def stamp(self, families: Sequence[int], expect: Optional[Expected] = None) -> Optional[Stamp]:
         return fingerprint(families, TABLES, expect)
 
-    def apply(self, family: int, changes: List[TableChange]) -> int:
+    def apply(self, family: int, changes: List[TableChange],
+              before_commit: Optional[Callable[[], None]] = None) -> int:
         self._refuse_nft()
         builder = self.builder(family)
         builder.forget_sets()
         total = 0
         for change in changes:
-            total += self._apply_table(family, builder, change)
+            total += self._apply_table(family, builder, change, before_commit)
+            before_commit = None
         return total
 
-    def _apply_table(self, family: int, builder: RuleBuilder, change: TableChange) -> int:
+    def _apply_table(self, family: int, builder: RuleBuilder, change: TableChange,
+                     before_commit: Optional[Callable[[], None]] = None) -> int:
         # A fresh handle per write: libiptc commits the copy it read, so an old copy would undo other
         # programs' changes made since.
         call, handle = _open(family, change.table)
@@ -483,6 +486,8 @@ class LibiptcWriter:
                 if call.iptc_is_chain(chain.encode(), handle):
                     _check(call.iptc_delete_chain(chain.encode(), handle), call, current)
             current = "COMMIT"
+            if before_commit is not None:
+                before_commit()
             _check(call.iptc_commit(handle), call, f"COMMIT ({change.table})")
         except (ValueError, KeyError) as exc:
             raise SyncError("libiptc writer could not build a rule", line=current, detail=str(exc)) from exc

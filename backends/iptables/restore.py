@@ -13,7 +13,7 @@ import signal
 import subprocess
 import tempfile
 import threading
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.iptables import save
@@ -102,7 +102,8 @@ class RestoreTools:
             raise SyncError(f"{' '.join(cmd)} failed", detail=proc.stderr.strip())
         return proc.stdout
 
-    def restore_stream(self, family: int, chunks: Iterable[str]) -> int:
+    def restore_stream(self, family: int, chunks: Iterable[str],
+                       before_commit: Optional[Callable[[], None]] = None) -> int:
         """Feed ``iptables-restore`` piece by piece as the pieces are made, so that it parses while we
         write (two cores: Python's text and the tool's parsing overlap).  All or nothing still: the
         tool commits each table at its COMMIT line.  Returns the bytes written."""
@@ -113,6 +114,9 @@ class RestoreTools:
             assert proc.stdin is not None
             try:
                 for chunk in chunks:
+                    if before_commit is not None and "COMMIT\n" in chunk:
+                        before_commit()  # the tool commits at that line: what must precede it, now
+                        before_commit = None
                     sent.append(chunk)
                     proc.stdin.write(chunk.encode())
                 proc.stdin.close()
@@ -204,8 +208,9 @@ class RestoreWriter:
         # Legacy tables only: iptables-nft's live in nf_tables, which this fingerprint cannot see.
         return fingerprint(families, TABLES, expect) if self.tools.flavour == "legacy" else None
 
-    def apply(self, family: int, changes: List[TableChange]) -> int:
+    def apply(self, family: int, changes: List[TableChange],
+              before_commit: Optional[Callable[[], None]] = None) -> int:
         if not any(not c.empty() for c in changes):
             return 0
         cache = self._texts.setdefault(family, ChainTextCache())
-        return self.tools.restore_stream(family, restore_chunks(changes, cache))
+        return self.tools.restore_stream(family, restore_chunks(changes, cache), before_commit)

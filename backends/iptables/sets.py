@@ -11,7 +11,8 @@ released, and sets no rule names any more are destroyed.  A full sync reads the 
 from __future__ import annotations
 
 import logging
-from typing import Dict, FrozenSet, Iterable, List, Mapping, Set, Tuple
+import threading
+from typing import Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Set, Tuple
 
 from netproxy.backends.iptables import ipset
 from netproxy.backends.iptables.ipset import Element, IpsetError, Ipsets
@@ -24,6 +25,36 @@ Key = Tuple[int, int, int]
 
 def _matches(e: Element, keys: FrozenSet[Key] | Set[Key]) -> bool:
     return (e[1], e[2], e[3]) in keys or (e[1], e[2], 0) in keys
+
+
+IN_BACKGROUND = 2000
+"""Hairpin elements from which the fill runs beside the rule write (a thread: the kernel does the
+work, the GIL is free during the netlink calls)."""
+
+
+def _done() -> None:
+    return None
+
+
+class _Background:
+    """A fill running in a thread; :meth:`wait` returns when it is done and raises what it raised."""
+
+    def __init__(self, work: Callable[[], None]) -> None:
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(work,), name="netproxy-ipset", daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            self._error = exc
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 class SetKeeper:
@@ -49,7 +80,10 @@ class SetKeeper:
             for slot, _ in gone:
                 self._releases.setdefault(family, {}).setdefault(slot, set()).update(before.affinity_keys)
 
-    def before_write(self, sets: Ipsets, ruleset: FamilyRuleset, full: bool) -> None:
+    def before_write(self, sets: Ipsets, ruleset: FamilyRuleset, full: bool) -> Callable[[], None]:
+        """Make the sets; start filling the hairpin set.  Returns what the writer calls before it
+        commits (it waits for the fill): a cold sync's 50k–129k elements go in while
+        ``iptables-restore`` parses, not before it starts."""
         family = ruleset.family
         if full or family not in self._known:
             self._known[family] = {n for n, info in sets.sets().items()
@@ -60,15 +94,19 @@ class SetKeeper:
             if name not in known:
                 sets.create(name, family, timeout)
                 known.add(name)
-        if ruleset.hairpin:
-            name = ipset.hairpin_set(family)
-            current = self._hairpin.get(family)
-            if current is None:
-                current = frozenset(sets.elements(name))
-            missing = ruleset.hairpin - current
+        if not ruleset.hairpin:
+            return _done
+        name = ipset.hairpin_set(family)
+        current = self._hairpin.get(family)
+        if current is None:
+            current = frozenset(sets.elements(name))
+        missing = sorted(ruleset.hairpin - current)
+        self._hairpin[family] = current | frozenset(missing)
+        if len(missing) < IN_BACKGROUND:
             if missing:
-                sets.add(name, family, sorted(missing))
-            self._hairpin[family] = current | missing
+                sets.add(name, family, missing)
+            return _done
+        return _Background(lambda: sets.add(name, family, missing)).wait
 
     def after_write(self, sets: Ipsets, ruleset: FamilyRuleset, full: bool) -> None:
         family = ruleset.family

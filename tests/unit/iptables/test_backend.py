@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import pytest
 
@@ -51,7 +51,10 @@ class RecordingWriter:
         return {(f, t): repr(sorted(self.kernel.get((f, t), {}).items())).encode()
                 for f in families for t in ("nat", "filter")}
 
-    def apply(self, family: int, changes: List[TableChange]) -> int:
+    def apply(self, family: int, changes: List[TableChange],
+              before_commit: Optional[Callable[[], None]] = None) -> int:
+        if before_commit is not None:
+            before_commit()
         if self.fail:
             raise SyncError("refused", line="-A X")
         if self.lost_write:  # the rules went to other tables than the ones the fingerprint reads

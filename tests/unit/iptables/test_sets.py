@@ -87,3 +87,22 @@ def test_a_full_sync_prunes_clients_of_slots_no_rule_holds() -> None:
     sets.add(used, 4, [element("10.2.0.1", "tcp", 80, VIP), element("10.2.0.1", "tcp", 80, "10.96.0.99")])
     b.sync(snap(eps + ["10.1.0.77"]), Changes(full=True))  # a full sync that writes (an unchanged one is skipped)
     assert sets.elements(used) == [element("10.2.0.1", "tcp", 80, VIP)]
+
+
+def test_a_large_hairpin_fill_runs_beside_the_write_and_ends_before_the_commit() -> None:
+    b = backend()
+    sets = b.ipsets
+    assert isinstance(sets, FakeIpsets)
+    seen_at_commit: List[int] = []
+
+    class CommitWatcher(RecordingWriter):
+        def apply(self, family, changes, before_commit=None):  # type: ignore[no-untyped-def]
+            if before_commit is not None:
+                before_commit()
+            seen_at_commit.append(len(sets.content.get(ipset.hairpin_set(4), ())))
+            return super().apply(family, changes)
+
+    b.writer = CommitWatcher()
+    eps = [f"10.1.{i // 250}.{i % 250 + 1}" for i in range(3000)]  # above IN_BACKGROUND
+    b.sync(snap(eps, affinity_on=False), Changes(full=True))
+    assert seen_at_commit[0] == 3000
