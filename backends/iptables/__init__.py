@@ -14,7 +14,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from netproxy.backends.base import BackendError, BackendUnavailable, Outcome, Packet, SyncResult
 from netproxy.backends.iptables import cleanup as cleanup_mod
-from netproxy.backends.iptables.assemble import JUMPS, TABLES, assemble
+from netproxy.backends.iptables.assemble import JUMPS, TABLES, Memo, assemble
 from netproxy.backends.iptables.diff import TableChange, Writer, full_change, partial_change
 from netproxy.backends.iptables.ipset import Ipsets, KernelIpsets
 from netproxy.backends.iptables.payload import plan_text
@@ -66,6 +66,7 @@ class IptablesBackend:
         self.ipsets: Ipsets = KernelIpsets()
         """The kernel's ipsets (hairpin and affinity sets); unit tests put a FakeIpsets here."""
         self._sets = SetKeeper()
+        self._memo = {f: Memo() for f in FAMILIES}
 
     @staticmethod
     def _make_writer(config: ProxyConfig) -> Writer:
@@ -115,7 +116,7 @@ class IptablesBackend:
         if self._random_fully is None:
             self._random_fully = supports_random_fully(self.config.iptables_flavour)
         desired = {f: assemble(f, (r.rules[f] for r in ordered if f in r.rules), self.config, node,
-                               self._random_fully) for f in FAMILIES}
+                               self._random_fully, self._memo[f]) for f in FAMILIES}
         return desired, rerendered
 
     def _has_family(self, family: int) -> bool:

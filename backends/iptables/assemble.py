@@ -6,7 +6,7 @@ trees) or on the node (NodePort addresses), not on one service port.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple, TypeVar
 
 from netproxy.backends.iptables import ipset, names
 from netproxy.backends.iptables.render import FamilyRuleset, ServiceRules, host_net
@@ -81,22 +81,51 @@ def base_chains(config: ProxyConfig, family: int = 4, random_fully: bool = True,
     return chains
 
 
+T = TypeVar("T")
+
+
+class Memo:
+    """The node-wide parts of the last assembly, reused while their inputs are the same.
+
+    A one-endpoint change re-renders one service port; its dispatch entries, NodePorts and filter
+    verdicts are usually what they were, and rebuilding the trees over 10k services cost more than
+    the rest of the change (0.16 s of a 0.54 s partial sync at uniform 10k).  Inputs are compared
+    per service: by identity (services not rendered again hand over the same tuples), else by value.
+    """
+
+    def __init__(self) -> None:
+        self._last: Dict[str, Tuple[List[object], object]] = {}
+
+    def get(self, part: str, inputs: List[object], build: Callable[[], T]) -> T:
+        last = self._last.get(part)
+        if last is not None and len(last[0]) == len(inputs) and \
+                all(a is b or a == b for a, b in zip(last[0], inputs)):
+            return last[1]  # type: ignore[return-value]
+        value = build()
+        self._last[part] = (inputs, value)
+        return value
+
+
 def assemble(family: int, services: Iterable[ServiceRules], config: ProxyConfig,
-             node: NodeInfo = _NO_NODE, random_fully: bool = True) -> FamilyRuleset:
+             node: NodeInfo = _NO_NODE, random_fully: bool = True, memo: Optional[Memo] = None) -> FamilyRuleset:
     """One family's desired state from its services' rules (already rendered, possibly cached)."""
     rendered = list(services)
     out = FamilyRuleset(family)
     nat = out.chains("nat")
     filt = out.chains("filter")
+    memo = memo if memo is not None else Memo()
 
-    top, sub = build_tree((e for s in rendered for e in s.dispatch), family, names.dispatch_chain)
+    top, sub = memo.get("dispatch", [s.dispatch for s in rendered], lambda: build_tree(
+        (e for s in rendered for e in s.dispatch), family, names.dispatch_chain))
     # KUBE-NODEPORTS is walked by every new connection to a node address, not only NodePort traffic:
     # a (protocol, port-range) tree above LEAF_SIZE rules, kube-proxy's flat list below.
-    nodeports, np_sub = build_port_tree((e for s in rendered for e in s.nodeports), names.nodeport_chain)
+    nodeports, np_sub = memo.get("nodeports", [s.nodeports for s in rendered], lambda: build_port_tree(
+        (e for s in rendered for e in s.nodeports), names.nodeport_chain))
     nat[names.SERVICES] = top + (tuple(nodeport_jumps(family, config, node, names.NODEPORTS))
                                  if nodeports else ())
     nat[names.NODEPORTS] = nodeports
-    out.hairpin = frozenset(e for s in rendered for e in s.hairpin)
+    out.hairpin = memo.get("hairpin", [s.hairpin for s in rendered],
+                           lambda: frozenset(e for s in rendered for e in s.hairpin))
     nat.update(base_chains(config, family, random_fully, hairpin=bool(out.hairpin)))
     nat.update(sub)
     nat.update(np_sub)
@@ -113,11 +142,12 @@ def assemble(family: int, services: Iterable[ServiceRules], config: ProxyConfig,
         out.affinity[slot] = frozenset(keys[slot])
 
     # dict.fromkeys: the catch-all REJECT of a multi-port service's cluster IP comes once per port.
-    entries = list(dict.fromkeys(e for s in rendered for e in s.filter))
-    ftop, fsub = build_tree(entries, family, names.dispatch_chain)
+    ftop, fsub = memo.get("filter", [s.filter for s in rendered], lambda: build_tree(
+        list(dict.fromkeys(e for s in rendered for e in s.filter)), family, names.dispatch_chain))
     # The same for filter's per-NodePort verdicts: jumped to for every new connection to a node address
     # (INPUT, OUTPUT), so a long list of endpoint-less NodePorts would tax all of the node's traffic.
-    external, ext_sub = build_port_tree((e for s in rendered for e in s.filter_nodeports), names.nodeport_chain)
+    external, ext_sub = memo.get("filter-nodeports", [s.filter_nodeports for s in rendered], lambda: build_port_tree(
+        (e for s in rendered for e in s.filter_nodeports), names.nodeport_chain))
     filt[names.SERVICES] = ftop + (tuple(nodeport_jumps(family, config, node, names.EXTERNAL_SERVICES))
                                    if external else ())
     filt[names.EXTERNAL_SERVICES] = external
