@@ -74,7 +74,7 @@ class IptablesBackend:
             from netproxy.backends.iptables.libiptc import LibiptcWriter
 
             return LibiptcWriter(config.iptables_flavour)
-        return RestoreWriter(config.iptables_flavour)
+        return RestoreWriter(config.iptables_flavour, keep_text=not config.one_shot)
 
     # -- rendering -------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ import os
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 TABLE_NAME_LEN = 32
 log = logging.getLogger(__name__)
@@ -122,9 +122,8 @@ class Table:
     chains: Dict[str, int]
 
 
-def table_fingerprint(family: int, table: str) -> Table:
-    """One legacy table's fingerprint (OSError when it cannot be read: no such table, no privilege,
-    nf_tables-only kernel).  At 10k services (~140k entries, 28 MB): ~0.3 s, most of it the walk."""
+def _blob(family: int, table: str) -> Tuple[Tuple[object, ...], bytearray]:
+    """(``ipt_getinfo`` fields, the ``ipt_get_entries`` buffer) of one legacy table."""
     layout = LAYOUTS[family]
     with socket.socket(layout.domain, socket.SOCK_RAW, socket.IPPROTO_RAW) as sock:
         info = bytearray(_GETINFO.pack(table.encode(), *([0] * 13)))
@@ -136,6 +135,67 @@ def table_fingerprint(family: int, table: str) -> Table:
         if _getsockopt(sock.fileno(), layout.level, SO_GET_ENTRIES, buf) != len(buf):
             # The table changed size between the two calls (someone is writing): no stable answer.
             raise OSError(errno.EAGAIN, "table changed while being read")
+    return head, buf
+
+
+HOOKS = ("PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING")
+
+
+def chains_and_jumps(family: int, table: str) -> Tuple[List[str], Set[Tuple[str, str]]]:
+    """A legacy table's chain names and its built-in chains' (chain, target) pairs, from the blob —
+    what a full sync reads, without python-iptables (0.3–0.7 s to load) and without
+    ``iptables-save`` printing 100k+ rules.  A jump is a standard target holding the offset of the
+    chain it goes to; any other target is named by its extension."""
+    layout = LAYOUTS[family]
+    head, buf = _blob(family, table)
+    valid, hooks = int(head[1]), head[2:7]  # type: ignore[call-overload]
+    builtin = {int(hooks[h]): HOOKS[h] for h in range(5) if valid & (1 << h)}  # type: ignore[call-overload]
+    policies = {int(head[7 + h]) for h in range(5) if valid & (1 << h)}  # type: ignore[call-overload]
+    u16 = struct.Struct("=H").unpack_from
+    i32 = struct.Struct("=i").unpack_from
+    start, size = _ENTRIES_HEADER, len(buf)
+    names: List[str] = [HOOKS[h] for h in range(5) if valid & (1 << h)]
+    begins: Dict[int, str] = {}
+    rules: List[Tuple[str, int]] = []  # (built-in chain, offset of its entry's target)
+    chain = ""
+    at = start
+    next_at, target_at, least = layout.next_offset, layout.target_offset, layout.entry_size
+    while at < size:  # ~1 µs per entry: only what a chain head or a built-in chain's rule needs
+        step = u16(buf, at + next_at)[0]
+        if step < least or at + step > size:
+            raise ValueError(f"entry at {at - start} has next_offset {step}")
+        target = at + u16(buf, at + target_at)[0]
+        if buf[target + 2] == 0x45 and buf[target + 2:target + 8] == b"ERROR\0":
+            chain = bytes(buf[target + _TARGET_DATA:at + step]).split(b"\0", 1)[0].decode(errors="replace")
+            if chain != "ERROR":  # the table's end marker
+                names.append(chain)
+                begins[at + step - start] = chain
+            chain = ""
+        else:
+            rel = at - start
+            if rel in builtin:
+                chain = builtin[rel]
+            if chain and rel not in policies:  # a built-in chain's last entry is its policy
+                rules.append((chain, target))
+        at += step
+    jumps: Set[Tuple[str, str]] = set()
+    verdicts = {-1: "DROP", -2: "ACCEPT", -5: "RETURN"}  # -NF_DROP-1, -NF_ACCEPT-1, XT_RETURN
+    for chain, target in rules:
+        name = bytes(buf[target + _TARGET_NAME.start:target + _TARGET_NAME.stop]).split(b"\0", 1)[0]
+        if name:
+            jumps.add((chain, name.decode(errors="replace")))
+            continue
+        verdict = i32(buf, target + _TARGET_DATA)[0]
+        to = begins.get(verdict) if verdict >= 0 else verdicts.get(verdict)
+        if to:
+            jumps.add((chain, to))
+    return names, jumps
+
+
+def table_fingerprint(family: int, table: str) -> Table:
+    """One legacy table's fingerprint (OSError when it cannot be read: no such table, no privilege,
+    nf_tables-only kernel).  At 10k services (~140k entries, 28 MB): ~0.3 s, most of it the walk."""
+    head, buf = _blob(family, table)
     entries, chains = mask(buf, family, _ENTRIES_HEADER)
     if entries != head[-2]:
         raise ValueError(f"walked {entries} entries, the kernel counts {head[-2]}")

@@ -106,3 +106,12 @@ def test_a_large_hairpin_fill_runs_beside_the_write_and_ends_before_the_commit()
     eps = [f"10.1.{i // 250}.{i % 250 + 1}" for i in range(3000)]  # above IN_BACKGROUND
     b.sync(snap(eps, affinity_on=False), Changes(full=True))
     assert seen_at_commit[0] == 3000
+
+
+def test_a_dump_of_alike_elements_parses_fast_and_odd_ones_fall_back() -> None:
+    els = [element(f"10.1.0.{i}", "udp" if i % 2 else "tcp", 53 + i, f"10.1.0.{i}") for i in range(1, 200)]
+    assert ipset._parse_elements(b"".join(ipset._element(4, e) for e in els)) == els
+    six = [element("fd00::1", "tcp", 80, "fd00::2")]
+    assert ipset._parse_elements(b"".join(ipset._element(6, e) for e in six)) == six
+    odd = ipset._element(4, els[0])[:-4] + b"\1\2\3\4"  # the same layout: the fast path reads it
+    assert ipset._parse_elements(odd) == [els[0][:3] + (0x01020304,)]
