@@ -130,8 +130,9 @@ def smoke_failures(results: report.Results) -> List[str]:
     """In a smoke run every measure must have a figure: an error, timeout or skip fails it."""
     out = list(results["errors"])
     combo = results["meta"]["combos"][0]["key"] if results["meta"]["combos"] else "?"
+    iptables = bool(results["meta"]["combos"]) and results["meta"]["combos"][0]["backend"] == "iptables"
     checks = [("control", results["control"].get(combo, {}).get("uniform", {}).get("100", {}),
-               ("cold", "resync", "endpoint", "add", "remove", "raw")),
+               ("cold", "resync", "endpoint", "add", "remove", "raw") + (("floor",) if iptables else ())),
               ("dataplane", results["dataplane"].get(combo, {}), ("1", "100")),
               ("latency", results["latency"].get(combo, {}), ("100",)),
               ("rss", results["rss"].get(combo, {}), ("1", "100"))]

@@ -245,9 +245,60 @@ def mixed_table(results: Results) -> List[str]:
                   "affinity, then (*affinity*) one with ClientIP affinity, whose per-endpoint rules are rewritten.")
 
 
+FLOOR_STEPS = {"uniform": (("endpoint", "endpoint"), ("add", "add"), ("remove", "remove")),
+               "mixed": (("endpoint", "endpoint"), ("endpoint-affinity", "affinity endpoint"))}
+
+
+def floor_table(results: Results) -> List[str]:
+    """Issue 15: the one-rule floor of an iptables write into the table netproxy left loaded, and each
+    one-service change of the same run as a ratio to it."""
+    sizes = _sizes(results)
+    rows = []
+    for c in _combos(results):
+        if c["backend"] != "iptables":
+            continue
+        for variant, steps in FLOOR_STEPS.items():
+            cells = []
+            for n in sizes:
+                floor = control_cell(results, c["key"], n, "floor", variant)
+                ref = seconds(floor)
+                if ref is None:
+                    cells.append(_sec(floor) if floor else "-")
+                    continue
+                parts = []
+                for step, label in steps:
+                    x = seconds(control_cell(results, c["key"], n, step, variant))
+                    if x is not None:
+                        parts.append(f"{label} {x / ref:.2f}×")
+                cells.append(f"{ref:.3f} s" + (" · " + " · ".join(parts) if parts else ""))
+            rows.append((f"{c['key']}, {variant} cluster", cells))
+    if not rows:
+        return []
+    return _table("iptables: the one-rule floor of a write, and one-service changes ÷ it (issue 15)", rows,
+                  _ncols(sizes),
+                  "Floor: the raw `iptables-<flavour>-restore --noflush` of a one-rule change (one chain holding "
+                  "one `-j RETURN` rule) into the nat table as netproxy's full sync and changes left it, timed "
+                  "inside the namespace; min of up to 3. A legacy write swaps the whole table, so no change can "
+                  "cost less. After it: each one-service change of the same worker (through parse → tracker → "
+                  "sync, median) divided by the floor.")
+
+
+TARGET_GROUPS = {"bench.targets_nft": "Issue 14: nftables at scale", "bench.targets_ipt": "Issue 15: iptables at scale",
+                 "bench.targets": "Earlier targets"}
+
+
 def target_lines(results: Results) -> List[str]:
     out = ["### Targets", ""]
+    group = None
     for t in results["targets"]:
+        if t.get("group") and t["group"] != group:
+            group = t["group"]
+            if out[-1]:
+                out.append("")
+            out += [f"#### {TARGET_GROUPS.get(group, group)}", ""]
+        if t.get("reference"):  # a figure to read the targets by, with no target of its own
+            out.append(f"- reference: {t['name']}: {t['figure']}")
+            continue
         word = {True: "met", False: "MISSED", None: "NOT MEASURED"}[t["met"]]
         out.append(f"- target {t['name']} ({t['target']}): {word} ({t['figure']})")
     return out + [""]
@@ -267,7 +318,8 @@ def markdown(results: Results) -> str:
         head.append(f"- {key}: not measured — {why}")
     if results.get("unavailable"):
         head.append("")
-    body = (control_tables(results) + ratio_table(results) + mixed_table(results) + dataplane_table(results)
+    body = (control_tables(results) + ratio_table(results) + mixed_table(results) + floor_table(results)
+            + dataplane_table(results)
             + latency_table(results) + rss_table(results) + target_lines(results))
     errors = results.get("errors", [])
     if errors:

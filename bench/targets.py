@@ -192,8 +192,11 @@ CHECKS: List[Callable[[Results], Any]] = [
 
 
 def check(results: Results) -> List[Target]:
+    """Every target line, each tagged with the module that checks it (its issue's group in the report)."""
     out: List[Target] = []
     for fn in CHECKS:
         got = fn(results)
-        out.extend(got if isinstance(got, list) else [got])
+        for t in got if isinstance(got, list) else [got]:
+            t.setdefault("group", fn.__module__)
+            out.append(t)
     return out
