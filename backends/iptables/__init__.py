@@ -7,7 +7,9 @@ rules, diffs the desired chains against what it last wrote (partial syncs) or ag
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -91,7 +93,8 @@ class IptablesBackend:
             self._sets.replaced(self._cache[name].rules, {})
             del self._cache[name]
             rerendered += 1
-        renamed = bool(gone) or not self._order
+        renamed = not self._order
+        added: List[ServicePortName] = []
         node = snapshot.node
         for name, svc in snapshot.services.items():
             eps = snapshot.endpoints_of(name)
@@ -107,11 +110,19 @@ class IptablesBackend:
                 if rendered is not None:
                     rules[family] = rendered
             self._sets.replaced(cached.rules if cached is not None else {}, rules)
-            renamed = renamed or cached is None
+            if cached is None:
+                added.append(name)
             self._cache[name] = _Rendered(svc, eps, node, rules)
             rerendered += 1
-        if renamed:  # sorted once per change of the set of names, not every sync (10k comparisons)
+        if renamed or len(added) + len(gone) > 64:
             self._order = sorted(self._cache)
+        else:  # a few services came or went: placed by bisection, not 10k comparisons (0.13 s at 10k)
+            for name in gone:
+                at = bisect.bisect_left(self._order, name)
+                if at < len(self._order) and self._order[at] == name:
+                    del self._order[at]
+            for name in added:
+                bisect.insort(self._order, name)
         ordered = [self._cache[n] for n in self._order]
         if self._random_fully is None:
             self._random_fully = supports_random_fully(self.config.iptables_flavour)
@@ -148,6 +159,18 @@ class IptablesBackend:
         return outcomes
 
     def sync(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
+        if not (changes.full or self._need_full) or not gc.isenabled():
+            return self._sync(snapshot, changes)
+        # A full sync allocates ~1M small objects at 10k services (rules, chain texts, set
+        # elements); none form cycles, and the cyclic GC re-scanning them as they pile up costs
+        # seconds at the mixed 10k cluster.  (The nftables backend does the same.)
+        gc.disable()
+        try:
+            return self._sync(snapshot, changes)
+        finally:
+            gc.enable()
+
+    def _sync(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
         full = changes.full or self._need_full
         desired, rerendered = self._render(snapshot)
         if full and not self._need_full and self._skips < MAX_SKIPS and self._untouched(desired):
