@@ -99,17 +99,19 @@ def table_text(change: TableChange, counters: Optional[Mapping[str, str]] = None
 def restore_chunks(changes: Iterable[TableChange], cache: Optional[ChainTextCache] = None) -> Iterator[str]:
     """The same text as :func:`table_text` for every non-empty change, in pieces (a chain each) so
     that a writer can stream them into ``iptables-restore`` while the next ones are being made."""
-    cache = cache if cache is not None else ChainTextCache()
     for change in changes:
         if change.empty():
             continue
         yield "".join([f"*{change.table}\n"] + [f":{chain} - [0:0]\n" for chain in list(change.write) + change.delete])
         for chain, rules in change.write.items():
-            yield cache.text(chain, rules)
+            # Without a cache (one sync and done) each chain's text is made, sent and dropped.
+            yield cache.text(chain, rules) if cache is not None else \
+                "".join(rule_line("-A", chain, r) + "\n" for r in rules)
         tail = [rule_line("-I", f"{hook} 1", rule) for hook, rule in change.jumps]
         tail += [f"-X {chain}" for chain in change.delete]
         yield "".join(line + "\n" for line in tail + ["COMMIT"])
-        cache.forget(change.delete)
+        if cache is not None:
+            cache.forget(change.delete)
 
 
 def restore_payload(changes: Iterable[TableChange], cache: Optional[ChainTextCache] = None) -> str:

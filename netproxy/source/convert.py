@@ -8,6 +8,7 @@ object's kind, namespace/name and the failing field.
 from __future__ import annotations
 
 import datetime
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
 
@@ -277,7 +278,9 @@ def _slice_endpoint(raw: Any, addr_type: str, port: int, out: List[Endpoint]) ->
     terminating = _bool(cond.get("terminating"), False, "conditions.terminating")
     node = e.get("nodeName")
     if node is not None:
-        check_subdomain(node, "nodeName")
+        # Interned: JSON gives every endpoint its own copy of its node's name (100k copies of a
+        # few names at 10k services, ~6 MB), and backends compare it with this node's name.
+        node = sys.intern(check_subdomain(node, "nodeName"))
     zone = check_zone(e.get("zone"), "zone")
     zone_hints: Tuple[str, ...] = ()
     hints = e.get("hints")
