@@ -12,12 +12,12 @@ import contextlib
 import gc
 import logging
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from netproxy.backends.base import BackendError, BackendUnavailable, Outcome, Packet, SyncResult
 from netproxy.backends.iptables import cleanup as cleanup_mod
 from netproxy.backends.iptables.assemble import JUMPS, TABLES, Memo, assemble
-from netproxy.backends.iptables.diff import TableChange, Writer, full_change, partial_change
+from netproxy.backends.iptables.diff import KernelTable, TableChange, Writer, full_change, partial_change
 from netproxy.backends.iptables.ipset import Ipsets, KernelIpsets
 from netproxy.backends.iptables.payload import plan_text
 from netproxy.backends.iptables.render import Chains, FamilyRuleset, Rule, ServiceRules, render_service
@@ -172,6 +172,15 @@ class IptablesBackend:
 
     def _sync(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
         full = changes.full or self._need_full
+        # A first (or after-failure) full sync always writes: read the kernel before rendering, so
+        # that its table blob (30 MB at 10k services) is gone before the render's objects arrive.
+        read: Dict[int, Union[Dict[str, KernelTable], BackendError]] = {}
+        if self._need_full:
+            for family in FAMILIES:
+                try:
+                    read[family] = self.writer.read(family)
+                except BackendError as exc:
+                    read[family] = exc
         desired, rerendered = self._render(snapshot)
         if full and not self._need_full and self._skips < MAX_SKIPS and self._untouched(desired):
             # The periodic full sync of tables nobody touched since our last full write: writing them
@@ -183,7 +192,7 @@ class IptablesBackend:
         self._rules_written = {t: 0 for t in TABLES}
         try:
             for family in FAMILIES:
-                written = self._sync_family(desired[family], full)
+                written = self._sync_family(desired[family], full, read.get(family))
                 if written is not None:
                     total += written
         except BackendError:
@@ -212,11 +221,14 @@ class IptablesBackend:
                 return False
         return all(self.writer.stamp((f,)) == self._stamps[f] for f in self._written)
 
-    def _sync_family(self, ruleset: FamilyRuleset, full: bool) -> Optional[int]:
+    def _sync_family(self, ruleset: FamilyRuleset, full: bool,
+                     read: Optional[Union[Dict[str, KernelTable], BackendError]] = None) -> Optional[int]:
         family = ruleset.family
         if full:
             try:
-                kernel = self.writer.read(family)
+                if isinstance(read, BackendError):
+                    raise read
+                kernel = read if read is not None else self.writer.read(family)
             except BackendError as exc:
                 if family == 6 and not self._has_family(6):
                     # A node without IPv6 (or ip6tables) still runs IPv4 services.
