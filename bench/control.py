@@ -106,7 +106,7 @@ def split_plan(combo: Combo, text: str, workdir: str) -> List[Dict[str, Any]]:
             family = 4
         sections[family].append(line)
     spec: List[Dict[str, Any]] = []
-    sets = sorted(set(re.findall(r"NETPROXY-[A-Z]+-\d(?:-\d+)?", text)))
+    sets = sorted(set(re.findall(r"NETPROXY-[A-Z-]+?-[46](?:-\d+)?\b", text)))
     if sets:  # the payload's rules name netproxy's ipsets: they must exist (not timed: not the tool's work)
         spec.append({"argv": [_python(), "-m", "netproxy.backends.iptables.ipset", "create", *sets],
                      "untimed": True})

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple, TypeVar
 
 from netproxy.backends.iptables import ipset, names
-from netproxy.backends.iptables.render import FamilyRuleset, ServiceRules, host_net
+from netproxy.backends.iptables.render import FamilyRuleset, ServiceRules, host_net, reject_target
 from netproxy.backends.iptables.tree import Chains, Rule, build_port_tree, build_tree
 from netproxy.config import ProxyConfig
 from netproxy.model import NodeInfo
@@ -148,8 +148,18 @@ def assemble(family: int, services: Iterable[ServiceRules], config: ProxyConfig,
     # (INPUT, OUTPUT), so a long list of endpoint-less NodePorts would tax all of the node's traffic.
     external, ext_sub = memo.get("filter-nodeports", [s.filter_nodeports for s in rendered], lambda: build_port_tree(
         (e for s in rendered for e in s.filter_nodeports), names.nodeport_chain))
-    filt[names.SERVICES] = ftop + (tuple(nodeport_jumps(family, config, node, names.EXTERNAL_SERVICES))
-                                   if external else ())
+    out.cluster_ips = memo.get("cluster-ips", [s.cluster_ips for s in rendered],
+                               lambda: frozenset(e for s in rendered for e in s.cluster_ips))
+    refuse: Tuple[Rule, ...] = ()
+    if out.cluster_ips:
+        # After every per-address verdict of the tree: a cluster IP's port that no service has (a
+        # known port was DNAT-ed in nat, or refused above).  A set, not a rule per cluster IP, so
+        # that adding or removing a service leaves the filter table alone.
+        out.sets[ipset.cluster_ip_set(family)] = False
+        refuse = (("-m", "set", "--match-set", ipset.cluster_ip_set(family), "dst", "-m", "comment", "--comment",
+                   "cluster IPs: a port no service has") + reject_target(family),)
+    filt[names.SERVICES] = ftop + refuse + (tuple(nodeport_jumps(family, config, node, names.EXTERNAL_SERVICES))
+                                            if external else ())
     filt[names.EXTERNAL_SERVICES] = external
     filt.update(fsub)
     filt.update(ext_sub)

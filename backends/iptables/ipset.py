@@ -77,6 +77,25 @@ def hairpin_set(family: int) -> str:
     return f"{PREFIX}HAIRPIN-{family}"
 
 
+def cluster_ip_set(family: int) -> str:
+    """``hash:ip`` of every service's cluster IPs: filter refuses their ports no service has."""
+    return f"{PREFIX}CLUSTER-IPS-{family}"
+
+
+def family_of(name: str) -> int:
+    """4 or 6: the first number in one of netproxy's set names."""
+    return int(next(part for part in name.split("-") if part.isdigit()))
+
+
+def set_type(name: str) -> str:
+    return "hash:ip" if name.startswith(f"{PREFIX}CLUSTER-IPS-") else TYPE
+
+
+def address(ip: int) -> Element:
+    """An element of a ``hash:ip`` set, in the same 4-tuple as the others."""
+    return (ip, 0, 0, 0)
+
+
 @dataclass(frozen=True)
 class SetInfo:
     name: str
@@ -121,6 +140,11 @@ def _element_struct(family: int) -> Tuple[struct.Struct, Tuple[int, ...]]:
 
 
 _STRUCTS = {f: _element_struct(f) for f in (4, 6)}
+
+
+def _address_element(family: int, e: Element) -> bytes:
+    out: bytes = wire.nest(ATTR_DATA, _addr(ATTR_IP, family, e[0]))
+    return out
 
 
 def _element(family: int, e: Element) -> bytes:
@@ -265,8 +289,9 @@ class KernelIpsets:
         data = [wire.attr(ATTR_MAXELEM | NLA_F_NET_BYTEORDER, struct.pack(">I", MAXELEM))]
         if timeout:
             data.append(wire.attr(ATTR_TIMEOUT | NLA_F_NET_BYTEORDER, struct.pack(">I", DEFAULT_TIMEOUT)))
-        body = (wire.u8(ATTR_PROTOCOL, PROTOCOL) + wire.string(ATTR_SETNAME, name) + wire.string(ATTR_TYPENAME, TYPE)
-                + wire.u8(ATTR_REVISION, REVISION) + wire.u8(ATTR_FAMILY, NFPROTO[family])
+        kind = set_type(name)
+        body = (wire.u8(ATTR_PROTOCOL, PROTOCOL) + wire.string(ATTR_SETNAME, name) + wire.string(ATTR_TYPENAME, kind)
+                + wire.u8(ATTR_REVISION, REVISION if kind == TYPE else 1) + wire.u8(ATTR_FAMILY, NFPROTO[family])
                 + wire.nest(ATTR_DATA, *data))
         # Without NLM_F_EXCL the kernel takes an existing set of the same definition as success.
         self._send(f"create {name}", [(CMD_CREATE, 0, socket.AF_INET, body)])
@@ -277,10 +302,11 @@ class KernelIpsets:
 
     def _adt(self, cmd: int, name: str, family: int, elements: Iterable[Element]) -> None:
         items = list(elements)
+        encode = _address_element if set_type(name) != TYPE else _element
         # A list of elements (ADT) needs a line number beside it: the kernel reports the failing one there.
         head = wire.u8(ATTR_PROTOCOL, PROTOCOL) + wire.string(ATTR_SETNAME, name) + wire.u32(ATTR_LINENO, 0)
         bodies = [(cmd, 0, socket.AF_INET,
-                   head + wire.nest(ATTR_ADT, *(_element(family, e) for e in part))) for part in chunks(items)]
+                   head + wire.nest(ATTR_ADT, *(encode(family, e) for e in part))) for part in chunks(items)]
         self._send(f"{'add to' if cmd == CMD_ADD else 'delete from'} {name}", bodies)
 
     def add(self, name: str, family: int, elements: Iterable[Element]) -> None:
@@ -317,7 +343,7 @@ class FakeIpsets:
 
     def create(self, name: str, family: int, timeout: bool) -> None:
         self.calls.append(("create", name))
-        self.info.setdefault(name, SetInfo(name, family, TYPE))
+        self.info.setdefault(name, SetInfo(name, family, set_type(name)))
         self.content.setdefault(name, set())
 
     def destroy(self, name: str) -> None:
@@ -356,7 +382,7 @@ def main(argv: Sequence[str]) -> int:
     sets = KernelIpsets()
     if argv[:1] == ["create"]:
         for name in argv[1:]:
-            sets.create(name, int(name.split("-")[2]), timeout="AFFINITY" in name)
+            sets.create(name, family_of(name), timeout="AFFINITY" in name)
         return 0
     if argv == ["destroy-all"]:
         for name in sorted(sets.sets()):

@@ -22,7 +22,7 @@ from netproxy.config import ProxyConfig
 PREFIX = "KUBE-"
 _FAMILY = re.compile(r"^# IPv([46]) ")
 _JUMP = re.compile(r"\s-[jg]\s+" + PREFIX)
-_SETS = re.compile(ipset.PREFIX + r"[A-Z]+-[46](?:-\d+)?")
+_SETS = re.compile(ipset.PREFIX + r"[A-Z-]+?-[46](?:-\d+)?\b")
 
 
 def _ours(save: str, family: int) -> List[str]:
@@ -77,9 +77,12 @@ class IptablesListing:
                               from_node=packet.hook == "output")
         ruleset = kernel_ruleset(self.kernel(), family)
         sets = KernelIpsets()
-        name = ipset.hairpin_set(family)
-        if name in sets.sets():  # who hairpins is the set's content, not a rule's
-            ruleset.hairpin = frozenset(sets.elements(name))
+        present = sets.sets()
+        # Who hairpins, and which addresses are cluster IPs, is the sets' content, not a rule's.
+        if ipset.hairpin_set(family) in present:
+            ruleset.hairpin = frozenset(sets.elements(ipset.hairpin_set(family)))
+        if ipset.cluster_ip_set(family) in present:
+            ruleset.cluster_ips = frozenset(sets.elements(ipset.cluster_ip_set(family)))
         outcomes: List[Outcome] = Tracer(ruleset, packet.local).outcomes(traced)
         return outcomes
 

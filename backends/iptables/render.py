@@ -42,7 +42,7 @@ MAX_COMMENT = 255
 """XT_MAX_COMMENT_LEN - 1: the kernel's comment buffer holds 256 bytes with the NUL."""
 
 # filter rule ranks for one address: firewall drops, then per-port verdicts, then the catch-all.
-RANK_FIREWALL, RANK_PORT, RANK_CLUSTER_IP = 0, 1, 2
+RANK_FIREWALL, RANK_PORT = 0, 1
 
 
 def safe_comment(text: str) -> str:
@@ -109,6 +109,8 @@ class ServiceRules:
     affinity_keys: Tuple[Tuple[int, int, int], ...] = ()
     """ClientIP affinity: (proto, port, address) its clients are remembered under; address 0 for a
     NodePort (any node address)."""
+    cluster_ips: Tuple[ipset.Element, ...] = ()
+    """Its cluster IPs, as elements of the cluster-IP set (filter refuses their other ports)."""
 
 
 @dataclass
@@ -119,6 +121,8 @@ class FamilyRuleset:
     tables: Dict[str, Chains] = field(default_factory=dict)
     hairpin: FrozenSet[ipset.Element] = frozenset()
     """Elements of the family's hairpin set."""
+    cluster_ips: FrozenSet[ipset.Element] = frozenset()
+    """Elements of the family's cluster-IP set."""
     sets: Dict[str, bool] = field(default_factory=dict)
     """The ipsets its rules name → whether each needs per-element timeouts (affinity)."""
     affinity: Dict[int, FrozenSet[Tuple[int, int, int]]] = field(default_factory=dict)
@@ -316,11 +320,8 @@ def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeIn
             p.route(addr, internal_chain)
         else:  # ITP Local without a local endpoint drops; no endpoint at all refuses
             p.refuse(addr, drop=has_endpoints)
-        # Any other port of an active cluster IP is refused (one rule per address; duplicates of a
-        # multi-port service are merged by assemble).
-        catch_all = ("-d", host_net(addr), "-m", "comment", "--comment",
-                     safe_comment(f"{svc.name.namespace}/{svc.name.name} cluster IP")) + reject_target(family)
-        p.filter.append(DispatchEntry(int(addr), catch_all, RANK_CLUSTER_IP))
+        # Any other port of a cluster IP is refused: by one rule for all of them, an element of the
+        # cluster-IP set each (assemble.py), as kube-proxy's nftables mode does with its set.
 
     nodeports: Tuple[DispatchEntry, ...] = ()
     filter_nodeports: Tuple[DispatchEntry, ...] = ()
@@ -355,4 +356,4 @@ def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeIn
         keys = tuple(sorted({(proto_num, svc.port, int(a)) for a in cluster_addrs + ext_addrs + lb_addrs}
                             | ({(proto_num, svc.node_port, 0)} if svc.node_port else set())))
     return ServiceRules(p.nat, tuple(p.dispatch), nodeports, tuple(p.filter), filter_nodeports, hairpin,
-                        used, keys)
+                        used, keys, tuple(ipset.address(int(a)) for a in cluster_addrs))

@@ -23,6 +23,12 @@ Key = Tuple[int, int, int]
 """(proto, port, service address) under which a client is remembered; address 0: a NodePort."""
 
 
+def _content(ruleset: FamilyRuleset) -> List[Tuple[str, FrozenSet[Element]]]:
+    """The sets whose every element netproxy decides, with what they must hold."""
+    return [(ipset.hairpin_set(ruleset.family), ruleset.hairpin),
+            (ipset.cluster_ip_set(ruleset.family), ruleset.cluster_ips)]
+
+
 def _matches(e: Element, keys: FrozenSet[Key] | Set[Key]) -> bool:
     return (e[1], e[2], e[3]) in keys or (e[1], e[2], 0) in keys
 
@@ -62,7 +68,8 @@ class SetKeeper:
 
     def __init__(self) -> None:
         self._known: Dict[int, Set[str]] = {}
-        self._hairpin: Dict[int, FrozenSet[Element]] = {}
+        self._content: Dict[str, FrozenSet[Element]] = {}
+        """What each set whose elements netproxy decides (hairpin, cluster IPs) holds, as far as we know."""
         self._releases: Dict[int, Dict[int, Set[Key]]] = {}
 
     def replaced(self, old: Mapping[int, ServiceRules], new: Mapping[int, ServiceRules]) -> None:
@@ -88,34 +95,42 @@ class SetKeeper:
         if full or family not in self._known:
             self._known[family] = {n for n, info in sets.sets().items()
                                    if n.startswith(ipset.PREFIX) and info.family == family}
-            self._hairpin.pop(family, None)
+            for name, _ in _content(ruleset):
+                self._content.pop(name, None)  # read again: someone may have changed it
         known = self._known[family]
         for name, timeout in ruleset.sets.items():
             if name not in known:
                 sets.create(name, family, timeout)
                 known.add(name)
-        if not ruleset.hairpin:
-            return _done
-        name = ipset.hairpin_set(family)
-        current = self._hairpin.get(family)
-        if current is None:
-            current = frozenset(sets.elements(name))
-        missing = sorted(ruleset.hairpin - current)
-        self._hairpin[family] = current | frozenset(missing)
-        if len(missing) < IN_BACKGROUND:
+        adds: List[Tuple[str, List[Element]]] = []
+        for name, wanted in _content(ruleset):
+            if not wanted:
+                continue
+            current = self._content.get(name)
+            if current is None:
+                current = frozenset(sets.elements(name))
+            missing = sorted(wanted - current)
+            self._content[name] = current | frozenset(missing)
             if missing:
+                adds.append((name, missing))
+
+        def fill() -> None:  # one thread at most: the netlink socket is not shared between threads
+            for name, missing in adds:
                 sets.add(name, family, missing)
+
+        if sum(len(m) for _, m in adds) < IN_BACKGROUND:
+            fill()
             return _done
-        return _Background(lambda: sets.add(name, family, missing)).wait
+        return _Background(fill).wait
 
     def after_write(self, sets: Ipsets, ruleset: FamilyRuleset, full: bool) -> None:
         family = ruleset.family
         known = self._known.setdefault(family, set())
-        name = ipset.hairpin_set(family)
-        stale = self._hairpin.get(family, frozenset()) - ruleset.hairpin
-        if stale and name in ruleset.sets:
-            sets.delete(name, family, sorted(stale))
-        self._hairpin[family] = ruleset.hairpin
+        for name, wanted in _content(ruleset):
+            stale = self._content.get(name, frozenset()) - wanted
+            if stale and name in ruleset.sets:
+                sets.delete(name, family, sorted(stale))
+            self._content[name] = wanted
         for slot, keys in sorted(self._releases.pop(family, {}).items()):
             self._delete_where(sets, family, ipset.affinity_set(family, slot), keys)
         if full:
@@ -127,8 +142,7 @@ class SetKeeper:
                 log.warning("ipset %s not destroyed: %s", old, exc)
                 continue
             known.discard(old)
-            if old == name:
-                self._hairpin.pop(family, None)
+            self._content.pop(old, None)
 
     def _delete_where(self, sets: Ipsets, family: int, name: str, keys: Set[Key] | FrozenSet[Key]) -> None:
         if name not in self._known.get(family, set()):
@@ -159,5 +173,5 @@ class SetKeeper:
                 except IpsetError as exc:
                     log.warning("ipset %s not destroyed: %s", name, exc)
         self._known.clear()
-        self._hairpin.clear()
+        self._content.clear()
         self._releases.clear()

@@ -220,9 +220,12 @@ class Tracer:
                     result = "maybe"
             elif arg == "--match-set":
                 flags = rule[i + 2]
-                if flags != "src,dst,dst":
-                    _unknown(arg, f"{value} {flags}")
-                ok = self._member(value, self._key(pkt, dst, st), st)
+                if flags == "src,dst,dst":
+                    ok = self._member(value, self._key(pkt, dst, st), st)
+                elif flags == "dst" and value == ipset.cluster_ip_set(self.ruleset.family):
+                    ok = ipset.address(int(ipaddress.ip_address(dst))) in self.ruleset.cluster_ips
+                else:
+                    ok = _unknown(arg, f"{value} {flags}")
                 step = 3
             else:
                 _unknown(arg, value)

@@ -72,10 +72,15 @@ def test_no_endpoints_rejects_in_filter() -> None:
     rendered = render_service(svc(), (), NodeInfo(), 4, CFG)
     assert rendered is not None
     assert rendered.nat == {} and rendered.dispatch == ()
-    port_reject, catch_all = rendered.filter
+    (port_reject,) = rendered.filter
     assert port_reject.rule[-4:] == ("-j", "REJECT", "--reject-with", "icmp-port-unreachable")
     assert "10.96.0.10/32" in port_reject.rule and "--dport" in port_reject.rule
-    assert catch_all.rule[:2] == ("-d", "10.96.0.10/32") and "--dport" not in catch_all.rule
+    # Its other ports: refused by the one rule over the cluster-IP set, of which it is an element.
+    assert rendered.cluster_ips == (ipset.address(int(ip("10.96.0.10"))),)
+    rs = assemble(4, [rendered], CFG)
+    assert rs.cluster_ips == {ipset.address(int(ip("10.96.0.10")))}
+    (refuse,) = [r for r in rs.chains("filter")[names.SERVICES] if "--match-set" in r]
+    assert refuse[:5] == ("-m", "set", "--match-set", "NETPROXY-CLUSTER-IPS-4", "dst") and refuse[-3] == "REJECT"
 
 
 def test_affinity_checks_before_choice_and_records_where_chosen() -> None:
