@@ -111,7 +111,9 @@ def test_plan_diff_names_what_a_sync_would_change_and_writes_nothing(proxy: Prox
     code, out = _diff(proxy, cluster)
     assert code == 1 and "default/web:http: +" in out and "default/api:http: +" in out, out
     def tables() -> list:  # type: ignore[type-arg]
-        return [line for line in proxy.ruleset().splitlines() if not line.startswith("#")]  # save's timestamps
+        # Without save's timestamps and the chains' packet counters: a stray packet is not a write.
+        return [re.sub(r"\[\d+:\d+\]$", "", line) for line in proxy.ruleset().splitlines()
+                if not line.startswith("#")]
 
     before = tables()
     assert _diff(proxy, cluster)[0] == 1 and tables() == before, "plan --diff wrote to the kernel"
