@@ -401,3 +401,35 @@ def test_the_kubeadm_daemonset_reads_config_conf_from_kube_proxys_configmap() ->
     assert KUBEADM["clientConnection"]["kubeconfig"] == mount["mountPath"] + "/kubeconfig.conf"
     assert "items" not in volume["configMap"]
     assert container["livenessProbe"]["httpGet"]["port"] == kpconfig.HEALTHZ_PORT  # kubeadm's "" healthz
+
+
+# -- the kubeconfig the file names: kubeadm's kubeconfig.conf reads a rotating token file ----------------
+
+def test_a_kubeconfig_token_file_is_read_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from netproxy.source import kube
+
+    (tmp_path / "token").write_text("first\n")
+    kubeconfig = tmp_path / "kubeconfig.conf"
+    kubeconfig.write_text(yaml.safe_dump({  # kubeadm's kube-proxy kubeconfig.conf, with a relative path
+        "apiVersion": "v1", "kind": "Config", "current-context": "default",
+        "clusters": [{"name": "default", "cluster": {"server": "https://cp.example:6443"}}],
+        "contexts": [{"name": "default", "context": {"cluster": "default", "user": "default"}}],
+        "users": [{"name": "default", "user": {"tokenFile": "token"}}]}))
+    assert kube.kubeconfig_token_file(str(kubeconfig)) == str(tmp_path / "token")
+    api = kube.api_client_from(str(kubeconfig))
+    assert api.configuration.get_api_key_with_prefix("BearerToken") == "Bearer first"
+    (tmp_path / "token").write_text("second\n")  # the kubelet rotated it
+    assert api.configuration.get_api_key_with_prefix("BearerToken") == "Bearer first"  # within the minute
+    monkeypatch.setattr(kube, "TOKEN_REREAD_SECONDS", 0.0)
+    assert api.configuration.get_api_key_with_prefix("BearerToken") == "Bearer second"
+    api.close()
+
+
+def test_an_inline_token_is_not_a_token_file(tmp_path: Path) -> None:
+    from netproxy.source import kube
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "current-context": "c", "contexts": [{"name": "c", "context": {"user": "u"}}],
+        "users": [{"name": "u", "user": {"token": "abc", "tokenFile": "/t"}}]}))
+    assert kube.kubeconfig_token_file(str(kubeconfig)) is None
