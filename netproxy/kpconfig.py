@@ -35,7 +35,7 @@ CONFIGMAP_KEY = "config.conf"
 MODES = {"": "auto", "iptables": "iptables", "nftables": "nftables"}
 HEALTHZ_PORT, METRICS_PORT = 10256, 10249
 
-# kube-proxy's v1alpha1 fields (1.33-1.35: k8s.io/kube-proxy/config/v1alpha1/types.go), by section.
+# kube-proxy's v1alpha1 fields (k8s.io/kube-proxy/config/v1alpha1/types.go, 1.33 to the newest), by section.
 _TOP = {
     "apiVersion", "kind", "featureGates", "clientConnection", "logging", "hostnameOverride", "bindAddress",
     "healthzBindAddress", "metricsBindAddress", "bindAddressHardFail", "enableProfiling",
