@@ -9,6 +9,10 @@
 
 Exit codes: 0 all applied; 1 the kernel write failed (previous ruleset kept) or nothing could be
 done; 2 some objects were rejected (each named on stderr) and the valid rest was applied.
+
+sync, run, plan and trace take --config FILE, kube-proxy's KubeProxyConfiguration (netproxy/kpconfig.py):
+flags given on the command line win over it; a field in it that is wrong or cannot be honoured exits 2,
+naming the field, before anything is done.
 """
 
 from __future__ import annotations
