@@ -24,7 +24,7 @@ import re
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, Callable, List, NoReturn, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, NoReturn, Optional, Protocol, Sequence, Tuple, Union
 
 from netproxy import detect as detect_mod
 from netproxy import logs
@@ -76,7 +76,7 @@ class _Store(argparse._StoreAction):
     """``store`` that notes the flag as given on the command line: a --config file does not override it."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: object, option_string: Optional[str] = None) -> None:
+                 values: Union[str, Sequence[Any], None], option_string: Optional[str] = None) -> None:
         super().__call__(parser, namespace, values, option_string)
         _note_given(namespace, self.dest)
 
@@ -85,7 +85,7 @@ class _StoreTrue(argparse._StoreTrueAction):
     """``store_true`` that notes the flag as given (see _Store)."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: object, option_string: Optional[str] = None) -> None:
+                 values: Union[str, Sequence[Any], None], option_string: Optional[str] = None) -> None:
         super().__call__(parser, namespace, values, option_string)
         _note_given(namespace, self.dest)
 
