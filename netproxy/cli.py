@@ -9,6 +9,10 @@
 
 Exit codes: 0 all applied; 1 the kernel write failed (previous ruleset kept) or nothing could be
 done; 2 some objects were rejected (each named on stderr) and the valid rest was applied.
+
+sync, run, plan and trace take --config FILE, kube-proxy's KubeProxyConfiguration (netproxy/kpconfig.py):
+flags given on the command line win over it; a field in it that is wrong or cannot be honoured exits 2,
+naming the field, before anything is done.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import re
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, Callable, List, NoReturn, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, NoReturn, Optional, Protocol, Sequence, Tuple, Union
 
 from netproxy import detect as detect_mod
 from netproxy import logs
@@ -62,6 +66,30 @@ def cidr_list(text: str) -> Tuple[object, ...]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _note_given(namespace: argparse.Namespace, dest: str) -> None:
+    given = set(getattr(namespace, "given", ()))
+    given.add(dest)
+    namespace.given = given
+
+
+class _Store(argparse._StoreAction):
+    """``store`` that notes the flag as given on the command line: a --config file does not override it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Union[str, Sequence[Any], None], option_string: Optional[str] = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        _note_given(namespace, self.dest)
+
+
+class _StoreTrue(argparse._StoreTrueAction):
+    """``store_true`` that notes the flag as given (see _Store)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Union[str, Sequence[Any], None], option_string: Optional[str] = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        _note_given(namespace, self.dest)
+
+
 def _add_common(p: argparse.ArgumentParser, backends: Sequence[str] = BACKENDS) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="log lines as text or JSON")
@@ -72,7 +100,7 @@ def _add_common(p: argparse.ArgumentParser, backends: Sequence[str] = BACKENDS) 
             raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(shown)})")
         return text
 
-    p.add_argument("--backend", default="auto", type=backend_name, metavar="{" + ",".join(shown) + "}",
+    p.add_argument("--backend", default="auto", type=backend_name, action=_Store, metavar="{" + ",".join(shown) + "}",
                    help="dataplane; auto runs the iptables version check (see `netproxy detect`)")
     p.add_argument("--iptables-writer", default="restore", choices=list(IPTABLES_WRITERS),
                    help="iptables backend: atomic iptables-restore (default) or in-process libiptc")
@@ -83,13 +111,18 @@ def _add_common(p: argparse.ArgumentParser, backends: Sequence[str] = BACKENDS) 
 
 
 def _add_proxy(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sync-period", type=duration, default=30.0, help="full resync at least this often (30s)")
-    p.add_argument("--min-sync-period", type=duration, default=1.0, help="sync at most this often (1s)")
-    p.add_argument("--masquerade-all", action="store_true", help="SNAT all traffic to service addresses")
-    p.add_argument("--masquerade-bit", type=int, default=14, help="fwmark bit for traffic to SNAT (14)")
-    p.add_argument("--cluster-cidr", type=cidr_list, default=(), help="pod CIDRs, comma-separated")
-    p.add_argument("--hostname-override", default="", help="this node's name (default: the host name)")
-    p.add_argument("--nodeport-addresses", type=cidr_list, default=(),
+    p.add_argument("--config", metavar="FILE", help="kube-proxy's KubeProxyConfiguration (kubeadm's ConfigMap "
+                   "config.conf, or the ConfigMap itself); flags given here win over it")
+    p.add_argument("--sync-period", type=duration, default=30.0, action=_Store,
+                   help="full resync at least this often (30s)")
+    p.add_argument("--min-sync-period", type=duration, default=1.0, action=_Store,
+                   help="sync at most this often (1s)")
+    p.add_argument("--masquerade-all", action=_StoreTrue, help="SNAT all traffic to service addresses")
+    p.add_argument("--masquerade-bit", type=int, default=14, action=_Store, help="fwmark bit for traffic to SNAT (14)")
+    p.add_argument("--cluster-cidr", type=cidr_list, default=(), action=_Store, help="pod CIDRs, comma-separated")
+    p.add_argument("--hostname-override", default="", action=_Store,
+                   help="this node's name (default: the host name)")
+    p.add_argument("--nodeport-addresses", type=cidr_list, default=(), action=_Store,
                    help="CIDRs of node addresses that accept NodePorts (default: all local addresses)")
 
 
@@ -113,10 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="the long-running proxy: watch the source, keep the rules in sync")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--source", help="manifest file or directory, watched for changes")
-    src.add_argument("--kubeconfig", help="read the Kubernetes API with this kubeconfig")
+    src.add_argument("--kubeconfig", action=_Store, help="read the Kubernetes API with this kubeconfig")
     p.add_argument("--use-endpoints", action="store_true", help="read v1 Endpoints instead of EndpointSlices")
-    p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", help="host:port for /metrics ('' off)")
-    p.add_argument("--healthz-bind-address", default="0.0.0.0:10256", help="host:port for /healthz ('' off)")
+    p.add_argument("--metrics-bind-address", default="127.0.0.1:10249", action=_Store,
+                   help="host:port for /metrics ('' off)")
+    p.add_argument("--healthz-bind-address", default="0.0.0.0:10256", action=_Store,
+                   help="host:port for /healthz ('' off)")
     _add_common(p)
     _add_proxy(p)
     p = sub.add_parser("plan", help="print the ruleset that sync would write, touching nothing")
@@ -387,7 +422,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         watcher = NodeAddressWatcher(config.nodeport_addresses)
         watcher.start(tracker)
     writer = {"nftables": config.nftables_writer, "iptables": config.iptables_writer}.get(backend.name, "-")
-    chosen = "the version check" if args.backend == "auto" else "--backend"
+    chosen = ("the version check" if args.backend == "auto"
+              else "--config's mode" if "backend" in getattr(args, "from_config", ()) else "--backend")
     log.info("running with the %s backend, writer %s, iptables flavour %s (chosen by %s)", backend.name, writer,
              config.iptables_flavour, chosen)
     try:
@@ -456,9 +492,33 @@ COMMANDS = {"sync": cmd_sync, "run": cmd_run, "plan": cmd_plan, "trace": cmd_tra
             "cleanup": cmd_cleanup}
 
 
+def _read_config(args: argparse.Namespace) -> Optional[int]:
+    """--config FILE onto the flags not given on the command line; an exit status when it cannot be used
+    (1 unreadable, 2 a bad or unsupported value, named), None to go on."""
+    from netproxy import kpconfig
+
+    try:
+        file_config = kpconfig.read(args.config)
+    except OSError as err:
+        print(f"netproxy: --config: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    except kpconfig.ConfigFileError as err:
+        print(f"netproxy: --config {err}", file=sys.stderr)
+        return EXIT_REJECTED
+    warning = file_config.warning()
+    if warning:
+        log.warning("--config %s: %s", args.config, warning)
+    args.from_config = kpconfig.apply(args, file_config, getattr(args, "given", ()))
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logs.setup(args.log_level, getattr(args, "log_format", "text"))
+    if getattr(args, "config", None):
+        status = _read_config(args)
+        if status is not None:
+            return status
     try:
         return COMMANDS[args.command](args)
     except SourceError as err:

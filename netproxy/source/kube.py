@@ -226,10 +226,63 @@ def api_client_from(kubeconfig: Optional[str] = None, context: Optional[str] = N
     from kubernetes import client, config
 
     if kubeconfig:
-        return config.new_client_from_config(  # type: ignore[no-untyped-call]  # the client is untyped
+        api = config.new_client_from_config(  # type: ignore[no-untyped-call]  # the client is untyped
             config_file=kubeconfig, context=context)
+        token_file = kubeconfig_token_file(kubeconfig, context)
+        if token_file:
+            reread_token(api.configuration, token_file)
+        return api
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         cfg = client.Configuration()
         config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
         return client.ApiClient(cfg)
     raise ValueError("no --kubeconfig given and not running in a cluster (KUBERNETES_SERVICE_HOST unset)")
+
+
+TOKEN_REREAD_SECONDS = 60.0
+"""How often a kubeconfig's ``tokenFile`` is read again (client-go's cached file token: one minute)."""
+
+
+def kubeconfig_token_file(kubeconfig: str, context: Optional[str] = None) -> Optional[str]:
+    """The ``tokenFile`` the kubeconfig's user authenticates with (relative to the kubeconfig), or None
+    when it authenticates otherwise (an inline token, exec, an auth provider, certificates)."""
+    import yaml
+
+    with open(kubeconfig, encoding="utf-8") as f:
+        doc = yaml.safe_load(f) or {}
+    name = context or doc.get("current-context")
+    ctx = next((c.get("context") or {} for c in doc.get("contexts") or [] if c.get("name") == name), {})
+    user = next((u.get("user") or {} for u in doc.get("users") or [] if u.get("name") == ctx.get("user")), {})
+    path = user.get("tokenFile")
+    if not isinstance(path, str) or not path or any(k in user for k in ("token", "exec", "auth-provider")):
+        return None
+    return os.path.join(os.path.dirname(os.path.abspath(kubeconfig)), path)
+
+
+def reread_token(configuration: Any, path: str) -> None:
+    """Make the client read ``path`` again, at most every TOKEN_REREAD_SECONDS, before a request.
+
+    The Python client reads a kubeconfig's ``tokenFile`` once; the kubelet rotates a pod's projected
+    service-account token (kubeadm's kube-proxy ``kubeconfig.conf`` points at one), and client-go
+    re-reads the file, so a long-running proxy must too.  A file that cannot be read keeps the token
+    held (logged): the API server says when it has expired."""
+    import time
+
+    last = [float("-inf")]
+
+    def refresh(cfg: Any) -> None:
+        now = time.monotonic()
+        if now - last[0] < TOKEN_REREAD_SECONDS:
+            return
+        last[0] = now
+        try:
+            with open(path, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as err:
+            log.warning("kubeconfig tokenFile %s not re-read: %s", path, err)
+            return
+        if token:
+            cfg.api_key["BearerToken"] = f"Bearer {token}"
+
+    refresh(configuration)  # now too: trimmed, as client-go trims it (the client keeps a final newline)
+    configuration.refresh_api_key_hook = refresh
