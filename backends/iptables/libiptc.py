@@ -42,7 +42,7 @@ from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.iptables.assemble import TABLES
 from netproxy.backends.iptables.diff import KernelTable, TableChange
 from netproxy.backends.iptables.payload import rule_line
-from netproxy.backends.iptables.stamp import Expected, Stamp, fingerprint
+from netproxy.backends.iptables.stamp import Expected, Stamp, chains_and_jumps, fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -382,34 +382,6 @@ def load() -> None:
     _iptc(4)
 
 
-def read_tables(family: int) -> Dict[str, KernelTable]:
-    """Chain names and (built-in chain, target) jumps of the legacy nat and filter tables, through
-    libiptc (legacy tables only: callers make sure the node is not nf_tables)."""
-    out: Dict[str, KernelTable] = {}
-    for table in TABLES:
-        call, handle = _open(family, table)
-        try:
-            chains = []
-            name = call.iptc_first_chain(handle)
-            while name:
-                chains.append(name.decode())
-                name = call.iptc_next_chain(handle)
-            jumps = set()
-            for chain in _BUILTIN[table]:
-                if chain not in chains:
-                    continue
-                entry = call.iptc_first_rule(chain.encode(), handle)
-                while entry:
-                    target = call.iptc_get_target(entry, handle)
-                    if target:
-                        jumps.add((chain, target.decode()))
-                    entry = call.iptc_next_rule(entry, handle)
-            out[table] = KernelTable(frozenset(chains), frozenset(jumps))
-        finally:
-            call.iptc_free(handle)
-    return out
-
-
 class LibiptcWriter:
     """``--iptables-writer libiptc``: the same changes as the restore writer, one commit per table."""
 
@@ -437,7 +409,11 @@ class LibiptcWriter:
 
     def read(self, family: int) -> Dict[str, KernelTable]:
         self._refuse_nft()
-        return read_tables(family)
+        # The table blob read (stamp.chains_and_jumps): one getsockopt per table, no libiptc handle.
+        try:
+            return {table: KernelTable(*map(frozenset, chains_and_jumps(family, table))) for table in TABLES}
+        except (OSError, ValueError) as exc:
+            raise BackendUnavailable(f"cannot read the IPv{family} legacy tables", detail=str(exc)) from exc
 
     def stamp(self, families: Sequence[int], expect: Optional[Expected] = None) -> Optional[Stamp]:
         return fingerprint(families, TABLES, expect)
