@@ -62,11 +62,12 @@ class SyncResult:
     """How many service ports' objects were (re)written."""
     bytes_written: int = 0
     """Size of the payload handed to the kernel tool or library."""
-    rules_owned: Tuple[Tuple[str, int], ...] = ()
-    """(table, rules) this backend owns after the sync, for a backend that counts rules by table
-    (iptables: kube-proxy's ``sync_proxy_rules_iptables_total{table}``); empty when it does not."""
-    rules_written: Tuple[Tuple[str, int], ...] = ()
-    """(table, rules) written by this sync (``sync_proxy_rules_iptables_last{table}``)."""
+    rules_owned: Tuple[Tuple[str, str, int], ...] = ()
+    """(ip family "IPv4"/"IPv6", table, rules) this backend owns after the sync, for a backend that
+    counts rules by table (iptables: kube-proxy's ``sync_proxy_rules_iptables_total{ip_family,table}``);
+    empty when it does not."""
+    rules_written: Tuple[Tuple[str, str, int], ...] = ()
+    """(ip family, table, rules) written by this sync (``sync_proxy_rules_iptables_last{ip_family,table}``)."""
 
 
 @dataclass(frozen=True)

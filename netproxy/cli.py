@@ -411,6 +411,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    metrics.set_families(metrics.families())  # the IPv4 series exist before the first sync
     metrics.serve(args.metrics_bind_address)
     metrics.BACKEND.labels(backend.name, config.nftables_writer if backend.name == "nftables"
                            else config.iptables_writer if backend.name == "iptables" else "").set(1)
@@ -440,7 +441,8 @@ def _queued(tracker: ChangeTracker, proxier: Proxier, request: Callable[[], None
     from netproxy import metrics
 
     services, endpoints = tracker.pending_changes()
-    metrics.LAST_QUEUED.set_to_current_time()
+    for family in metrics.families():
+        metrics.LAST_QUEUED.labels(family).set_to_current_time()
     metrics.SERVICE_CHANGES_PENDING.set(services)
     metrics.ENDPOINT_CHANGES_PENDING.set(endpoints)
     seen = proxier.changes_counted

@@ -10,7 +10,7 @@ Both backends call these so that they cannot disagree on which endpoints are eli
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 from netproxy.model import Endpoint, NodeInfo, ServicePort, Snapshot
 
@@ -64,19 +64,25 @@ def _by_topology(svc: ServicePort, endpoints: Tuple[Endpoint, ...], node: NodeIn
     return same or endpoints
 
 
-def no_local_endpoints(snapshot: Snapshot) -> Tuple[int, int]:
-    """(internal, external): service ports with a Local traffic policy of that kind and no eligible
-    local endpoint while they have endpoints elsewhere (kube-proxy's
-    sync_proxy_rules_no_local_endpoints_total); counted once per service port."""
-    internal = external = 0
+def no_local_endpoints(snapshot: Snapshot) -> Dict[Tuple[int, str], int]:
+    """(IP version, "internal"/"external") → service ports with a Local traffic policy of that kind and
+    no eligible local endpoint while they have endpoints elsewhere (kube-proxy's
+    sync_proxy_rules_no_local_endpoints_total{ip_family,traffic_policy}); a service port counts once
+    for each family of its addresses, as kube-proxy's per-family proxiers count it."""
+    counts: Dict[Tuple[int, str], int] = {}
     for name, svc in snapshot.services.items():
         eps = snapshot.endpoints_of(name)
         if not eps or not usable(eps):
             continue
         local = local_endpoints(eps, snapshot.node)
-        if svc.internal_traffic_policy == "Local" and not local:
-            internal += 1
-        if svc.external_traffic_policy == "Local" and (svc.node_port or svc.external_ips or svc.load_balancer_ips) \
-                and not local:
-            external += 1
-    return internal, external
+        if local:
+            continue
+        kinds = []
+        if svc.internal_traffic_policy == "Local":
+            kinds.append("internal")
+        if svc.external_traffic_policy == "Local" and (svc.node_port or svc.external_ips or svc.load_balancer_ips):
+            kinds.append("external")
+        for version in {a.version for a in svc.addresses()} or {4}:
+            for kind in kinds:
+                counts[(version, kind)] = counts.get((version, kind), 0) + 1
+    return counts

@@ -29,17 +29,20 @@ PROGRAMMING_BUCKETS = (0.0,) + _linear(0.25, 0.25, 2) + _linear(1, 1, 59) + _lin
 
 # -- kube-proxy's --------------------------------------------------------------------------------
 SYNC_DURATION = Histogram("kubeproxy_sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds",
-                          buckets=SYNC_BUCKETS)
+                          ["ip_family"], buckets=SYNC_BUCKETS)
 SYNC_FULL_DURATION = Histogram("kubeproxy_sync_full_proxy_rules_duration_seconds",
-                               "SyncProxyRules latency in seconds for full resyncs", buckets=SYNC_BUCKETS)
+                               "SyncProxyRules latency in seconds for full resyncs", ["ip_family"],
+                               buckets=SYNC_BUCKETS)
 SYNC_PARTIAL_DURATION = Histogram("kubeproxy_sync_partial_proxy_rules_duration_seconds",
-                                  "SyncProxyRules latency in seconds for partial resyncs", buckets=SYNC_BUCKETS)
+                                  "SyncProxyRules latency in seconds for partial resyncs", ["ip_family"],
+                                  buckets=SYNC_BUCKETS)
 LAST_SYNC = Gauge("kubeproxy_sync_proxy_rules_last_timestamp_seconds",
-                  "The last time proxy rules were successfully synced")
+                  "The last time proxy rules were successfully synced", ["ip_family"])
 LAST_QUEUED = Gauge("kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
-                    "The last time a sync of proxy rules was queued")
+                    "The last time a sync of proxy rules was queued", ["ip_family"])
 NETWORK_PROGRAMMING = Histogram("kubeproxy_network_programming_duration_seconds",
-                                "In Cluster Network Programming Latency in seconds", buckets=PROGRAMMING_BUCKETS)
+                                "In Cluster Network Programming Latency in seconds", ["ip_family"],
+                                buckets=PROGRAMMING_BUCKETS)
 ENDPOINT_CHANGES_PENDING = Gauge("kubeproxy_sync_proxy_rules_endpoint_changes_pending",
                                  "Pending proxy rules Endpoint changes")
 ENDPOINT_CHANGES = Counter("kubeproxy_sync_proxy_rules_endpoint_changes", "Cumulative proxy rules Endpoint changes")
@@ -47,19 +50,20 @@ SERVICE_CHANGES_PENDING = Gauge("kubeproxy_sync_proxy_rules_service_changes_pend
                                 "Pending proxy rules Service changes")
 SERVICE_CHANGES = Counter("kubeproxy_sync_proxy_rules_service_changes", "Cumulative proxy rules Service changes")
 IPTABLES_RESTORE_FAILURES = Counter("kubeproxy_sync_proxy_rules_iptables_restore_failures",
-                                    "Cumulative proxy iptables restore failures")
+                                    "Cumulative proxy iptables restore failures", ["ip_family"])
 IPTABLES_PARTIAL_RESTORE_FAILURES = Counter("kubeproxy_sync_proxy_rules_iptables_partial_restore_failures",
-                                            "Cumulative proxy iptables partial restore failures")
+                                            "Cumulative proxy iptables partial restore failures", ["ip_family"])
 NFTABLES_SYNC_FAILURES = Counter("kubeproxy_sync_proxy_rules_nftables_sync_failures",
-                                 "Cumulative proxy nftables sync failures")
+                                 "Cumulative proxy nftables sync failures", ["ip_family"])
 NFTABLES_CLEANUP_FAILURES = Counter("kubeproxy_sync_proxy_rules_nftables_cleanup_failures",
-                                    "Cumulative proxy nftables cleanup failures")
+                                    "Cumulative proxy nftables cleanup failures", ["ip_family"])
 NO_LOCAL_ENDPOINTS = Gauge("kubeproxy_sync_proxy_rules_no_local_endpoints_total",
-                           "Number of services with a Local traffic policy and no endpoints", ["traffic_policy"])
+                           "Number of services with a Local traffic policy and no endpoints",
+                           ["ip_family", "traffic_policy"])
 IPTABLES_RULES = Gauge("kubeproxy_sync_proxy_rules_iptables_total",
-                       "Total number of iptables rules owned by kube-proxy", ["table"])
+                       "Total number of iptables rules owned by kube-proxy", ["ip_family", "table"])
 IPTABLES_RULES_LAST = Gauge("kubeproxy_sync_proxy_rules_iptables_last",
-                            "Number of iptables rules written by kube-proxy in last sync", ["table"])
+                            "Number of iptables rules written by kube-proxy in last sync", ["ip_family", "table"])
 HEALTHZ = Counter("kubeproxy_proxy_healthz", "Cumulative proxy healthz HTTP status", ["code"])
 LIVEZ = Counter("kubeproxy_proxy_livez", "Cumulative proxy livez HTTP status", ["code"])
 
@@ -72,14 +76,37 @@ SERVICES = Gauge("netproxy_service_ports", "Service ports in the last synced sna
 BACKEND = Gauge("netproxy_backend_info", "The dataplane in use (value 1)", ["backend", "writer"])
 
 
+IPV4, IPV6 = "IPv4", "IPv6"
+_families: Tuple[str, ...] = (IPV4,)
+
+
+def set_families(families: Tuple[str, ...]) -> None:
+    """The IP families the last snapshot served (kube-proxy's ``ip_family`` label values).
+
+    kube-proxy runs one proxier per family and labels each one's metrics; netproxy syncs both
+    families in one pass, so one sync is recorded under every family it served."""
+    global _families
+    _families = families or (IPV4,)
+    for family in _families:  # every series present from the first scrape, at 0, so that rate() has a start
+        for metric in (IPTABLES_RESTORE_FAILURES, IPTABLES_PARTIAL_RESTORE_FAILURES, NFTABLES_SYNC_FAILURES,
+                       NFTABLES_CLEANUP_FAILURES, SYNC_DURATION, SYNC_FULL_DURATION, SYNC_PARTIAL_DURATION,
+                       NETWORK_PROGRAMMING):
+            metric.labels(family)
+
+
+def families() -> Tuple[str, ...]:
+    return _families
+
+
 def record_failure(backend: str, full: bool) -> None:
     """A refused write, counted under kube-proxy's name for the backend's mode."""
-    if backend == "nftables":
-        NFTABLES_SYNC_FAILURES.inc()
-    elif backend == "iptables":
-        IPTABLES_RESTORE_FAILURES.inc()
-        if not full:
-            IPTABLES_PARTIAL_RESTORE_FAILURES.inc()
+    for family in _families:
+        if backend == "nftables":
+            NFTABLES_SYNC_FAILURES.labels(family).inc()
+        elif backend == "iptables":
+            IPTABLES_RESTORE_FAILURES.labels(family).inc()
+            if not full:
+                IPTABLES_PARTIAL_RESTORE_FAILURES.labels(family).inc()
 
 
 def serve(address: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 from netproxy import metrics
 from netproxy.backends.base import Backend, BackendError, SyncResult
@@ -72,7 +72,8 @@ class Proxier:
         for stamp in self.tracker.last_trigger_times:
             # From the EndpointSlice controller's trigger time to rules in the kernel; a stamp from
             # a clock ahead of ours would be negative, and kube-proxy's histogram has no such bucket.
-            metrics.NETWORK_PROGRAMMING.observe(max(0.0, programmed - stamp))
+            for family in metrics.families():
+                metrics.NETWORK_PROGRAMMING.labels(family).observe(max(0.0, programmed - stamp))
         if full:
             self._last_full = now
             # A full sync leaves ~100k long-lived objects (snapshot, the backend's record); moving them
@@ -95,25 +96,28 @@ class Proxier:
     @staticmethod
     def _record(snapshot: Snapshot, full: bool, elapsed: float) -> None:
         """kube-proxy's metrics of one successful sync."""
-        metrics.SYNC_DURATION.observe(elapsed)
-        (metrics.SYNC_FULL_DURATION if full else metrics.SYNC_PARTIAL_DURATION).observe(elapsed)
+        no_local = no_local_endpoints(snapshot)
+        metrics.set_families(_families(snapshot))
+        for family in metrics.families():
+            metrics.SYNC_DURATION.labels(family).observe(elapsed)
+            (metrics.SYNC_FULL_DURATION if full else metrics.SYNC_PARTIAL_DURATION).labels(family).observe(elapsed)
+            metrics.LAST_SYNC.labels(family).set_to_current_time()
+            version = 6 if family == metrics.IPV6 else 4
+            for policy in ("internal", "external"):
+                metrics.NO_LOCAL_ENDPOINTS.labels(family, policy).set(no_local.get((version, policy), 0))
         metrics.SYNC_TOTAL.labels("ok").inc()
         metrics.LAST_DURATION.set(elapsed)
-        metrics.LAST_SYNC.set_to_current_time()
         metrics.SERVICES.set(len(snapshot.services))
         metrics.SERVICE_CHANGES_PENDING.set(0)
         metrics.ENDPOINT_CHANGES_PENDING.set(0)
-        internal, external = no_local_endpoints(snapshot)
-        metrics.NO_LOCAL_ENDPOINTS.labels("internal").set(internal)
-        metrics.NO_LOCAL_ENDPOINTS.labels("external").set(external)
 
     @staticmethod
     def _record_result(result: SyncResult) -> None:
         """What the backend reported of its own write (rule counts by table, when it keeps them)."""
-        for table, count in result.rules_owned:
-            metrics.IPTABLES_RULES.labels(table).set(count)
-        for table, count in result.rules_written:
-            metrics.IPTABLES_RULES_LAST.labels(table).set(count)
+        for family, table, count in result.rules_owned:
+            metrics.IPTABLES_RULES.labels(family, table).set(count)
+        for family, table, count in result.rules_written:
+            metrics.IPTABLES_RULES_LAST.labels(family, table).set(count)
 
     def _failed(self, err: BackendError) -> None:
         # The backend left the previous ruleset in place; the changes taken from the tracker are not
@@ -125,3 +129,11 @@ class Proxier:
         delay = min(self.config.sync_period, MIN_BACKOFF * 2 ** (self._failures - 1))
         log.error("sync failed (attempt %d), retrying in %.1f s: %s", self._failures, delay, err)
         self.retry(delay)
+
+
+def _families(snapshot: Snapshot) -> Tuple[str, ...]:
+    """The families of the service addresses in ``snapshot`` (IPv4 when there are none)."""
+    versions = {a.version for svc in snapshot.services.values() for a in svc.cluster_ips}
+    if 6 in versions:
+        return (metrics.IPV4, metrics.IPV6) if 4 in versions else (metrics.IPV6,)
+    return (metrics.IPV4,)

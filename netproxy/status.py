@@ -55,8 +55,9 @@ def read(metrics_address: str, healthz_address: str, timeout: float = 5.0) -> St
     samples = _samples(text)
 
     def one(name: str) -> Optional[float]:
+        """The metric's value; for one labelled by ip_family, the largest (the most recent, for a time)."""
         found = samples.get(name)
-        return found[0][1] if found else None
+        return max(value for _, value in found) if found else None
 
     for labels, value in samples.get("netproxy_backend_info", []):
         if value:

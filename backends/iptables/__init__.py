@@ -12,7 +12,7 @@ import contextlib
 import gc
 import logging
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from netproxy.backends.base import BackendError, BackendUnavailable, Outcome, Packet, SyncResult
 from netproxy.backends.iptables import cleanup as cleanup_mod
@@ -63,7 +63,7 @@ class IptablesBackend:
         self._stamps: Dict[int, Optional[Stamp]] = {}
         """Per family: its tables' fingerprints right after our last full write (gone after any other write)."""
         self._skips = 0
-        self._rules_written: Dict[str, int] = {}
+        self._rules_written: Dict[Tuple[str, str], int] = {}
         self._comments = True
         self.ipsets: Ipsets = KernelIpsets()
         """The kernel's ipsets (hairpin and affinity sets); unit tests put a FakeIpsets here."""
@@ -189,7 +189,7 @@ class IptablesBackend:
             log.debug("iptables: tables as netproxy left them and nothing to change: full sync skipped")
             return SyncResult(full=True, services_written=0, bytes_written=0)
         total = 0
-        self._rules_written = {t: 0 for t in TABLES}
+        self._rules_written = {(_ip_family(f), t): 0 for f in FAMILIES if f == 4 or self._has_family(f) for t in TABLES}
         try:
             for family in FAMILIES:
                 written = self._sync_family(desired[family], full, read.get(family))
@@ -203,8 +203,8 @@ class IptablesBackend:
         if full:
             self._skips = 0
         return SyncResult(full=full, services_written=len(snapshot.services) if full else rerendered,
-                          bytes_written=total, rules_owned=_rule_counts(self._written.values()),
-                          rules_written=tuple(sorted(self._rules_written.items())))
+                          bytes_written=total, rules_owned=_rule_counts(self._written),
+                          rules_written=tuple(sorted((f, t, n) for (f, t), n in self._rules_written.items())))
 
     def _untouched(self, desired: Dict[int, FamilyRuleset]) -> bool:
         """Whether a full sync would write exactly what the kernel holds from our last full write:
@@ -244,8 +244,9 @@ class IptablesBackend:
             written = self._written[family]
             table_changes = [partial_change(t, ruleset.chains(t), written.get(t, {})) for t in TABLES]
         changed: List[TableChange] = [c for c in table_changes if not c.empty()]
-        for c in changed:  # kube-proxy's sync_proxy_rules_iptables_last{table}, both families summed
-            self._rules_written[c.table] = self._rules_written.get(c.table, 0) + c.rule_count()
+        for c in changed:  # kube-proxy's sync_proxy_rules_iptables_last{ip_family,table}
+            key = (_ip_family(family), c.table)
+            self._rules_written[key] = self._rules_written.get(key, 0) + c.rule_count()
         if changed:
             self._stamps.pop(family, None)  # the write changes the tables: the old fingerprint means nothing
         # Sets the new rules name exist, with the new hairpin elements, before the rules do; what
@@ -279,10 +280,12 @@ class IptablesBackend:
         self._need_full = True
 
 
-def _rule_counts(written: Iterable[Mapping[str, Mapping[str, Sequence[object]]]]) -> Tuple[Tuple[str, int], ...]:
-    """(table, rules in our chains) over both families: kube-proxy's sync_proxy_rules_iptables_total."""
-    counts = {t: 0 for t in TABLES}
-    for tables in written:
-        for table, chains in tables.items():
-            counts[table] = counts.get(table, 0) + sum(len(rules) for rules in chains.values())
-    return tuple(sorted(counts.items()))
+def _ip_family(family: int) -> str:
+    return "IPv6" if family == 6 else "IPv4"
+
+
+def _rule_counts(written: Mapping[int, Mapping[str, Mapping[str, Sequence[object]]]]) \
+        -> Tuple[Tuple[str, str, int], ...]:
+    """(ip family, table, rules in our chains): kube-proxy's sync_proxy_rules_iptables_total."""
+    return tuple(sorted((_ip_family(family), table, sum(len(rules) for rules in chains.values()))
+                        for family, tables in written.items() for table, chains in tables.items()))

@@ -37,6 +37,10 @@ def web(pods, **spec):  # type: ignore[no-untyped-def]
             endpoint_slice("web", pods, [port(8080, name="http")])]
 
 
+V4 = '{ip_family="IPv4"}'
+"""kube-proxy labels its per-sync metrics by IP family; these tests' services are IPv4."""
+
+
 def _scrape(sb: Sandbox) -> str:
     code, body = http_get(sb, sb.node, f"http://{METRICS}/metrics")
     assert code == 200, body
@@ -59,7 +63,8 @@ def test_run_serves_kube_proxys_metrics_and_healthz(proxy: Proxy, sandbox: Sandb
             text = _scrape(sandbox)
         except Exception as err:  # noqa: BLE001 - not listening yet
             return str(err)
-        return None if (_value(text, "kubeproxy_sync_proxy_rules_duration_seconds_count") or 0) >= 1 else "no sync"
+        return None if (_value(text, "kubeproxy_sync_proxy_rules_duration_seconds_count", V4) or 0) >= 1 \
+            else "no sync"
 
     wait_for(synced_once, timeout=20)
     code, body = http_get(sandbox, sandbox.node, f"http://{HEALTHZ}/healthz")
@@ -76,9 +81,9 @@ def test_run_serves_kube_proxys_metrics_and_healthz(proxy: Proxy, sandbox: Sandb
 
     def moved() -> Optional[str]:
         now = _scrape(sandbox)
-        syncs = _value(now, "kubeproxy_sync_proxy_rules_duration_seconds_count") or 0
+        syncs = _value(now, "kubeproxy_sync_proxy_rules_duration_seconds_count", V4) or 0
         changes = _value(now, "kubeproxy_sync_proxy_rules_endpoint_changes_total") or 0
-        if syncs > (_value(first, "kubeproxy_sync_proxy_rules_duration_seconds_count") or 0) and \
+        if syncs > (_value(first, "kubeproxy_sync_proxy_rules_duration_seconds_count", V4) or 0) and \
                 changes > (_value(first, "kubeproxy_sync_proxy_rules_endpoint_changes_total") or 0):
             return None
         return f"syncs {syncs}, endpoint changes {changes}"
@@ -87,9 +92,10 @@ def test_run_serves_kube_proxys_metrics_and_healthz(proxy: Proxy, sandbox: Sandb
     later = _scrape(sandbox)
     assert _value(later, "kubeproxy_sync_proxy_rules_service_changes_total") > \
         _value(first, "kubeproxy_sync_proxy_rules_service_changes_total")  # type: ignore[operator]
-    assert _value(later, "kubeproxy_sync_proxy_rules_no_local_endpoints_total", '{traffic_policy="internal"}') == 1
-    assert _value(later, "kubeproxy_sync_proxy_rules_last_timestamp_seconds") >= \
-        _value(first, "kubeproxy_sync_proxy_rules_last_timestamp_seconds")  # type: ignore[operator]
+    assert _value(later, "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+                  '{ip_family="IPv4",traffic_policy="internal"}') == 1
+    assert _value(later, "kubeproxy_sync_proxy_rules_last_timestamp_seconds", V4) >= \
+        _value(first, "kubeproxy_sync_proxy_rules_last_timestamp_seconds", V4)  # type: ignore[operator]
     assert (_value(later, "kubeproxy_proxy_healthz_total", '{code="200"}') or 0) >= 1
     assert proxy.stop_runs() == [0], proxy.run_output()[-3000:]
 
@@ -161,8 +167,9 @@ def test_status_and_network_programming_from_a_running_proxy(proxy: Proxy, sandb
     # network programming observation of at least 2 s.
     if proxy.combo.backend == "iptables":  # rule counts by table, reported by the backend in its SyncResult
         text = _scrape(sandbox)
-        assert (_value(text, "kubeproxy_sync_proxy_rules_iptables_total", '{table="nat"}') or 0) > 0, text
-        assert _value(text, "kubeproxy_sync_proxy_rules_iptables_last", '{table="nat"}') is not None
+        nat = '{ip_family="IPv4",table="nat"}'
+        assert (_value(text, "kubeproxy_sync_proxy_rules_iptables_total", nat) or 0) > 0, text
+        assert _value(text, "kubeproxy_sync_proxy_rules_iptables_last", nat) is not None
 
     # (Stamps from before the proxy started are ignored, as kube-proxy does: keep this one after it.)
     time.sleep(max(0.0, started + 4 - time.time()))
@@ -174,8 +181,9 @@ def test_status_and_network_programming_from_a_running_proxy(proxy: Proxy, sandb
     write_manifests(proxy.source, changed)
 
     def programmed() -> Optional[str]:
-        n = _value(_scrape(sandbox), "kubeproxy_network_programming_duration_seconds_count") or 0
-        return None if n > (_value(first, "kubeproxy_network_programming_duration_seconds_count") or 0) else "none yet"
+        n = _value(_scrape(sandbox), "kubeproxy_network_programming_duration_seconds_count", V4) or 0
+        seen = _value(first, "kubeproxy_network_programming_duration_seconds_count", V4) or 0
+        return None if n > seen else "none yet"
 
     wait_for(programmed, timeout=10)
     # What the kernel holds, read back by `status --kernel` (iptables-save / nft list): web's two pods.
@@ -183,10 +191,10 @@ def test_status_and_network_programming_from_a_running_proxy(proxy: Proxy, sandb
     assert {"service": "default/web:http", "frontend": f"{WEB_IP}:80/tcp",
             "endpoints": sorted(f"{p.ip}:8080" for p in pods)} in doc["kernel"], doc["kernel"]
     later = _scrape(sandbox)
-    added = (_value(later, "kubeproxy_network_programming_duration_seconds_sum") or 0) - \
-        (_value(first, "kubeproxy_network_programming_duration_seconds_sum") or 0)
+    added = (_value(later, "kubeproxy_network_programming_duration_seconds_sum", V4) or 0) - \
+        (_value(first, "kubeproxy_network_programming_duration_seconds_sum", V4) or 0)
     assert 1.0 <= added < 30, added  # the stamp has whole seconds: 2 s back, less up to 1 s
-    assert _value(later, "kubeproxy_network_programming_duration_seconds_bucket", '{le="0.0"}') == 0
+    assert _value(later, "kubeproxy_network_programming_duration_seconds_bucket", '{ip_family="IPv4",le="0.0"}') == 0
 
     # The node is being deleted: /healthz drains it (503, nodeEligible false), /livez stays 200.
     node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE_NAME},

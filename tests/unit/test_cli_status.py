@@ -48,7 +48,7 @@ def test_status_reads_a_running_proxy(proxy_endpoints: Tuple[str, str, ProxyHeal
     metrics_at, healthz_at, health = proxy_endpoints
     metrics.BACKEND.labels("nftables", "netlink").set(1)
     metrics.SERVICES.set(7)
-    metrics.LAST_SYNC.set_to_current_time()
+    metrics.LAST_SYNC.labels("IPv4").set_to_current_time()
     metrics.LAST_DURATION.set(0.25)
     health.synced()
     argv = ["status", "--metrics-address", metrics_at, "--healthz-address", healthz_at]

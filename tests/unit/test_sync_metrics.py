@@ -20,6 +20,10 @@ from netproxy.tracker import ChangeTracker
 
 
 def _value(name: str, **labels: str) -> float:
+    """A sample of kube-proxy's metrics; every per-family one is looked up for IPv4 unless told."""
+    if not name.startswith(("kubeproxy_sync_proxy_rules_endpoint", "kubeproxy_sync_proxy_rules_service",
+                            "kubeproxy_proxy_")):
+        labels.setdefault("ip_family", "IPv4")
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
@@ -49,8 +53,8 @@ class CountingBackend(FakeBackend):
 
     def sync(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
         result = super().sync(snapshot, changes)
-        return dataclasses.replace(result, rules_owned=(("nat", 3 * len(snapshot.services)),),
-                                   rules_written=(("nat", result.services_written),))
+        return dataclasses.replace(result, rules_owned=(("IPv4", "nat", 3 * len(snapshot.services)),),
+                                   rules_written=(("IPv4", "nat", result.services_written),))
 
 
 def test_sync_metrics_move_with_syncs() -> None:
@@ -90,3 +94,25 @@ def test_sync_metrics_move_with_syncs() -> None:
     proxier.sync()
     assert _value("kubeproxy_network_programming_duration_seconds_count") == \
         before["kubeproxy_network_programming_duration_seconds_count"] + 1
+
+
+def test_a_dual_stack_sync_is_recorded_under_both_families() -> None:
+    """kube-proxy's per-family proxiers each record their sync with ip_family; netproxy's one pass
+    over both families is recorded under each, and a Local service without local endpoints counts in
+    the family of its addresses."""
+    tracker = ChangeTracker()
+    proxier = Proxier(tracker, FakeBackend(), ProxyConfig(sync_period=30, hostname="n"))
+    v6 = tuple(dataclasses.replace(p, internal_traffic_policy="Local") for p in svc("web6", "fd00::10"))
+    tracker.update_service("default", "web", svc("web", "10.96.0.1"))
+    tracker.update_service("default", "web6", v6)
+    tracker.update_endpoints("default", "web6-1", eps("web6", "fd00:1::5"))
+    tracker.services_synced()
+    tracker.endpoints_synced()
+    before = {f: _value("kubeproxy_sync_proxy_rules_duration_seconds_count", ip_family=f) for f in ("IPv4", "IPv6")}
+    proxier.sync()
+    for family in ("IPv4", "IPv6"):
+        assert _value("kubeproxy_sync_proxy_rules_duration_seconds_count", ip_family=family) == before[family] + 1
+    assert _value("kubeproxy_sync_proxy_rules_no_local_endpoints_total", ip_family="IPv6",
+                  traffic_policy="internal") == 1
+    assert _value("kubeproxy_sync_proxy_rules_no_local_endpoints_total", ip_family="IPv4",
+                  traffic_policy="internal") == 0
