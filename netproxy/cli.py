@@ -425,8 +425,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     writer = {"nftables": config.nftables_writer, "iptables": config.iptables_writer}.get(backend.name, "-")
     chosen = ("the version check" if args.backend == "auto"
               else "--config's mode" if "backend" in getattr(args, "from_config", ()) else "--backend")
-    log.info("running with the %s backend, writer %s, iptables flavour %s (chosen by %s)", backend.name, writer,
-             config.iptables_flavour, chosen)
+    log.info("running with the %s backend, writer %s, iptables flavour %s (chosen by %s; seen: %s)", backend.name,
+             writer, config.iptables_flavour, chosen, detect_mod.tool_versions(backend.name, config.iptables_flavour))
     try:
         runner.loop(stop)
     finally:

@@ -12,6 +12,7 @@ finding a library) are injectable so unit tests feed real version strings withou
 from __future__ import annotations
 
 import ctypes.util
+import os
 import re
 import shutil
 import subprocess
@@ -47,6 +48,24 @@ def run_iptables_version(binary: str = "iptables") -> Optional[str]:
         return None
     out = (proc.stdout or proc.stderr).strip()
     return out.splitlines()[0] if out else ""
+
+
+def tool_versions(backend: str, flavour: str, probe: Callable[[str], Optional[str]] = run_iptables_version) -> str:
+    """The versions a start-up line names: the kernel, and the tools the chosen backend drives
+    (``iptables-legacy``/``iptables-nft`` for the iptables backend, ``nft`` for nftables; the
+    netlink writer needs no tool, but ``nft`` is what lists its rules).  A missing tool says so."""
+    seen = [f"kernel {os.uname().release}"]
+    if backend == "iptables":
+        binary = f"iptables-{flavour}" if flavour in ("legacy", "nft") else "iptables"
+        tools = [binary, binary.replace("iptables", "ip6tables", 1)]
+    elif backend == "nftables":
+        tools = ["nft"]
+    else:
+        tools = []
+    for tool in tools:
+        line = probe(tool)
+        seen.append(f"{tool}: {line or 'not found'}")
+    return ", ".join(seen)
 
 
 def libnftables_present() -> bool:

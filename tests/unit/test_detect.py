@@ -148,3 +148,11 @@ def test_library_probe_asks_the_loader(monkeypatch: pytest.MonkeyPatch) -> None:
     assert asked == ["nftables"]
     monkeypatch.setattr(detect.ctypes.util, "find_library", lambda name: None)
     assert not detect.libnftables_present()
+
+
+def test_start_up_line_names_the_versions_of_the_tools_the_backend_drives() -> None:
+    seen = {"iptables-nft": "iptables v1.8.9 (nf_tables)", "nft": "nftables v1.0.6 (Lester Gooch #5)"}
+    line = detect.tool_versions("iptables", "nft", probe=seen.get)
+    assert line.startswith("kernel ") and "iptables-nft: iptables v1.8.9 (nf_tables)" in line
+    assert "ip6tables-nft: not found" in line  # a missing tool is named, not skipped
+    assert "nft: nftables v1.0.6" in detect.tool_versions("nftables", "legacy", probe=seen.get)
