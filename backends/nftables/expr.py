@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Optional, Protocol, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 from netproxy.backends.nftables import wire
 
@@ -276,6 +276,26 @@ class Dynset:
         return text + "]"
 
 
+@dataclass(frozen=True)
+class Byteorder:
+    """Not written by netproxy's netlink writer; ``nft`` 1.0 emits it (a no-op on one-byte units) and
+    the libnftables writer's rules carry it, so a kernel read-back must know it."""
+
+    sreg: int
+    dreg: int
+    op: int
+    length: int
+    size: int
+
+    def encode(self) -> bytes:
+        return _expr("byteorder", wire.u32(1, self.sreg) + wire.u32(2, self.dreg) + wire.u32(3, self.op)
+                     + wire.u32(4, self.length) + wire.u32(5, self.size))
+
+    def debug(self) -> str:
+        op = ("ntoh", "hton")[self.op]
+        return f"[ byteorder reg {self.dreg} = {op}(reg {self.sreg}, {self.size}, {self.length}) ]"
+
+
 class Expr(Protocol):
     """Any of the classes above."""
 
@@ -285,3 +305,70 @@ class Expr(Protocol):
 
 
 Exprs = Tuple[Expr, ...]
+
+
+# --- reading back: the kernel's dump of a rule → the same objects ---------------------------------
+
+def _u32(attrs: Dict[int, bytes], kind: int, default: int = 0) -> int:
+    return struct.unpack(">I", attrs[kind])[0] if kind in attrs else default
+
+
+def _data(attrs: Dict[int, bytes], kind: int) -> bytes:
+    return bytes(wire.attributes(attrs.get(kind, b"")).get(wire.DATA_VALUE, b""))
+
+
+def verdict_of(nested: bytes) -> Tuple[int, str]:
+    """(code, chain) of an ``nft_data`` holding a verdict."""
+    inner = wire.attributes(wire.attributes(nested).get(wire.DATA_VERDICT, b""))
+    code = struct.unpack(">i", inner[wire.VERDICT_CODE])[0]
+    chain = wire.text(inner[wire.VERDICT_CHAIN]) if wire.VERDICT_CHAIN in inner else ""
+    return code, chain
+
+
+def _immediate(a: Dict[int, bytes]) -> Expr:
+    dreg = _u32(a, 1)
+    if dreg == 0:
+        return Verdict(*verdict_of(a[2]))
+    return Immediate(dreg, _data(a, 2))
+
+
+def _lookup(a: Dict[int, bytes]) -> Expr:
+    return Lookup(wire.text(a[1]), _u32(a, 2), _u32(a, 3) if 3 in a else None, bool(_u32(a, 5) & LOOKUP_F_INV))
+
+
+def _meta(a: Dict[int, bytes]) -> Expr:
+    return Meta(_u32(a, 2), sreg=_u32(a, 3)) if 3 in a else Meta(_u32(a, 2), _u32(a, 1))
+
+
+_DECODERS: Dict[str, Callable[[Dict[int, bytes]], Expr]] = {
+    "payload": lambda a: Payload(_u32(a, 2), _u32(a, 3), _u32(a, 4), _u32(a, 1)),
+    "meta": _meta,
+    "ct": lambda a: Ct(_u32(a, 2), _u32(a, 1), a[3][0] if 3 in a else None),
+    "cmp": lambda a: Cmp(_u32(a, 2), _u32(a, 1), _data(a, 3)),
+    "bitwise": lambda a: Bitwise(_u32(a, 1), _data(a, 4), _data(a, 5)),
+    "lookup": _lookup,
+    "immediate": _immediate,
+    "nat": lambda a: Nat({v: k for k, v in _FAMILY_NUMBERS.items()}[_u32(a, 2)], _u32(a, 3), _u32(a, 5), _u32(a, 7)),
+    "masq": lambda a: Masquerade(_u32(a, 1)),
+    "numgen": lambda a: Numgen(_u32(a, 1), _u32(a, 2)),
+    "fib": lambda a: Fib(_u32(a, 3), _u32(a, 1)),
+    "reject": lambda a: Reject(a[2][0]),
+    "byteorder": lambda a: Byteorder(_u32(a, 1), _u32(a, 2), _u32(a, 3), _u32(a, 4), _u32(a, 5)),
+    "dynset": lambda a: Dynset(wire.text(a[1]), _u32(a, 4), _u32(a, 5),
+                               struct.unpack(">Q", a[6])[0] if 6 in a else 0),
+}
+
+
+def decode_rule(expressions: bytes) -> Exprs:
+    """A rule's ``NFTA_RULE_EXPRESSIONS`` as the kernel dumps them, back into the objects above
+    (``netproxy trace --kernel``).  An expression netproxy never writes is an error naming it: the
+    tracer must not guess what a rule it does not know does."""
+    out: List[Expr] = []
+    for _, elem in wire.attribute_list(expressions):
+        attrs = wire.attributes(elem)
+        name = wire.text(attrs.get(wire.EXPR_NAME, b""))
+        decoder = _DECODERS.get(name)
+        if decoder is None:
+            raise ValueError(f"expression {name!r} is not one netproxy writes")
+        out.append(decoder(wire.attributes(attrs.get(wire.EXPR_DATA, b""))))
+    return tuple(out)

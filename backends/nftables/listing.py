@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Dict, Iterable, List, Tuple
 
-from netproxy.backends.base import BackendUnavailable, Outcome, Packet
+from netproxy.backends.base import Outcome, Packet
 from netproxy.backends.listing import run
 from netproxy.backends.nftables.names import TABLE
 from netproxy.config import ProxyConfig
@@ -84,8 +84,15 @@ class NftablesListing:
         return programmed(self.kernel())
 
     def trace(self, packet: Packet) -> List[Outcome]:
-        raise BackendUnavailable("tracing what the kernel holds is not there yet for nftables; "
-                                 "trace without --kernel follows the rendered rules")
+        """The rendered rules' tracer, run on the tables read back from the kernel over netlink."""
+        from netproxy.backends.nftables.kernel.readback import read_kernel
+        from netproxy.backends.nftables.trace import Tracer
+
+        kernel = read_kernel()
+        if packet.family not in kernel.tables:
+            return [Outcome("accept")]
+        outcomes: List[Outcome] = Tracer(kernel, packet.family).trace(packet)
+        return outcomes
 
     def rendered(self, plan: str) -> List[str]:
         return normalise(run(["nft -f -; nft list ruleset"], stdin=plan, scratch=True))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import struct
+import sys
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
@@ -230,6 +231,12 @@ class Tracer:
         if isinstance(e, ex.Bitwise):
             have = _load(regs, e.reg, len(e.mask))
             _store(regs, e.reg, bytes((a & m) ^ x for a, m, x in zip(have, e.mask, e.xor)))
+            return None
+        if isinstance(e, ex.Byteorder):
+            data = _load(regs, e.sreg, e.length)
+            if sys.byteorder == "little" and e.size > 1:  # host order <-> network order, unit by unit
+                data = b"".join(data[i:i + e.size][::-1] for i in range(0, len(data), e.size))
+            _store(regs, e.dreg, data)
             return None
         if isinstance(e, ex.Fib):
             which = p.saddr if e.flags & ex.FIB_F_SADDR else daddr

@@ -244,14 +244,12 @@ def test_trace_predicts_the_endpoints_real_connections_reach(proxy: Proxy, sandb
         address, _, number = to.partition(":")
         reached = sandbox.connect(address, int(number), count=40, source=sandbox.client)
         assert reached.errors == {} and set(reached.counts) == predicted, (to, reached.counts, predicted)
-    # --kernel traces what the kernel holds (iptables-save's spelling): the same answer as the rendered rules.
-    for to in ("10.96.0.10:80", "10.96.0.11:80", "10.96.0.12:80"):
+    # --kernel traces what the kernel holds (iptables: iptables-save's spelling; nftables: the rules,
+    # sets and maps read back over netlink): the same answer as the rendered rules.
+    for to in ("10.96.0.10:80", "10.96.0.11:80", "10.96.0.12:80", "10.96.0.99:80"):
         argv = ["trace", "--source", proxy.source, "--to", to, "--from", CLIENT4, *proxy.base_flags]
         rendered, kernel = proxy.command(*argv), proxy.command(*argv, "--kernel")
-        if proxy.combo.backend == "iptables":
-            assert (kernel.returncode, kernel.stdout) == (0, rendered.stdout), kernel.stderr[-2000:]
-        else:
-            assert kernel.returncode == 1 and "not there yet for nftables" in kernel.stderr, kernel.stderr
+        assert (kernel.returncode, kernel.stdout) == (0, rendered.stdout), kernel.stderr[-2000:]
     targets, others = _traced(proxy, "10.96.0.12:80")
     assert not targets and others == {"refused (ICMP port unreachable)"}, others
     refused = sandbox.connect("10.96.0.12", 80, count=3, timeout=0.5, source=sandbox.client)

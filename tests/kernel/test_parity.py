@@ -34,6 +34,7 @@ from harness import (
     wait_for,
     write_manifests,
 )
+from traced import TracedSandbox, settling, traced_count
 
 from netproxy.sandbox import (
     CLIENT4,
@@ -68,6 +69,16 @@ def sandbox(kernel_env: None, combo: Any) -> Any:
     """Five pods: 0-2 on this node, 3-4 labelled as on another node (traffic-policy tests)."""
     with Sandbox(pods=5, remote_pods=2, tcp_ports=(8080,), udp_ports=(8080,)) as sb:
         yield sb
+
+
+@pytest.fixture(autouse=True)
+def trace_equals_traffic(proxy: Proxy, sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Issue 17: each batch of connections below is traced with ``netproxy trace --kernel`` in the
+    node, and the trace must predict what the batch saw (tests/kernel/traced.py)."""
+    monkeypatch.setattr(sandbox, "start_connect", TracedSandbox(proxy, sandbox).start_connect)
+    before = traced_count()
+    yield
+    log.info("%d batches traced", traced_count() - before)
 
 
 # ---- manifests ---------------------------------------------------------------------------------
@@ -219,9 +230,11 @@ def alive(proxy: Proxy) -> None:
 
 
 def run_wait(proxy: Proxy, check: Callable[[], Optional[str]], timeout: float, step: float = 0.2) -> float:
-    """:func:`wait_for` on a ``netproxy run``; a failure shows the end of its log."""
+    """:func:`wait_for` on a ``netproxy run``; a failure shows the end of its log.  Batches sent while
+    waiting are not traced: the change being waited for may reach the kernel between one and its trace."""
     try:
-        return wait_for(check, timeout=timeout, step=step)
+        with settling():
+            return wait_for(check, timeout=timeout, step=step)
     except AssertionError as err:
         raise AssertionError(f"{err}\n--- netproxy run log ---\n{proxy.run_output()[-3000:]}") from None
 

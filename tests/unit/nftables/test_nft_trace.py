@@ -82,3 +82,22 @@ def test_a_remembered_client_goes_to_its_endpoint_only() -> None:
     t = Tracer(fake, "ip")
     assert _targets(t.trace(Packet("10.244.1.5", "10.96.0.20", 80))) == {"10.1.0.2:8080": 1.0}
     assert _targets(t.trace(Packet("10.244.1.6", "10.96.0.20", 80))) == {"10.1.0.1:8080": 0.5, "10.1.0.2:8080": 0.5}
+
+
+def test_every_rendered_expression_decodes_back_from_its_netlink_form() -> None:
+    """``trace --kernel`` reads rules back as the kernel dumps them: each rule's encoded expressions
+    (what the netlink writer sends) decode into the very objects the tracer runs on the render."""
+    from netproxy.backends.nftables import expr
+
+    config = dataclasses.replace(CONFIG, masquerade_all=True)
+    affinity = dataclasses.replace(svc("sticky", "10.96.0.14"), affinity="ClientIP", affinity_timeout=60)
+    b, fake = backend(config)
+    b.sync(snap((WEB, eps("10.1.0.1", "10.1.0.2")), (NODEPORT, eps("10.1.0.3")), (EMPTY, ()),
+                (LOCAL, eps("10.1.0.4")), (affinity, eps("10.1.0.5", "10.1.0.6")), node=NODE), Changes())
+    rules = [r for t in fake.tables.values() for chain in t.rules.values() for r in chain]
+    kinds = set()
+    for rule in rules:
+        encoded = b"".join(e.encode() for e in rule.exprs)
+        assert expr.decode_rule(encoded) == tuple(rule.exprs), rule.body
+        kinds |= {type(e).__name__ for e in rule.exprs}
+    assert {"Payload", "Cmp", "Lookup", "Verdict", "Nat", "Numgen", "Dynset", "Reject", "Masquerade"} <= kinds, kinds

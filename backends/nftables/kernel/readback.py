@@ -1,0 +1,140 @@
+"""netproxy's nftables tables as the kernel holds them, read over netlink into the fake kernel's
+shape (:class:`~netproxy.backends.nftables.fake.FakeNft`), so that the same tracer that follows the
+rendered rules follows the kernel's (``netproxy trace --kernel``).
+
+Everything is read back, nothing is taken from the render: chains and their rules (the kernel's own
+expressions, decoded by :func:`expr.decode_rule`), sets and maps with their elements (verdict maps
+included; interval elements turned back into the CIDRs they cover).  One dump per object kind and
+family; nothing is written.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Dict, Iterator, List, Optional, Tuple, Union
+
+from netproxy.backends.base import BackendUnavailable
+from netproxy.backends.nftables import encode, names, wire
+from netproxy.backends.nftables import expr as ex
+from netproxy.backends.nftables.fake import FakeNft, _FakeTable
+from netproxy.backends.nftables.kernel.netlink import _data_value, _set_from_attrs, unpack
+from netproxy.backends.nftables.kernel.nlsocket import NetlinkError, NlSocket
+from netproxy.backends.nftables.objects import Chain, Element, Rule, Set, Table
+
+_VERBS = {wire.NF_DROP: "drop", wire.NF_ACCEPT: "accept", wire.NFT_JUMP: "jump", wire.NFT_GOTO: "goto",
+          wire.NFT_RETURN: "return"}
+
+
+def read_kernel(sock: Optional[NlSocket] = None) -> FakeNft:
+    """Every netproxy table the kernel holds now, in a :class:`FakeNft` (families without one are absent)."""
+    try:
+        sock = sock or NlSocket()
+    except OSError as exc:
+        raise BackendUnavailable("no nf_tables netlink socket", detail=str(exc)) from exc
+    fake = FakeNft()
+    for family, number in encode.FAMILIES.items():
+        table = _read_table(sock, family, number)
+        if table is not None:
+            fake.tables[family] = table
+    return fake
+
+
+def _dump(sock: NlSocket, msg_type: int, number: int, body: bytes) -> List[Dict[int, bytes]]:
+    try:
+        return list(sock.dump(msg_type, number, body))
+    except NetlinkError as exc:
+        if exc.errno == 2:  # ENOENT: no such table in this family
+            return []
+        raise BackendUnavailable("cannot read netproxy's nftables tables", detail=str(exc)) from exc
+
+
+def _read_table(sock: NlSocket, family: str, number: int) -> Optional[_FakeTable]:
+    chains = _dump(sock, wire.GETCHAIN, number, wire.string(wire.CHAIN_TABLE, names.TABLE))
+    if not chains:
+        return None
+    t = _FakeTable(Table(family, names.TABLE))
+    for attrs in chains:
+        name = wire.text(attrs[wire.CHAIN_NAME])
+        t.chains[name] = Chain(name)
+        t.rules[name] = []
+    for attrs in _dump(sock, wire.GETRULE, number, wire.string(wire.RULE_TABLE, names.TABLE)):
+        chain = wire.text(attrs[wire.RULE_CHAIN])
+        try:
+            exprs = ex.decode_rule(attrs.get(wire.RULE_EXPRESSIONS, b""))
+        except (ValueError, KeyError) as exc:
+            raise BackendUnavailable(f"a rule of {family} {names.TABLE} chain {chain} cannot be traced: {exc}") \
+                from None
+        t.rules.setdefault(chain, []).append(Rule(chain, "", None, exprs))
+    for attrs in _dump(sock, wire.GETSET, number, wire.string(wire.SET_TABLE, names.TABLE)):
+        spec = _set_from_attrs(attrs)
+        if spec is None:
+            continue
+        t.sets[spec.name] = spec
+        t.elements[spec.name] = {e.key: e for e in _elements(sock, number, spec)}
+    return t
+
+
+def _elements(sock: NlSocket, number: int, spec: Set) -> Iterator[Element]:
+    key_fields = spec.key_type.split(" . ")
+    value_fields = spec.value_type.split(" . ") if spec.value_type not in (None, "verdict") else None
+    body = wire.string(wire.SET_ELEM_LIST_TABLE, names.TABLE) + wire.string(wire.SET_ELEM_LIST_SET, spec.name)
+    points: List[Tuple[bytes, bool]] = []  # an rbtree interval set: (start or end, is the end)
+    for attrs in _dump(sock, wire.GETSETELEM, number, body):
+        for _, raw in wire.attribute_list(attrs.get(wire.SET_ELEM_LIST_ELEMENTS, b"")):
+            e = wire.attributes(raw)
+            key = _data_value(e.get(wire.ELEM_KEY, b""))
+            if "interval" in spec.flags:
+                if wire.ELEM_KEY_END in e:  # a concatenation (pipapo): the range is in the element
+                    yield from _ranges(spec, key_fields, key, _data_value(e[wire.ELEM_KEY_END]))
+                else:
+                    flags = wire.be32(e[wire.ELEM_FLAGS]) if wire.ELEM_FLAGS in e else 0
+                    points.append((key, bool(flags & wire.ELEM_F_INTERVAL_END)))
+                continue
+            value: Optional[str] = None
+            if spec.value_type == "verdict" and wire.ELEM_DATA in e:
+                code, chain = ex.verdict_of(e[wire.ELEM_DATA])
+                value = f"{_VERBS[code]} {chain}".strip()
+            elif value_fields and wire.ELEM_DATA in e:
+                value = unpack(value_fields, _data_value(e[wire.ELEM_DATA]))
+            yield Element(spec.name, unpack(key_fields, key), value)
+    yield from _from_points(spec, points)
+
+
+Address = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
+
+
+def _address(data: bytes) -> Address:
+    return ipaddress.ip_address(data[:16] if len(data) >= 16 else data[:4])
+
+
+def _cidrs(first: Address, last: Address) -> Iterator[str]:
+    """The CIDRs that cover first..last exactly."""
+    for net in ipaddress.summarize_address_range(first, last):
+        yield str(net)
+
+
+def _ranges(spec: Set, fields: List[str], start: bytes, end: bytes) -> Iterator[Element]:
+    """A concatenation whose last field is a range: one element per CIDR of the range."""
+    width = encode._TYPES[fields[-1]][1]
+    head = unpack(fields[:-1], start) + " . " if len(fields) > 1 else ""
+    first, last = _address(start[len(start) - width:]), _address(end[len(end) - width:])
+    for net in _cidrs(first, last):
+        yield Element(spec.name, f"{head}{net}")
+
+
+def _from_points(spec: Set, points: List[Tuple[bytes, bool]]) -> Iterator[Element]:
+    """An rbtree set's starts and (exclusive) ends, in address order, back into CIDRs."""
+    opened: Optional[Address] = None
+    for key, is_end in sorted(points, key=lambda p: (p[0], not p[1])):
+        at = _address(key)
+        if not is_end:
+            opened = at
+        elif opened is not None:
+            for net in _cidrs(opened, at - 1):
+                yield Element(spec.name, net)
+            opened = None
+    if opened is not None:  # open to the end of the address space
+        top: Address = ipaddress.IPv4Address(2 ** 32 - 1) if opened.version == 4 else \
+            ipaddress.IPv6Address(2 ** 128 - 1)
+        for net in _cidrs(opened, top):
+            yield Element(spec.name, net)
