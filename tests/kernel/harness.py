@@ -251,6 +251,11 @@ def _explain(headline: str, proc: subprocess.CompletedProcess) -> str:  # type: 
 TIME_SCALE = float(os.environ.get("NETPROXY_TEST_TIME_SCALE", "1") or "1")
 
 
+SETTLING = [0]
+"""How many :func:`wait_for` loops are running: traffic sent inside one is not traced
+(tests/kernel/traced.py), since the change waited for may reach the kernel between a batch and its trace."""
+
+
 def wait_for(check: Callable[[], Optional[str]], timeout: float, step: float = 0.2) -> float:
     """Poll ``check`` (None = done, else why not yet) until done; the seconds it took; asserts.
 
@@ -258,11 +263,15 @@ def wait_for(check: Callable[[], Optional[str]], timeout: float, step: float = 0
     timeout *= TIME_SCALE
     t0 = time.monotonic()
     why: Optional[str] = "never checked"
-    while time.monotonic() - t0 < timeout:
-        why = check()
-        if why is None:
-            return time.monotonic() - t0
-        time.sleep(step)
+    SETTLING[0] += 1
+    try:
+        while time.monotonic() - t0 < timeout:
+            why = check()
+            if why is None:
+                return time.monotonic() - t0
+            time.sleep(step)
+    finally:
+        SETTLING[0] -= 1
     raise AssertionError(f"not within {timeout}s: {why}")
 
 

@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
+import traced
 from harness import (
     Manifest,
     Proxy,
@@ -34,7 +35,6 @@ from harness import (
     wait_for,
     write_manifests,
 )
-from traced import TracedSandbox, settling, traced_count
 
 from netproxy.sandbox import (
     CLIENT4,
@@ -75,10 +75,10 @@ def sandbox(kernel_env: None, combo: Any) -> Any:
 def trace_equals_traffic(proxy: Proxy, sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch) -> Any:
     """Issue 17: each batch of connections below is traced with ``netproxy trace --kernel`` in the
     node, and the trace must predict what the batch saw (tests/kernel/traced.py)."""
-    monkeypatch.setattr(sandbox, "start_connect", TracedSandbox(proxy, sandbox).start_connect)
-    before = traced_count()
+    traced.install(proxy, sandbox, monkeypatch)
+    before = traced.traced_count()
     yield
-    log.info("%d batches traced", traced_count() - before)
+    log.info("%d batches traced", traced.traced_count() - before)
 
 
 # ---- manifests ---------------------------------------------------------------------------------
@@ -231,10 +231,9 @@ def alive(proxy: Proxy) -> None:
 
 def run_wait(proxy: Proxy, check: Callable[[], Optional[str]], timeout: float, step: float = 0.2) -> float:
     """:func:`wait_for` on a ``netproxy run``; a failure shows the end of its log.  Batches sent while
-    waiting are not traced: the change being waited for may reach the kernel between one and its trace."""
+    waiting are not traced (wait_for): the change waited for may reach the kernel between one and its trace."""
     try:
-        with settling():
-            return wait_for(check, timeout=timeout, step=step)
+        return wait_for(check, timeout=timeout, step=step)
     except AssertionError as err:
         raise AssertionError(f"{err}\n--- netproxy run log ---\n{proxy.run_output()[-3000:]}") from None
 

@@ -10,17 +10,16 @@
 Batches whose outcome the rules do not decide alone are not traced: a fixed source port (``bind``:
 conntrack keeps the flow's old NAT binding, which is what the UDP conntrack test checks), paced
 flows running while a test changes endpoints (``interval``), and batches sent inside a wait loop
-while a change is still on its way to the kernel (:func:`settling`).
+while a change is still on its way to the kernel (any :func:`harness.wait_for` loop).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import re
-from typing import Any, Iterator, List, Optional, Set, Tuple
+from typing import Any, List, Optional, Set, Tuple
 
-from harness import Proxy
+from harness import SETTLING, Proxy
 
 from netproxy.sandbox import (
     CLIENT4,
@@ -36,22 +35,17 @@ from netproxy.sandbox import (
     Sandbox,
 )
 
-_state = {"settling": 0, "traced": 0}
+_state = {"traced": 0}
 _DNAT = re.compile(r"DNAT to \[?([0-9a-f.:]+?)\]?:\d+,")
-
-
-@contextlib.contextmanager
-def settling() -> Iterator[None]:
-    """Batches sent in here are not traced: the kernel may change between the batch and its trace."""
-    _state["settling"] += 1
-    try:
-        yield
-    finally:
-        _state["settling"] -= 1
 
 
 def traced_count() -> int:
     return _state["traced"]
+
+
+def install(proxy: Proxy, sb: Sandbox, monkeypatch: Any) -> None:
+    """Trace every batch ``sb`` sends from now on (the test's monkeypatch undoes it)."""
+    monkeypatch.setattr(sb, "start_connect", TracedSandbox(proxy, sb).start_connect)
 
 
 def _trace_args(sb: Sandbox, address: str, kw: Any) -> Optional[List[str]]:
@@ -94,31 +88,41 @@ def _predicted(proxy: Proxy, sb: Sandbox, address: str, port: int, kw: Any) -> O
 
 
 def check(proxy: Proxy, sb: Sandbox, address: str, port: int, kw: Any, res: ConnectResult) -> None:
-    """Assert the kernel trace of this batch's first packet covers what the batch saw."""
-    if _state["settling"] or kw.get("bind") or kw.get("interval"):
+    """Assert the kernel trace of this batch's first packet covers what the batch saw.  A batch sent
+    from several source addresses (``sources``, used round-robin) is checked per source for up to
+    three of them: with ClientIP affinity each client has its own endpoint."""
+    if SETTLING[0] or kw.get("bind") or kw.get("interval"):
         return
+    sources = list(kw.get("sources") or ())
+    if not sources:
+        _check_group(proxy, sb, address, port, kw, res.sequence)
+        return
+    distinct = list(dict.fromkeys(sources))
+    for src in {distinct[0], distinct[len(distinct) // 2], distinct[-1]}:
+        seen = [o for i, o in enumerate(res.sequence) if sources[i % len(sources)] == src]
+        _check_group(proxy, sb, address, port, dict(kw, sources=[src]), seen)
+
+
+def _check_group(proxy: Proxy, sb: Sandbox, address: str, port: int, kw: Any, seen: List[str]) -> None:
+    """``seen``: each attempt's outcome, a pod's name or ``!<error>``."""
     got = _predicted(proxy, sb, address, port, kw)
     if got is None:
         return
     targets, others = got
     _state["traced"] += 1
     by_name = {p.name: p for p in sb.pods}
-    reached = set()
-    for name in res.counts:
-        pod = by_name.get(name)
-        if pod is not None:
-            reached |= {a for a in (pod.ip, pod.ip6) if a}
-    where = f"{kw.get('proto', 'tcp')} {address}:{port} from {kw.get('source') or 'client'}"
-    if res.answered:
-        answered_ips = {a for a in reached if a in targets or a == address}
-        missing = [n for n in res.counts if not ({by_name[n].ip, by_name[n].ip6} & answered_ips)] \
-            if reached else []
-        assert targets or "not" in others, f"{where}: answered by {res.counts}, but the trace predicts {others}"
+    answered = {o for o in seen if o and not o.startswith("!")}
+    errors = {o[1:] for o in seen if o.startswith("!")}
+    where = f"{kw.get('proto', 'tcp')} {address}:{port} from {kw.get('sources') or kw.get('source') or 'client'}"
+    if answered:
+        assert targets or "not" in others, f"{where}: answered by {answered}, but the trace predicts {others}"
+        missing = sorted(n for n in answered if n in by_name
+                         and not ({by_name[n].ip, by_name[n].ip6} & (targets | {address})))
         assert not missing, f"{where}: answered by {missing}, which the trace does not predict ({sorted(targets)})"
-    elif res.failed and set(res.errors) <= {"refused", "reset"}:
+    elif errors and errors <= {"refused", "reset"}:
         assert "refused" in others or "not" in others, \
             f"{where}: refused at once, but the trace predicts {sorted(targets)} / {others}"
-    elif res.failed and set(res.errors) == {"timeout"}:
+    elif errors == {"timeout"}:
         assert others & {"dropped", "not"}, f"{where}: dropped, but the trace predicts {sorted(targets)} / {others}"
 
 
