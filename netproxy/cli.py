@@ -30,9 +30,17 @@ from netproxy import detect as detect_mod
 from netproxy import logs
 from netproxy.backends import BackendError, create
 from netproxy.backends.base import Backend, Packet
-from netproxy.config import BACKENDS, IPTABLES_WRITERS, NFTABLES_WRITERS, ProxyConfig, parse_cidrs
+from netproxy.config import (
+    BACKENDS,
+    IPTABLES_WRITERS,
+    LOCAL_MODES,
+    NFTABLES_WRITERS,
+    ProxyConfig,
+    check_interface_name,
+    parse_cidrs,
+)
 from netproxy.model import Changes, NodeInfo, Snapshot, ValidationError, forget_parsed_addresses
-from netproxy.source.files import FileSource, SourceError, load
+from netproxy.source.files import FileSource, Loaded, SourceError, load
 from netproxy.tracker import ChangeTracker
 
 if TYPE_CHECKING:  # the proxier pulls in prometheus_client: only `run` needs it, so import it there
@@ -62,6 +70,47 @@ def duration(text: str) -> float:
 def cidr_list(text: str) -> Tuple[object, ...]:
     try:
         return parse_cidrs(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+PRIMARY = "primary"
+"""``--nodeport-addresses primary``: the node's primary IPs (kube-proxy's keyword, its nftables default)."""
+
+
+def nodeport_addresses(text: str) -> Union[str, Tuple[object, ...]]:
+    """``primary`` alone, or CIDRs (kube-proxy accepts the keyword only as the whole value)."""
+    if text.strip() == PRIMARY:
+        return PRIMARY
+    if PRIMARY in (p.strip() for p in text.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r}: {PRIMARY!r} must be the only value (or give CIDRs)")
+    return cidr_list(text)
+
+
+def flag_bool(text: str) -> bool:
+    """A Go-style boolean flag value (``--iptables-localhost-nodeports=false``)."""
+    value = text.strip().lower()
+    if value in ("true", "1", "t", "yes"):
+        return True
+    if value in ("false", "0", "f", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+
+
+def interface_name(text: str) -> str:
+    if not text:
+        return ""  # unset (argparse runs a string default through this too)
+    try:
+        return check_interface_name(text, "interface")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def interface_prefix(text: str) -> str:
+    if not text:
+        return ""  # unset (argparse runs a string default through this too)
+    try:
+        return check_interface_name(text, "interface prefix", prefix=True)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
@@ -122,8 +171,19 @@ def _add_proxy(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster-cidr", type=cidr_list, default=(), action=_Store, help="pod CIDRs, comma-separated")
     p.add_argument("--hostname-override", default="", action=_Store,
                    help="this node's name (default: the host name)")
-    p.add_argument("--nodeport-addresses", type=cidr_list, default=(), action=_Store,
-                   help="CIDRs of node addresses that accept NodePorts (default: all local addresses)")
+    p.add_argument("--nodeport-addresses", type=nodeport_addresses, default=(), action=_Store,
+                   help="CIDRs of node addresses that accept NodePorts, or 'primary' (the Node's primary IPs); "
+                   "default: all local addresses")
+    p.add_argument("--iptables-localhost-nodeports", type=flag_bool, default=True, nargs="?", const=True,
+                   action=_Store, metavar="BOOL", help="iptables backend: NodePorts answer on 127.0.0.1 too "
+                   "(sets route_localnet, as kube-proxy does); default true")
+    p.add_argument("--detect-local-mode", choices=list(LOCAL_MODES), default="ClusterCIDR", action=_Store,
+                   help="what tells traffic from this node's pods: ClusterCIDR (--cluster-cidr), NodeCIDR "
+                   "(the Node's spec.podCIDRs), BridgeInterface, InterfaceNamePrefix")
+    p.add_argument("--pod-bridge-interface", type=interface_name, default="", action=_Store,
+                   help="BridgeInterface mode: the bridge the pods are on")
+    p.add_argument("--pod-interface-name-prefix", type=interface_prefix, default="", action=_Store,
+                   help="InterfaceNamePrefix mode: the prefix of the pods' interfaces (e.g. veth)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -168,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="source_address", default="203.0.113.1", metavar="ADDRESS",
                    help="the client's address (default: outside the cluster)")
     p.add_argument("--from-node", action="store_true", help="the connection starts on the node itself")
+    p.add_argument("--from-interface", default="", type=interface_name, metavar="IFNAME",
+                   help="the interface the connection comes in on (--detect-local-mode BridgeInterface, "
+                   "InterfaceNamePrefix)")
     p.add_argument("--node-address", action="append", default=[], metavar="ADDRESS",
                    help="this node's addresses (NodePorts, the node's own traffic); repeat")
     p.add_argument("--kernel", action="store_true", help="trace the rules the kernel holds now instead of the "
@@ -190,18 +253,69 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config(args: argparse.Namespace, backend: str, flavour: str) -> ProxyConfig:
+class ConfigError(ValueError):
+    """The flags ask for something that cannot be set up (named), before anything is written."""
+
+
+def _hostname(args: argparse.Namespace) -> str:
     import socket
 
+    return getattr(args, "hostname_override", "") or socket.gethostname()
+
+
+def _local_detection(args: argparse.Namespace, node: Optional[NodeInfo]) -> dict:  # type: ignore[type-arg]
+    """ProxyConfig's local-pod detection fields from the flags (and, for NodeCIDR, the Node);
+    ConfigError naming the flag when the mode lacks what it needs, as kube-proxy refuses to start."""
+    mode = getattr(args, "detect_local_mode", "ClusterCIDR") or "ClusterCIDR"
+    out = {"detect_local_mode": mode}
+    if mode == "BridgeInterface":
+        if not getattr(args, "pod_bridge_interface", ""):
+            raise ConfigError("--detect-local-mode BridgeInterface needs --pod-bridge-interface")
+        out["pod_bridge_interface"] = args.pod_bridge_interface
+    elif mode == "InterfaceNamePrefix":
+        if not getattr(args, "pod_interface_name_prefix", ""):
+            raise ConfigError("--detect-local-mode InterfaceNamePrefix needs --pod-interface-name-prefix")
+        out["pod_interface_name_prefix"] = args.pod_interface_name_prefix
+    elif mode == "NodeCIDR":
+        if node is None or not node.pod_cidrs:
+            raise ConfigError(f"--detect-local-mode NodeCIDR: the Node {_hostname(args)!r} has no spec.podCIDRs "
+                              "(give the Node in --source, or let the API source read it)")
+        out["node_pod_cidrs"] = node.pod_cidrs
+    return out
+
+
+def _nodeport_cidrs(args: argparse.Namespace, node: Optional[NodeInfo]) -> Tuple[Any, ...]:
+    """--nodeport-addresses as CIDRs; ``primary`` becomes the Node's primary IPs as /32 and /128, as
+    kube-proxy does, and every local address when there is none (kube-proxy's loopback fallback)."""
+    import ipaddress
+
+    value = getattr(args, "nodeport_addresses", ())
+    if value != PRIMARY:
+        return tuple(value)
+    ips = [ip for ip in (node.ips if node is not None else ()) if not ip.is_loopback]
+    if not ips:
+        log.warning("--nodeport-addresses primary: the Node %r has no InternalIP or ExternalIP; NodePorts are "
+                    "accepted on every local address (as kube-proxy does)", _hostname(args))
+    return tuple(ipaddress.ip_network(ip) for ip in ips)
+
+
+def needs_node(args: argparse.Namespace) -> bool:
+    """Whether the configuration is read from the Node object (NodeCIDR, primary)."""
+    return getattr(args, "detect_local_mode", "") == "NodeCIDR" or getattr(args, "nodeport_addresses", ()) == PRIMARY
+
+
+def _config(args: argparse.Namespace, backend: str, flavour: str, node: Optional[NodeInfo] = None) -> ProxyConfig:
     return ProxyConfig(
         backend=backend, iptables_writer=args.iptables_writer, iptables_flavour=flavour,
         nftables_writer=args.nftables_writer,
         sync_period=getattr(args, "sync_period", 30.0), min_sync_period=getattr(args, "min_sync_period", 1.0),
         masquerade_all=getattr(args, "masquerade_all", False), masquerade_bit=getattr(args, "masquerade_bit", 14),
         cluster_cidrs=tuple(getattr(args, "cluster_cidr", ())),
-        hostname=getattr(args, "hostname_override", "") or socket.gethostname(),
-        nodeport_addresses=tuple(getattr(args, "nodeport_addresses", ())),
+        hostname=_hostname(args),
+        nodeport_addresses=_nodeport_cidrs(args, node),
+        localhost_nodeports=getattr(args, "iptables_localhost_nodeports", True) is not False,
         one_shot=getattr(args, "one_shot", False),
+        **_local_detection(args, node),
     )
 
 
@@ -222,9 +336,9 @@ def choose_backend(args: argparse.Namespace) -> Tuple[str, str]:
     return backend, flavour
 
 
-def make_backend(args: argparse.Namespace) -> Tuple[Backend, ProxyConfig]:
+def make_backend(args: argparse.Namespace, node: Optional[NodeInfo] = None) -> Tuple[Backend, ProxyConfig]:
     backend, flavour = choose_backend(args)
-    config = _config(args, backend, flavour)
+    config = _config(args, backend, flavour, node)
     return create(backend, config), config
 
 
@@ -233,11 +347,15 @@ def _report_rejections(errors: Sequence[Exception]) -> None:
         print(f"netproxy: rejected {err}", file=sys.stderr)
 
 
-def _snapshot(args: argparse.Namespace, config: ProxyConfig) -> Tuple[Snapshot, List[ValidationError]]:
-    """One load of --source into a snapshot, for the one-shot commands.  They end after one write,
-    and nothing they build forms cycles: the cyclic collector stays off for their whole life."""
+def _load(args: argparse.Namespace) -> Loaded:
+    """One load of --source, for the one-shot commands.  They end after one write, and nothing they
+    build forms cycles: the cyclic collector stays off for their whole life."""
     gc.disable()
-    loaded = load(args.source, config.hostname)
+    return load(args.source, _hostname(args))
+
+
+def _snapshot(loaded: Loaded, config: ProxyConfig) -> Tuple[Snapshot, List[ValidationError]]:
+    """The loaded --source as the snapshot a one-shot command syncs, plans or traces."""
     tracker = ChangeTracker(NodeInfo(name=config.hostname))
     if loaded.node is not None:
         tracker.set_node(loaded.node)
@@ -253,9 +371,11 @@ def _snapshot(args: argparse.Namespace, config: ProxyConfig) -> Tuple[Snapshot, 
 
 def cmd_sync(args: argparse.Namespace) -> int:
     args.one_shot = True
-    backend, config = make_backend(args)
-    snapshot, errors = _snapshot(args, config)
+    loaded = _load(args)
+    backend, config = make_backend(args, loaded.node)
+    snapshot, errors = _snapshot(loaded, config)
     backend.probe()
+    _ensure_localhost_nodeports(backend.name, config)
     _report_rejections(errors)  # before the write, so that they are named even when it fails
     result = backend.sync(snapshot, Changes(full=True))
     log.info("synced %d service ports with the %s backend", result.services_written, backend.name)
@@ -263,14 +383,15 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    backend, config = make_backend(args)
     try:
-        snapshot, errors = _snapshot(args, config)
+        loaded = _load(args)
     except SourceError as err:
         if not args.diff:
             raise
         print(f"netproxy: source: {err}", file=sys.stderr)
         return EXIT_REJECTED  # with --diff, 1 means "differs": bad input is 2, as diff's trouble
+    backend, config = make_backend(args, loaded.node)
+    snapshot, errors = _snapshot(loaded, config)
     if args.diff:
         return _plan_diff(backend, config, snapshot, errors)
     sys.stdout.write(backend.plan(snapshot))
@@ -302,7 +423,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     if args.backend == "auto" and not args.kernel:
         args.backend = "nftables"  # a trace reads no kernel: the layout it follows is nftables'
-    backend, config = make_backend(args)
+    loaded = _load(args)
+    backend, config = make_backend(args, loaded.node)
     tracer = getattr(backend, "trace", None)
     if tracer is None:
         print(f"netproxy trace: the {backend.name} backend has no tracer", file=sys.stderr)
@@ -312,10 +434,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"netproxy trace: --to: {err}", file=sys.stderr)
         return EXIT_FAILED
-    snapshot, errors = _snapshot(args, config)
+    snapshot, errors = _snapshot(loaded, config)
     local = frozenset(args.node_address)
     packet = Packet(args.node_address[0] if args.from_node and local else args.source_address, address, port,
-                    args.protocol, hook="output" if args.from_node else "prerouting", local=local)
+                    args.protocol, hook="output" if args.from_node else "prerouting", local=local,
+                    iif="" if args.from_node else args.from_interface)
     if args.kernel:
         from netproxy.backends import listing
 
@@ -393,8 +516,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from netproxy.proxier import Proxier
     from netproxy.runner import BoundedFrequencyRunner
 
-    backend, config = make_backend(args)
+    backend, config = make_backend(args, _start_node(args) if needs_node(args) else None)
     backend.probe()
+    _ensure_localhost_nodeports(backend.name, config)
     tracker = ChangeTracker(NodeInfo(name=config.hostname))  # ETP/ITP Local need the node name from the start
     proxier = Proxier(tracker, backend, config)
     runner = BoundedFrequencyRunner(proxier.sync, config.min_sync_period, config.sync_period)
@@ -403,6 +527,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     source = _make_source(args, config)
     _add_post_sync_steps(proxier, config, args)
     stop = threading.Event()
+    failed: List[str] = []
+    if config.detect_local_mode == "NodeCIDR":
+        def pod_cidrs_kept(prev: Optional[Snapshot], cur: Snapshot) -> None:
+            # The rules were written for the pod CIDRs read at start; kube-proxy exits when they
+            # change (its NodeManager) so that it starts again with the new ones: so does netproxy.
+            if cur.node.pod_cidrs and cur.node.pod_cidrs != config.node_pod_cidrs:
+                failed.append(f"the Node's spec.podCIDRs changed from {', '.join(map(str, config.node_pod_cidrs))} "
+                              f"to {', '.join(map(str, cur.node.pod_cidrs))}: exiting to start again with them")
+                stop.set()
+                runner.wake()
+
+        proxier.after_sync.append(pod_cidrs_kept)
 
     def _stop(signum: int, _frame: object) -> None:
         log.info("signal %d: stopping", signum)
@@ -432,7 +568,53 @@ def cmd_run(args: argparse.Namespace) -> int:
         source.stop()
         if watcher is not None:
             watcher.stop()
-    return EXIT_OK
+    for why in failed:
+        log.error("%s", why)
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _start_node(args: argparse.Namespace) -> Optional[NodeInfo]:
+    """This node's Node at start, for what is configured from it (NodeCIDR, primary): from
+    --source, or read once from the API (waiting a while for spec.podCIDRs in NodeCIDR mode, as
+    kube-proxy does: the node controller fills them shortly after the node registers)."""
+    import time
+
+    name = _hostname(args)
+    if args.source:
+        return load(args.source, name).node
+    from netproxy.source import kube
+
+    try:
+        client = kube.api_client_from(args.kubeconfig)
+    except ValueError as err:
+        raise SourceError(f"{err}; pass --source PATH or --kubeconfig PATH") from None
+    deadline = time.monotonic() + NODE_WAIT
+    while True:
+        node = kube.read_node(client, name)
+        if node is not None and (node.pod_cidrs or args.detect_local_mode != "NodeCIDR"):
+            return node
+        if time.monotonic() >= deadline:
+            return node
+        log.info("waiting for the Node %r%s", name, " and its spec.podCIDRs" if node is not None else "")
+        time.sleep(2.0)
+
+
+NODE_WAIT = 60.0
+"""Seconds ``run`` waits at start for the Node (and its pod CIDRs in NodeCIDR mode) on the API."""
+
+
+def _ensure_localhost_nodeports(backend: str, config: ProxyConfig) -> None:
+    """kube-proxy's iptables mode serves NodePorts on 127.0.0.1 by setting route_localnet (the
+    kernel otherwise drops a packet from or to 127/8 that is routed, as a DNAT-ed one is)."""
+    from netproxy.backends.iptables.assemble import serves_localhost
+
+    if backend != "iptables" or not serves_localhost(config):
+        return
+    from netproxy import sysctl
+
+    if sysctl.ensure(sysctl.ROUTE_LOCALNET, 1):
+        log.info("set %s=1 to serve NodePorts on 127.0.0.1; --iptables-localhost-nodeports=false or "
+                 "--nodeport-addresses without 127.0.0.0/8 turns this off", sysctl.ROUTE_LOCALNET)
 
 
 def _queued(tracker: ChangeTracker, proxier: Proxier, request: Callable[[], None]) -> None:
@@ -527,6 +709,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"netproxy: {err}", file=sys.stderr)
     except BackendError as err:
         print(f"netproxy: {err.kind} error: {err}", file=sys.stderr)
+    except ConfigError as err:
+        print(f"netproxy: {err}", file=sys.stderr)
+    except OSError as err:
+        if getattr(err, "filename", None) and "/proc/sys/" in str(err.filename):
+            print(f"netproxy: cannot set {err.filename}: {err.strerror}", file=sys.stderr)
+        else:
+            raise
     return EXIT_FAILED
 
 
