@@ -294,7 +294,7 @@ def _nodeport_cidrs(args: argparse.Namespace, node: Optional[NodeInfo]) -> Tuple
         return tuple(value)
     ips = [ip for ip in (node.ips if node is not None else ()) if not ip.is_loopback]
     if not ips:
-        log.warning("--nodeport-addresses primary: the Node %r has no InternalIP or ExternalIP; NodePorts are "
+        log.info("--nodeport-addresses primary: the Node %r has no InternalIP or ExternalIP; NodePorts are "
                     "accepted on every local address (as kube-proxy does)", _hostname(args))
     return tuple(ipaddress.ip_network(ip) for ip in ips)
 
@@ -336,8 +336,16 @@ def choose_backend(args: argparse.Namespace) -> Tuple[str, str]:
     return backend, flavour
 
 
-def make_backend(args: argparse.Namespace, node: Optional[NodeInfo] = None) -> Tuple[Backend, ProxyConfig]:
+def make_backend(args: argparse.Namespace, node: Optional[NodeInfo] = None,
+                 read_node: Optional[Callable[[], Optional[NodeInfo]]] = None) -> Tuple[Backend, ProxyConfig]:
+    """The backend and its configuration; ``node`` (or ``read_node()``, asked only when the
+    configuration needs the Node) gives NodeCIDR's pod CIDRs and ``primary``'s addresses."""
     backend, flavour = choose_backend(args)
+    chosen = set(getattr(args, "given", ())) | set(getattr(args, "from_config", ()))
+    if backend == "nftables" and hasattr(args, "nodeport_addresses") and "nodeport_addresses" not in chosen:
+        args.nodeport_addresses = PRIMARY  # kube-proxy's nftables mode default (its platformApplyDefaults)
+    if node is None and read_node is not None and needs_node(args):
+        node = read_node()
     config = _config(args, backend, flavour, node)
     return create(backend, config), config
 
@@ -516,7 +524,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from netproxy.proxier import Proxier
     from netproxy.runner import BoundedFrequencyRunner
 
-    backend, config = make_backend(args, _start_node(args) if needs_node(args) else None)
+    backend, config = make_backend(args, read_node=lambda: _start_node(args))
     backend.probe()
     _ensure_localhost_nodeports(backend.name, config)
     tracker = ChangeTracker(NodeInfo(name=config.hostname))  # ETP/ITP Local need the node name from the start
