@@ -524,7 +524,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from netproxy.proxier import Proxier
     from netproxy.runner import BoundedFrequencyRunner
 
-    backend, config = make_backend(args, read_node=lambda: _start_node(args))
+    source = _make_source(args, _hostname(args))
+    backend, config = make_backend(args, read_node=lambda: _start_node(args, source))
     backend.probe()
     _ensure_localhost_nodeports(backend.name, config)
     tracker = ChangeTracker(NodeInfo(name=config.hostname))  # ETP/ITP Local need the node name from the start
@@ -532,7 +533,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     runner = BoundedFrequencyRunner(proxier.sync, config.min_sync_period, config.sync_period)
     proxier.retry = runner.retry_after
     tracker.on_change = lambda: _queued(tracker, proxier, runner.request)
-    source = _make_source(args, config)
     _add_post_sync_steps(proxier, config, args)
     stop = threading.Event()
     failed: List[str] = []
@@ -581,21 +581,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_FAILED if failed else EXIT_OK
 
 
-def _start_node(args: argparse.Namespace) -> Optional[NodeInfo]:
+def _start_node(args: argparse.Namespace, source: Source) -> Optional[NodeInfo]:
     """This node's Node at start, for what is configured from it (NodeCIDR, primary): from
     --source, or read once from the API (waiting a while for spec.podCIDRs in NodeCIDR mode, as
     kube-proxy does: the node controller fills them shortly after the node registers)."""
     import time
 
-    name = _hostname(args)
-    if args.source:
-        return load(args.source, name).node
+    if isinstance(source, FileSource):
+        return source.node()
     from netproxy.source import kube
 
-    try:
-        client = kube.api_client_from(args.kubeconfig)
-    except ValueError as err:
-        raise SourceError(f"{err}; pass --source PATH or --kubeconfig PATH") from None
+    name = _hostname(args)
+    client = getattr(source, "api_client", None)
     deadline = time.monotonic() + NODE_WAIT
     while True:
         node = kube.read_node(client, name)
@@ -663,10 +660,10 @@ def _add_post_sync_steps(proxier: Proxier, config: ProxyConfig, args: argparse.N
     proxier.after_sync.append(lambda prev, cur: health.sync_node(cur.node))
 
 
-def _make_source(args: argparse.Namespace, config: ProxyConfig) -> Source:
+def _make_source(args: argparse.Namespace, hostname: str) -> Source:
     """The file source for --source; otherwise the Kubernetes API (--kubeconfig, or in-cluster)."""
     if args.source:
-        return FileSource(args.source, node_name=config.hostname)
+        return FileSource(args.source, node_name=hostname)
     # Imported lazily: the kubernetes client is slow to import and file-source users never need it.
     from netproxy.source import kube
 
@@ -674,7 +671,7 @@ def _make_source(args: argparse.Namespace, config: ProxyConfig) -> Source:
         client = kube.api_client_from(args.kubeconfig)
     except ValueError as err:
         raise SourceError(f"{err}; pass --source PATH or --kubeconfig PATH") from None
-    return kube.KubeSource(client, config.hostname, use_endpoints=args.use_endpoints)
+    return kube.KubeSource(client, hostname, use_endpoints=args.use_endpoints)
 
 
 COMMANDS = {"sync": cmd_sync, "run": cmd_run, "plan": cmd_plan, "trace": cmd_trace, "status": cmd_status,

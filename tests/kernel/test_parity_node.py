@@ -11,14 +11,16 @@ pods (.10 to .14) and not the client.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import subprocess
+from typing import Any, Dict, List, Optional
 
 import pytest
-from harness import Manifest, Proxy, assert_only_and_all, service
+from harness import TIME_SCALE, Manifest, Proxy, assert_only_and_all, service, write_manifests
 from test_parity import (  # the shared body's helpers and its five-pod sandbox (pods 3-4 remote)
     DROP_TIMEOUT,
     NODE_PORT,
     SVC_IP,
+    alive,
     assert_dropped,
     assert_masqueraded,
     assert_preserved,
@@ -28,8 +30,10 @@ from test_parity import (  # the shared body's helpers and its five-pod sandbox 
     local,
     port,
     remote,
+    run_wait,
     sandbox,
     slice_of,
+    sources_of,
     web,
 )
 
@@ -169,3 +173,25 @@ def test_primary_without_a_node_address_is_every_local_address(proxy: Proxy, san
     for res in connect_all(sandbox, (NODE_EXT4, NODE_PORT, {"count": 30, "source": sandbox.ext}),
                            (GATEWAY4, NODE_PORT, {"count": 30})):
         assert_only_and_all(res, pods, total=30)
+
+
+def test_node_cidr_run_exits_when_the_pod_cidrs_change(proxy: Proxy, sandbox: Sandbox) -> None:
+    """netproxy run in NodeCIDR mode keeps the pod CIDRs it started with and exits 1 when the Node's
+    change (kube-proxy's NodeManager does the same), so that its supervisor starts it again."""
+    here, pod = local(sandbox)[:2], local(sandbox)[2]
+    objects = web(here)
+    proc = proxy.start_run([*objects, node_object([POD_CIDR])], "--detect-local-mode", "NodeCIDR")
+
+    def preserved() -> Optional[str]:
+        alive(proxy)
+        res = sandbox.connect(SVC_IP, 80, count=6, source=pod.netns)
+        return None if sources_of(res) == {pod.ip} else f"sources {res.sources}, errors {res.errors}"
+
+    run_wait(proxy, preserved, timeout=15)
+    write_manifests(proxy.source, [*objects, node_object(["10.244.2.0/24"])])
+    try:
+        code = proc.wait(timeout=10 * TIME_SCALE)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running after the pod CIDRs changed:\n{proxy.run_output()[-2000:]}") from None
+    assert code == 1, proxy.run_output()[-2000:]
+    assert "spec.podCIDRs changed" in proxy.run_output()
