@@ -583,8 +583,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _start_node(args: argparse.Namespace, source: Source) -> Optional[NodeInfo]:
     """This node's Node at start, for what is configured from it (NodeCIDR, primary): from
-    --source, or read once from the API (waiting a while for spec.podCIDRs in NodeCIDR mode, as
-    kube-proxy does: the node controller fills them shortly after the node registers)."""
+    --source, or read from the API (once; in NodeCIDR mode until it has spec.podCIDRs, up to
+    NODE_WAIT, as kube-proxy waits: the node controller fills them shortly after the node registers)."""
     import time
 
     if isinstance(source, FileSource):
@@ -596,8 +596,8 @@ def _start_node(args: argparse.Namespace, source: Source) -> Optional[NodeInfo]:
     deadline = time.monotonic() + NODE_WAIT
     while True:
         node = kube.read_node(client, name)
-        if node is not None and (node.pod_cidrs or args.detect_local_mode != "NodeCIDR"):
-            return node
+        if args.detect_local_mode != "NodeCIDR" or (node is not None and node.pod_cidrs):
+            return node  # primary alone: no Node yet is kube-proxy's "assume loopback", all addresses
         if time.monotonic() >= deadline:
             return node
         log.info("waiting for the Node %r%s", name, " and its spec.podCIDRs" if node is not None else "")
