@@ -278,7 +278,7 @@ def _local_detection(args: argparse.Namespace, node: Optional[NodeInfo]) -> dict
         out["pod_interface_name_prefix"] = args.pod_interface_name_prefix
     elif mode == "NodeCIDR":
         if node is None or not node.pod_cidrs:
-            raise ConfigError(f"--detect-local-mode NodeCIDR: the Node {_hostname(args)!r} has no spec.podCIDRs "
+            raise ConfigError(f"--detect-local-mode NodeCIDR: the Node {_hostname(args)!r} has no valid spec.podCIDRs "
                               "(give the Node in --source, or let the API source read it)")
         out["node_pod_cidrs"] = node.pod_cidrs
     return out

@@ -91,8 +91,8 @@ def test_node_cidr_takes_the_nodes_pod_cidrs(created: List[Tuple[str, ProxyConfi
 
 
 @pytest.mark.parametrize("flags, objects, words", [
-    (["--detect-local-mode", "NodeCIDR"], [], "the Node 'node-a' has no spec.podCIDRs"),
-    (["--detect-local-mode", "NodeCIDR"], [node_manifest()], "the Node 'node-a' has no spec.podCIDRs"),
+    (["--detect-local-mode", "NodeCIDR"], [], "the Node 'node-a' has no valid spec.podCIDRs"),
+    (["--detect-local-mode", "NodeCIDR"], [node_manifest()], "the Node 'node-a' has no valid spec.podCIDRs"),
     (["--detect-local-mode", "BridgeInterface"], [], "BridgeInterface needs --pod-bridge-interface"),
     (["--detect-local-mode", "InterfaceNamePrefix", "--pod-bridge-interface", "cbr0"], [],
      "InterfaceNamePrefix needs --pod-interface-name-prefix"),
