@@ -20,6 +20,7 @@ from test_parity import (  # the shared body's helpers and its five-pod sandbox 
     DROP_TIMEOUT,
     NODE_PORT,
     SVC_IP,
+    SVC_IP6,
     alive,
     assert_dropped,
     assert_masqueraded,
@@ -37,7 +38,7 @@ from test_parity import (  # the shared body's helpers and its five-pod sandbox 
     web,
 )
 
-from netproxy.sandbox import CLIENT4, EXT4, GATEWAY4, NODE_EXT4, NODE_NAME, Sandbox
+from netproxy.sandbox import CLIENT4, CLIENT6, EXT4, GATEWAY4, GATEWAY6, NODE_EXT4, NODE_EXT6, NODE_NAME, Sandbox
 
 pytestmark = pytest.mark.kernel
 __all__ = ["sandbox"]
@@ -195,3 +196,23 @@ def test_node_cidr_run_exits_when_the_pod_cidrs_change(proxy: Proxy, sandbox: Sa
         raise AssertionError(f"still running after the pod CIDRs changed:\n{proxy.run_output()[-2000:]}") from None
     assert code == 1, proxy.run_output()[-2000:]
     assert "spec.podCIDRs changed" in proxy.run_output()
+
+
+@pytest.mark.parametrize("mode", ["BridgeInterface", "InterfaceNamePrefix"])
+def test_detect_local_mode_by_interface_over_ipv6(mode: str, proxy: Proxy, sandbox: Sandbox) -> None:
+    """The interface detectors know no address family: IPv6 cluster traffic from a local pod keeps
+    its source, from anything else it is masqueraded to a node address (ip6tables / the ip6 table)."""
+    flags, _, client_local, pod_local = MODES[mode]
+    here, pod = local(sandbox)[:2], local(sandbox)[2]
+    http = [port(8080, name="http")]
+    proxy.base_flags = [*proxy.base_flags, *flags]
+    proxy.sync([service("web6", SVC_IP6, [http_port()], clusterIPs=[SVC_IP6], ipFamilies=["IPv6"]),
+                slice_of("web6", [ep(p, ipv6=True) for p in here], http, address_type="IPv6")])
+    from_client, from_pod = connect_all(sandbox, (SVC_IP6, 80, {"count": 30}),
+                                        (SVC_IP6, 80, {"count": 30, "source": pod.netns}))
+    node6 = {GATEWAY6, NODE_EXT6}
+    for res, own, is_local in ((from_client, CLIENT6, client_local), (from_pod, pod.ip6, pod_local)):
+        assert_only_and_all(res, here, total=30)
+        seen = sources_of(res)
+        assert (seen == {own}) if is_local else (seen and seen <= node6), \
+            f"{mode}: pods saw {res.sources}; {own} is {'local' if is_local else 'not local'}"
