@@ -248,3 +248,35 @@ def test_nftables_interface_modes_match_as_nft_writes_them() -> None:
     assert masq is not None and 'iifname != "veth*"' in masq.body and "cluster-cidrs" not in masq.body
     exempt = layout.exemption_rules("c", "ip", config, st.jump("x"))
     assert 'iifname "veth*"' in exempt[0].body
+
+
+def _many(n: int) -> List[ServicePort]:
+    return [ServicePort(ServicePortName("default", f"s{i}", "http"), "TCP", 80, 8080,
+                        (ipaddress.ip_address(f"10.96.{i // 250}.{i % 250 + 1}"),), node_port=30000 + i,
+                        external_traffic_policy="Local" if i % 2 else "Cluster") for i in range(n)]
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_no_mode_adds_rules_per_service(family: int) -> None:
+    """10k-service scale: an interface mode writes the same number of rules as a single cluster CIDR
+    (it replaces the CIDR match), and the localnet guard is one rule for the whole table."""
+    services = _many(200)
+    eps = (Endpoint(ipaddress.ip_address("10.244.1.5" if family == 4 else "fd00:10:244:1::5"), 8080, node_name=NODE),)
+    if family == 6:
+        services = [ServicePort(s.name, s.protocol, s.port, s.target_port,
+                                (ipaddress.ip_address(f"fd00:96::{i + 1:x}"),), node_port=s.node_port,
+                                external_traffic_policy=s.external_traffic_policy) for i, s in enumerate(services)]
+    cidr = "10.244.0.0/16" if family == 4 else "fd00:10:244::/48"
+
+    def count(config: ProxyConfig) -> int:
+        rendered = [render_service(s, eps, NodeInfo(NODE), family, config) for s in services]
+        out = assemble(family, [r for r in rendered if r is not None], config, NodeInfo(NODE))
+        return sum(len(rules) for chains in out.tables.values() for rules in chains.values())
+
+    base = count(ProxyConfig(hostname=NODE, cluster_cidrs=(net(cidr),), localhost_nodeports=False))
+    for mode, extra in (("BridgeInterface", {"pod_bridge_interface": "cbr0"}),
+                        ("InterfaceNamePrefix", {"pod_interface_name_prefix": "veth"})):
+        config = ProxyConfig(hostname=NODE, detect_local_mode=mode, localhost_nodeports=False, **extra)
+        assert count(config) == base, mode
+    guarded = count(ProxyConfig(hostname=NODE, cluster_cidrs=(net(cidr),)))
+    assert guarded == base + (1 if family == 4 else 0)
