@@ -40,6 +40,16 @@ from netproxy.config import (
     parse_cidrs,
 )
 from netproxy.model import Changes, NodeInfo, Snapshot, ValidationError, forget_parsed_addresses
+from netproxy.nodeconfig import (
+    PRIMARY,
+    ConfigError,
+    ensure_localhost_nodeports,
+    hostname,
+    local_detection,
+    needs_node,
+    nodeport_cidrs,
+    start_node,
+)
 from netproxy.source.files import FileSource, Loaded, SourceError, load
 from netproxy.tracker import ChangeTracker
 
@@ -72,10 +82,6 @@ def cidr_list(text: str) -> Tuple[object, ...]:
         return parse_cidrs(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-
-
-PRIMARY = "primary"
-"""``--nodeport-addresses primary``: the node's primary IPs (kube-proxy's keyword, its nftables default)."""
 
 
 def nodeport_addresses(text: str) -> Union[str, Tuple[object, ...]]:
@@ -253,57 +259,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class ConfigError(ValueError):
-    """The flags ask for something that cannot be set up (named), before anything is written."""
-
-
-def _hostname(args: argparse.Namespace) -> str:
-    import socket
-
-    return getattr(args, "hostname_override", "") or socket.gethostname()
-
-
-def _local_detection(args: argparse.Namespace, node: Optional[NodeInfo]) -> dict:  # type: ignore[type-arg]
-    """ProxyConfig's local-pod detection fields from the flags (and, for NodeCIDR, the Node);
-    ConfigError naming the flag when the mode lacks what it needs, as kube-proxy refuses to start."""
-    mode = getattr(args, "detect_local_mode", "ClusterCIDR") or "ClusterCIDR"
-    out = {"detect_local_mode": mode}
-    if mode == "BridgeInterface":
-        if not getattr(args, "pod_bridge_interface", ""):
-            raise ConfigError("--detect-local-mode BridgeInterface needs --pod-bridge-interface")
-        out["pod_bridge_interface"] = args.pod_bridge_interface
-    elif mode == "InterfaceNamePrefix":
-        if not getattr(args, "pod_interface_name_prefix", ""):
-            raise ConfigError("--detect-local-mode InterfaceNamePrefix needs --pod-interface-name-prefix")
-        out["pod_interface_name_prefix"] = args.pod_interface_name_prefix
-    elif mode == "NodeCIDR":
-        if node is None or not node.pod_cidrs:
-            raise ConfigError(f"--detect-local-mode NodeCIDR: the Node {_hostname(args)!r} has no valid spec.podCIDRs "
-                              "(give the Node in --source, or let the API source read it)")
-        out["node_pod_cidrs"] = node.pod_cidrs
-    return out
-
-
-def _nodeport_cidrs(args: argparse.Namespace, node: Optional[NodeInfo]) -> Tuple[Any, ...]:
-    """--nodeport-addresses as CIDRs; ``primary`` becomes the Node's primary IPs as /32 and /128, as
-    kube-proxy does, and every local address when there is none (kube-proxy's loopback fallback)."""
-    import ipaddress
-
-    value = getattr(args, "nodeport_addresses", ())
-    if value != PRIMARY:
-        return tuple(value)
-    ips = [ip for ip in (node.ips if node is not None else ()) if not ip.is_loopback]
-    if not ips:
-        log.info("--nodeport-addresses primary: the Node %r has no InternalIP or ExternalIP; NodePorts are "
-                    "accepted on every local address (as kube-proxy does)", _hostname(args))
-    return tuple(ipaddress.ip_network(ip) for ip in ips)
-
-
-def needs_node(args: argparse.Namespace) -> bool:
-    """Whether the configuration is read from the Node object (NodeCIDR, primary)."""
-    return getattr(args, "detect_local_mode", "") == "NodeCIDR" or getattr(args, "nodeport_addresses", ()) == PRIMARY
-
-
 def _config(args: argparse.Namespace, backend: str, flavour: str, node: Optional[NodeInfo] = None) -> ProxyConfig:
     return ProxyConfig(
         backend=backend, iptables_writer=args.iptables_writer, iptables_flavour=flavour,
@@ -311,11 +266,11 @@ def _config(args: argparse.Namespace, backend: str, flavour: str, node: Optional
         sync_period=getattr(args, "sync_period", 30.0), min_sync_period=getattr(args, "min_sync_period", 1.0),
         masquerade_all=getattr(args, "masquerade_all", False), masquerade_bit=getattr(args, "masquerade_bit", 14),
         cluster_cidrs=tuple(getattr(args, "cluster_cidr", ())),
-        hostname=_hostname(args),
-        nodeport_addresses=_nodeport_cidrs(args, node),
+        hostname=hostname(args),
+        nodeport_addresses=nodeport_cidrs(args, node),
         localhost_nodeports=getattr(args, "iptables_localhost_nodeports", True) is not False,
         one_shot=getattr(args, "one_shot", False),
-        **_local_detection(args, node),
+        **local_detection(args, node),
     )
 
 
@@ -359,7 +314,7 @@ def _load(args: argparse.Namespace) -> Loaded:
     """One load of --source, for the one-shot commands.  They end after one write, and nothing they
     build forms cycles: the cyclic collector stays off for their whole life."""
     gc.disable()
-    return load(args.source, _hostname(args))
+    return load(args.source, hostname(args))
 
 
 def _snapshot(loaded: Loaded, config: ProxyConfig) -> Tuple[Snapshot, List[ValidationError]]:
@@ -383,7 +338,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
     backend, config = make_backend(args, loaded.node)
     snapshot, errors = _snapshot(loaded, config)
     backend.probe()
-    _ensure_localhost_nodeports(backend.name, config)
+    ensure_localhost_nodeports(backend.name, config)
     _report_rejections(errors)  # before the write, so that they are named even when it fails
     result = backend.sync(snapshot, Changes(full=True))
     log.info("synced %d service ports with the %s backend", result.services_written, backend.name)
@@ -524,10 +479,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from netproxy.proxier import Proxier
     from netproxy.runner import BoundedFrequencyRunner
 
-    source = _make_source(args, _hostname(args))
-    backend, config = make_backend(args, read_node=lambda: _start_node(args, source))
+    source = _make_source(args, hostname(args))
+    backend, config = make_backend(args, read_node=lambda: start_node(args, source))
     backend.probe()
-    _ensure_localhost_nodeports(backend.name, config)
+    ensure_localhost_nodeports(backend.name, config)
     tracker = ChangeTracker(NodeInfo(name=config.hostname))  # ETP/ITP Local need the node name from the start
     proxier = Proxier(tracker, backend, config)
     runner = BoundedFrequencyRunner(proxier.sync, config.min_sync_period, config.sync_period)
@@ -579,47 +534,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     for why in failed:
         log.error("%s", why)
     return EXIT_FAILED if failed else EXIT_OK
-
-
-def _start_node(args: argparse.Namespace, source: Source) -> Optional[NodeInfo]:
-    """This node's Node at start, for what is configured from it (NodeCIDR, primary): from
-    --source, or read from the API (once; in NodeCIDR mode until it has spec.podCIDRs, up to
-    NODE_WAIT, as kube-proxy waits: the node controller fills them shortly after the node registers)."""
-    import time
-
-    if isinstance(source, FileSource):
-        return source.node()
-    from netproxy.source import kube
-
-    name = _hostname(args)
-    client = getattr(source, "api_client", None)
-    deadline = time.monotonic() + NODE_WAIT
-    while True:
-        node = kube.read_node(client, name)
-        if args.detect_local_mode != "NodeCIDR" or (node is not None and node.pod_cidrs):
-            return node  # primary alone: no Node yet is kube-proxy's "assume loopback", all addresses
-        if time.monotonic() >= deadline:
-            return node
-        log.info("waiting for the Node %r%s", name, " and its spec.podCIDRs" if node is not None else "")
-        time.sleep(2.0)
-
-
-NODE_WAIT = 60.0
-"""Seconds ``run`` waits at start for the Node (and its pod CIDRs in NodeCIDR mode) on the API."""
-
-
-def _ensure_localhost_nodeports(backend: str, config: ProxyConfig) -> None:
-    """kube-proxy's iptables mode serves NodePorts on 127.0.0.1 by setting route_localnet (the
-    kernel otherwise drops a packet from or to 127/8 that is routed, as a DNAT-ed one is)."""
-    from netproxy.backends.iptables.assemble import serves_localhost
-
-    if backend != "iptables" or not serves_localhost(config):
-        return
-    from netproxy import sysctl
-
-    if sysctl.ensure(sysctl.ROUTE_LOCALNET, 1):
-        log.info("set %s=1 to serve NodePorts on 127.0.0.1; --iptables-localhost-nodeports=false or "
-                 "--nodeport-addresses without 127.0.0.0/8 turns this off", sysctl.ROUTE_LOCALNET)
 
 
 def _queued(tracker: ChangeTracker, proxier: Proxier, request: Callable[[], None]) -> None:
