@@ -10,7 +10,8 @@ for become that flag's value (``FileConfig.values``, keyed by the argparse desti
 line wins over the file (``apply``).  A field set to something netproxy does not do is listed in
 ``not_applied``, a field kube-proxy does not know in ``unknown``: the CLI names both in one warning.
 A setting that would change traffic in a way netproxy cannot honour (``mode: ipvs``,
-``detectLocalMode: NodeCIDR``, ...) and a value of the wrong type raise ``FieldError``.
+``detectLocalMode: BridgeInterface`` without ``detectLocal.bridgeInterface``, ...) and a value of
+the wrong type raise ``FieldError``.
 
 kube-proxy's v1alpha1 keeps ``masqueradeBit``, ``masqueradeAll``, ``syncPeriod`` and ``minSyncPeriod``
 per mode: ``nftables.*`` in nftables mode, ``iptables.*`` otherwise (mode "" is iptables for
