@@ -48,6 +48,7 @@ from netproxy.nodeconfig import (
     local_detection,
     needs_node,
     nodeport_cidrs,
+    parse_nodeport_addresses,
     start_node,
 )
 from netproxy.source.files import FileSource, Loaded, SourceError, load
@@ -84,13 +85,13 @@ def cidr_list(text: str) -> Tuple[object, ...]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def nodeport_addresses(text: str) -> Union[str, Tuple[object, ...]]:
-    """``primary`` alone, or CIDRs (kube-proxy accepts the keyword only as the whole value)."""
-    if text.strip() == PRIMARY:
-        return PRIMARY
-    if PRIMARY in (p.strip() for p in text.split(",")):
-        raise argparse.ArgumentTypeError(f"{text!r}: {PRIMARY!r} must be the only value (or give CIDRs)")
-    return cidr_list(text)
+def nodeport_addresses(text: str) -> Tuple[object, ...]:
+    """CIDRs and kube-proxy's keywords (``primary``, ``localhost``, ``all``), comma-separated, in
+    any combination (kube-proxy 1.37; before it ``primary`` only alone, which this accepts too)."""
+    try:
+        return parse_nodeport_addresses(text.split(","))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def flag_bool(text: str) -> bool:
@@ -178,8 +179,8 @@ def _add_proxy(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hostname-override", default="", action=_Store,
                    help="this node's name (default: the host name)")
     p.add_argument("--nodeport-addresses", type=nodeport_addresses, default=(), action=_Store,
-                   help="CIDRs of node addresses that accept NodePorts, or 'primary' (the Node's primary IPs); "
-                   "default: all local addresses")
+                   help="CIDRs of node addresses that accept NodePorts, and the keywords primary (the Node's "
+                   "primary IPs), localhost, all; default: all local addresses (nftables: primary)")
     p.add_argument("--iptables-localhost-nodeports", type=flag_bool, default=True, nargs="?", const=True,
                    action=_Store, metavar="BOOL", help="iptables backend: NodePorts answer on 127.0.0.1 too "
                    "(sets route_localnet, as kube-proxy does); default true")
@@ -298,7 +299,7 @@ def make_backend(args: argparse.Namespace, node: Optional[NodeInfo] = None,
     backend, flavour = choose_backend(args)
     chosen = set(getattr(args, "given", ())) | set(getattr(args, "from_config", ()))
     if backend == "nftables" and hasattr(args, "nodeport_addresses") and "nodeport_addresses" not in chosen:
-        args.nodeport_addresses = PRIMARY  # kube-proxy's nftables mode default (its platformApplyDefaults)
+        args.nodeport_addresses = (PRIMARY,)  # kube-proxy's nftables mode default (its platformApplyDefaults)
     if node is None and read_node is not None and needs_node(args):
         node = read_node()
     config = _config(args, backend, flavour, node)

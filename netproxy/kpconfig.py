@@ -29,6 +29,7 @@ import yaml
 
 from netproxy.config import check_interface_name, parse_cidrs
 from netproxy.model import FieldError
+from netproxy.nodeconfig import parse_nodeport_addresses
 
 API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
 KIND = "KubeProxyConfiguration"
@@ -314,8 +315,8 @@ def _detect_local(doc: Mapping[str, Any], section: Mapping[str, Any]) -> Dict[st
     return {"detect_local_mode": mode, dest: name}
 
 
-def _nodeport_addresses(value: Any) -> Optional[Any]:
-    """CIDRs, "primary" (alone, kube-proxy's keyword), or () for "all" (every local address);
+def _nodeport_addresses(value: Any) -> Optional[Tuple[Any, ...]]:
+    """CIDRs and kube-proxy's keywords ("primary", "localhost"; "all": () every local address);
     None when unset."""
     if value is None:
         return None
@@ -325,12 +326,8 @@ def _nodeport_addresses(value: Any) -> Optional[Any]:
         return None
     if "all" in value:
         return ()
-    if value == ["primary"]:
-        return "primary"
-    if "primary" in value:
-        raise FieldError("nodePortAddresses", "'primary' must be the only entry (or give CIDRs)")
     try:
-        return parse_cidrs(",".join(value))
+        return parse_nodeport_addresses(value)
     except ValueError as err:
         raise FieldError("nodePortAddresses", str(err)) from None
 

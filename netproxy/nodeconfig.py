@@ -13,15 +13,18 @@ import ipaddress
 import logging
 import socket
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from netproxy.config import ProxyConfig
+from netproxy.config import ProxyConfig, parse_cidrs
 from netproxy.model import NodeInfo
 
 log = logging.getLogger("netproxy")
 
-PRIMARY = "primary"
-"""``--nodeport-addresses primary``: the Node's primary IPs (kube-proxy's keyword, its nftables default)."""
+PRIMARY, LOCALHOST, ALL = "primary", "localhost", "all"
+"""``--nodeport-addresses`` keywords: the Node's primary IPs (kube-proxy's nftables default), the
+loopback addresses, every local address."""
+KEYWORDS = (PRIMARY, LOCALHOST, ALL)
+LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
 NODE_WAIT = 60.0
 """Seconds ``run`` waits at start, in NodeCIDR mode, for the Node's pod CIDRs on the API."""
 
@@ -55,22 +58,51 @@ def local_detection(args: Any, node: Optional[NodeInfo]) -> Dict[str, Any]:
     return out
 
 
+def parse_nodeport_addresses(entries: Sequence[str]) -> Tuple[Any, ...]:
+    """Keywords and CIDRs, validated (ValueError naming the bad entry); ``()`` when empty."""
+    out: List[Any] = []
+    for entry in (e.strip() for e in entries):
+        if not entry:
+            continue
+        if entry in KEYWORDS:
+            out.append(entry)
+            continue
+        cidrs = parse_cidrs(entry)
+        if not cidrs:
+            raise ValueError(f"{entry!r} is not a CIDR or one of {', '.join(KEYWORDS)}")
+        out.extend(cidrs)
+    return tuple(dict.fromkeys(out))
+
+
 def nodeport_cidrs(args: Any, node: Optional[NodeInfo]) -> Tuple[Any, ...]:
-    """--nodeport-addresses as CIDRs; ``primary`` becomes the Node's primary IPs as /32 and /128, as
-    kube-proxy does, and every local address when there is none (kube-proxy's loopback fallback)."""
-    value = getattr(args, "nodeport_addresses", ())
-    if value != PRIMARY:
-        return tuple(value)
-    ips = [ip for ip in (node.ips if node is not None else ()) if not ip.is_loopback]
-    if not ips:
-        log.info("--nodeport-addresses primary: the Node %r has no InternalIP or ExternalIP; NodePorts are "
-                 "accepted on every local address (as kube-proxy does)", hostname(args))
-    return tuple(ipaddress.ip_network(ip) for ip in ips)
+    """--nodeport-addresses as CIDRs, () meaning every local address, as kube-proxy resolves its
+    keywords: ``all`` is every address; ``localhost`` 127.0.0.0/8 and ::1/128; ``primary`` the
+    Node's primary IPs as /32 and /128 (none: nothing, and if nothing else is left, every local
+    address — kube-proxy's loopback fallback)."""
+    value = tuple(getattr(args, "nodeport_addresses", ()))
+    if not value or ALL in value:
+        return ()
+    out: List[Any] = []
+    for entry in value:
+        if entry == LOCALHOST:
+            out.extend(LOOPBACK)
+        elif entry == PRIMARY:
+            ips = [ip for ip in (node.ips if node is not None else ()) if not ip.is_loopback]
+            if not ips:
+                log.info("--nodeport-addresses primary: the Node %r has no InternalIP or ExternalIP",
+                         hostname(args))
+            out.extend(ipaddress.ip_network(ip) for ip in ips)
+        else:
+            out.append(entry)
+    if not out:
+        log.info("--nodeport-addresses: no address left; NodePorts are accepted on every local address "
+                 "(as kube-proxy does)")
+    return tuple(dict.fromkeys(out))
 
 
 def needs_node(args: Any) -> bool:
     """Whether the configuration is read from the Node object (NodeCIDR, primary)."""
-    return getattr(args, "detect_local_mode", "") == "NodeCIDR" or getattr(args, "nodeport_addresses", ()) == PRIMARY
+    return getattr(args, "detect_local_mode", "") == "NodeCIDR" or PRIMARY in getattr(args, "nodeport_addresses", ())
 
 
 def start_node(args: Any, source: Any) -> Optional[NodeInfo]:

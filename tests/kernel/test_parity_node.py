@@ -216,3 +216,26 @@ def test_detect_local_mode_by_interface_over_ipv6(mode: str, proxy: Proxy, sandb
         seen = sources_of(res)
         assert (seen == {own}) if is_local else (seen and seen <= node6), \
             f"{mode}: pods saw {res.sources}; {own} is {'local' if is_local else 'not local'}"
+
+
+def test_nodeport_addresses_primary_and_localhost(proxy: Proxy, sandbox: Sandbox) -> None:
+    """kube-proxy 1.37's keywords combined: ``primary,localhost`` takes the InternalIP and 127.0.0.1
+    on iptables (route_localnet), the InternalIP only on nftables (kube-proxy serves localhost there
+    only through KEP-6032's userspace proxy, alpha and off by default, which netproxy does not have)."""
+    pods = local(sandbox)
+    sandbox.exec(sandbox.node, ["sh", "-c", "echo 0 > /proc/sys/net/ipv4/conf/all/route_localnet"], check=True)
+    proxy.base_flags = [*proxy.base_flags, "--nodeport-addresses", "primary,localhost"]
+    proxy.sync([*web(pods, node_port=NODE_PORT), node_object(internal_ip=NODE_EXT4)])
+    primary, loopback, other = connect_all(
+        sandbox,
+        (NODE_EXT4, NODE_PORT, {"count": 30, "source": sandbox.ext}),
+        ("127.0.0.1", NODE_PORT, {"count": 30, "timeout": DROP_TIMEOUT, "source": sandbox.node}),
+        (GATEWAY4, NODE_PORT, {"count": 2, "timeout": DROP_TIMEOUT}),
+    )
+    assert_only_and_all(primary, pods, total=30)
+    assert other.answered == 0, f"{GATEWAY4}:{NODE_PORT} is not listed and answered {other.counts}"
+    if proxy.combo.backend == "iptables":
+        assert_only_and_all(loopback, pods, total=30)
+        assert _route_localnet(sandbox, sandbox.node) == "1"
+    else:
+        assert loopback.answered == 0, f"127.0.0.1:{NODE_PORT} answered {loopback.counts}"

@@ -111,7 +111,8 @@ def test_a_mode_without_what_it_needs_exits_1_naming_it_before_any_backend(
     ("--pod-interface-name-prefix", "veth+", "is not an interface name"),
     ("--pod-interface-name-prefix", "fifteen-chars-x", "longer than 14"),  # iptables writes "<prefix>+"
     ("--pod-bridge-interface", 'br"0', "is not an interface name"),
-    ("--nodeport-addresses", "primary,10.0.0.0/8", "'primary' must be the only value"),
+    ("--nodeport-addresses", "primary,10.0.0.0/33", "'10.0.0.0/33' is not a CIDR"),
+    ("--nodeport-addresses", "primary,lo", "'lo' is not a CIDR"),
     ("--iptables-localhost-nodeports", "maybe", "is not true or false"),
     ("--detect-local-mode", "LocalCIDR", "invalid choice"),
 ])
@@ -139,6 +140,22 @@ def test_nodeport_addresses_primary_is_the_nodes_primary_ips(created: List[Tuple
                  {"type": "InternalIP", "address": "fd00::10"}]
     assert plan(source(tmp_path, node_manifest(addresses=addresses)), "--nodeport-addresses", "primary") == 0
     assert [str(c) for c in created[-1][1].nodeport_addresses] == ["192.168.1.10/32", "fd00::10/128"]
+
+
+@pytest.mark.parametrize("value, node_ips, cidrs", [
+    ("primary,localhost", ["192.168.1.10"], ["192.168.1.10/32", "127.0.0.0/8", "::1/128"]),
+    ("localhost", [], ["127.0.0.0/8", "::1/128"]),
+    ("primary,localhost", [], ["127.0.0.0/8", "::1/128"]),
+    ("10.0.0.0/8,primary", ["192.168.1.10"], ["10.0.0.0/8", "192.168.1.10/32"]),
+    ("all,10.0.0.0/8", [], []),
+    ("primary", [], []),
+])
+def test_nodeport_address_keywords_combine_as_in_kube_proxy_1_37(
+        value: str, node_ips: List[str], cidrs: List[str], created: List[Tuple[str, ProxyConfig]],
+        tmp_path: Path) -> None:
+    node = node_manifest(addresses=[{"type": "InternalIP", "address": a} for a in node_ips])
+    assert plan(source(tmp_path, node), f"--nodeport-addresses={value}") == 0
+    assert [str(c) for c in created[-1][1].nodeport_addresses] == cidrs
 
 
 def test_primary_without_node_ips_is_every_local_address(created: List[Tuple[str, ProxyConfig]],
