@@ -83,6 +83,9 @@ class Packet:
     """``prerouting`` (from the network) or ``output`` (from the node itself)."""
     local: FrozenSet[str] = frozenset()
     """The node's own addresses (what ``fib ... type local`` / ``--dst-type LOCAL`` match)."""
+    iif: str = ""
+    """The interface it came in on (``-i`` / ``iifname``: --detect-local-mode's interface modes);
+    empty for the node's own packets (``output``)."""
 
     @property
     def family(self) -> str:

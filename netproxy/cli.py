@@ -30,9 +30,28 @@ from netproxy import detect as detect_mod
 from netproxy import logs
 from netproxy.backends import BackendError, create
 from netproxy.backends.base import Backend, Packet
-from netproxy.config import BACKENDS, IPTABLES_WRITERS, NFTABLES_WRITERS, ProxyConfig, parse_cidrs
+from netproxy.config import (
+    BACKENDS,
+    IPTABLES_WRITERS,
+    LOCAL_MODES,
+    NFTABLES_WRITERS,
+    ProxyConfig,
+    check_interface_name,
+    parse_cidrs,
+)
 from netproxy.model import Changes, NodeInfo, Snapshot, ValidationError, forget_parsed_addresses
-from netproxy.source.files import FileSource, SourceError, load
+from netproxy.nodeconfig import (
+    PRIMARY,
+    ConfigError,
+    ensure_localhost_nodeports,
+    hostname,
+    local_detection,
+    needs_node,
+    nodeport_cidrs,
+    parse_nodeport_addresses,
+    start_node,
+)
+from netproxy.source.files import FileSource, Loaded, SourceError, load
 from netproxy.tracker import ChangeTracker
 
 if TYPE_CHECKING:  # the proxier pulls in prometheus_client: only `run` needs it, so import it there
@@ -62,6 +81,43 @@ def duration(text: str) -> float:
 def cidr_list(text: str) -> Tuple[object, ...]:
     try:
         return parse_cidrs(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def nodeport_addresses(text: str) -> Tuple[object, ...]:
+    """CIDRs and kube-proxy's keywords (``primary``, ``localhost``, ``all``), comma-separated, in
+    any combination (kube-proxy 1.37; before it ``primary`` only alone, which this accepts too)."""
+    try:
+        return parse_nodeport_addresses(text.split(","))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def flag_bool(text: str) -> bool:
+    """A Go-style boolean flag value (``--iptables-localhost-nodeports=false``)."""
+    value = text.strip().lower()
+    if value in ("true", "1", "t", "yes"):
+        return True
+    if value in ("false", "0", "f", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+
+
+def interface_name(text: str) -> str:
+    if not text:
+        return ""  # unset (argparse runs a string default through this too)
+    try:
+        return check_interface_name(text, "interface")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def interface_prefix(text: str) -> str:
+    if not text:
+        return ""  # unset (argparse runs a string default through this too)
+    try:
+        return check_interface_name(text, "interface prefix", prefix=True)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
@@ -122,8 +178,19 @@ def _add_proxy(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster-cidr", type=cidr_list, default=(), action=_Store, help="pod CIDRs, comma-separated")
     p.add_argument("--hostname-override", default="", action=_Store,
                    help="this node's name (default: the host name)")
-    p.add_argument("--nodeport-addresses", type=cidr_list, default=(), action=_Store,
-                   help="CIDRs of node addresses that accept NodePorts (default: all local addresses)")
+    p.add_argument("--nodeport-addresses", type=nodeport_addresses, default=(), action=_Store,
+                   help="CIDRs of node addresses that accept NodePorts, and the keywords primary (the Node's "
+                   "primary IPs), localhost, all; default: all local addresses (nftables: primary)")
+    p.add_argument("--iptables-localhost-nodeports", type=flag_bool, default=True, nargs="?", const=True,
+                   action=_Store, metavar="BOOL", help="iptables backend: NodePorts answer on 127.0.0.1 too "
+                   "(sets route_localnet, as kube-proxy does); default true")
+    p.add_argument("--detect-local-mode", choices=list(LOCAL_MODES), default="ClusterCIDR", action=_Store,
+                   help="what tells traffic from this node's pods: ClusterCIDR (--cluster-cidr), NodeCIDR "
+                   "(the Node's spec.podCIDRs), BridgeInterface, InterfaceNamePrefix")
+    p.add_argument("--pod-bridge-interface", type=interface_name, default="", action=_Store,
+                   help="BridgeInterface mode: the bridge the pods are on")
+    p.add_argument("--pod-interface-name-prefix", type=interface_prefix, default="", action=_Store,
+                   help="InterfaceNamePrefix mode: the prefix of the pods' interfaces (e.g. veth)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -168,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="source_address", default="203.0.113.1", metavar="ADDRESS",
                    help="the client's address (default: outside the cluster)")
     p.add_argument("--from-node", action="store_true", help="the connection starts on the node itself")
+    p.add_argument("--from-interface", default="", type=interface_name, metavar="IFNAME",
+                   help="the interface the connection comes in on (--detect-local-mode BridgeInterface, "
+                   "InterfaceNamePrefix)")
     p.add_argument("--node-address", action="append", default=[], metavar="ADDRESS",
                    help="this node's addresses (NodePorts, the node's own traffic); repeat")
     p.add_argument("--kernel", action="store_true", help="trace the rules the kernel holds now instead of the "
@@ -190,18 +260,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config(args: argparse.Namespace, backend: str, flavour: str) -> ProxyConfig:
-    import socket
-
+def _config(args: argparse.Namespace, backend: str, flavour: str, node: Optional[NodeInfo] = None) -> ProxyConfig:
     return ProxyConfig(
         backend=backend, iptables_writer=args.iptables_writer, iptables_flavour=flavour,
         nftables_writer=args.nftables_writer,
         sync_period=getattr(args, "sync_period", 30.0), min_sync_period=getattr(args, "min_sync_period", 1.0),
         masquerade_all=getattr(args, "masquerade_all", False), masquerade_bit=getattr(args, "masquerade_bit", 14),
         cluster_cidrs=tuple(getattr(args, "cluster_cidr", ())),
-        hostname=getattr(args, "hostname_override", "") or socket.gethostname(),
-        nodeport_addresses=tuple(getattr(args, "nodeport_addresses", ())),
+        hostname=hostname(args),
+        nodeport_addresses=nodeport_cidrs(args, node),
+        localhost_nodeports=getattr(args, "iptables_localhost_nodeports", True) is not False,
         one_shot=getattr(args, "one_shot", False),
+        **local_detection(args, node),
     )
 
 
@@ -222,9 +292,17 @@ def choose_backend(args: argparse.Namespace) -> Tuple[str, str]:
     return backend, flavour
 
 
-def make_backend(args: argparse.Namespace) -> Tuple[Backend, ProxyConfig]:
+def make_backend(args: argparse.Namespace, node: Optional[NodeInfo] = None,
+                 read_node: Optional[Callable[[], Optional[NodeInfo]]] = None) -> Tuple[Backend, ProxyConfig]:
+    """The backend and its configuration; ``node`` (or ``read_node()``, asked only when the
+    configuration needs the Node) gives NodeCIDR's pod CIDRs and ``primary``'s addresses."""
     backend, flavour = choose_backend(args)
-    config = _config(args, backend, flavour)
+    chosen = set(getattr(args, "given", ())) | set(getattr(args, "from_config", ()))
+    if backend == "nftables" and hasattr(args, "nodeport_addresses") and "nodeport_addresses" not in chosen:
+        args.nodeport_addresses = (PRIMARY,)  # kube-proxy's nftables mode default (its platformApplyDefaults)
+    if node is None and read_node is not None and needs_node(args):
+        node = read_node()
+    config = _config(args, backend, flavour, node)
     return create(backend, config), config
 
 
@@ -233,11 +311,15 @@ def _report_rejections(errors: Sequence[Exception]) -> None:
         print(f"netproxy: rejected {err}", file=sys.stderr)
 
 
-def _snapshot(args: argparse.Namespace, config: ProxyConfig) -> Tuple[Snapshot, List[ValidationError]]:
-    """One load of --source into a snapshot, for the one-shot commands.  They end after one write,
-    and nothing they build forms cycles: the cyclic collector stays off for their whole life."""
+def _load(args: argparse.Namespace) -> Loaded:
+    """One load of --source, for the one-shot commands.  They end after one write, and nothing they
+    build forms cycles: the cyclic collector stays off for their whole life."""
     gc.disable()
-    loaded = load(args.source, config.hostname)
+    return load(args.source, hostname(args))
+
+
+def _snapshot(loaded: Loaded, config: ProxyConfig) -> Tuple[Snapshot, List[ValidationError]]:
+    """The loaded --source as the snapshot a one-shot command syncs, plans or traces."""
     tracker = ChangeTracker(NodeInfo(name=config.hostname))
     if loaded.node is not None:
         tracker.set_node(loaded.node)
@@ -253,9 +335,11 @@ def _snapshot(args: argparse.Namespace, config: ProxyConfig) -> Tuple[Snapshot, 
 
 def cmd_sync(args: argparse.Namespace) -> int:
     args.one_shot = True
-    backend, config = make_backend(args)
-    snapshot, errors = _snapshot(args, config)
+    loaded = _load(args)
+    backend, config = make_backend(args, loaded.node)
+    snapshot, errors = _snapshot(loaded, config)
     backend.probe()
+    ensure_localhost_nodeports(backend.name, config)
     _report_rejections(errors)  # before the write, so that they are named even when it fails
     result = backend.sync(snapshot, Changes(full=True))
     log.info("synced %d service ports with the %s backend", result.services_written, backend.name)
@@ -263,14 +347,15 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    backend, config = make_backend(args)
     try:
-        snapshot, errors = _snapshot(args, config)
+        loaded = _load(args)
     except SourceError as err:
         if not args.diff:
             raise
         print(f"netproxy: source: {err}", file=sys.stderr)
         return EXIT_REJECTED  # with --diff, 1 means "differs": bad input is 2, as diff's trouble
+    backend, config = make_backend(args, loaded.node)
+    snapshot, errors = _snapshot(loaded, config)
     if args.diff:
         return _plan_diff(backend, config, snapshot, errors)
     sys.stdout.write(backend.plan(snapshot))
@@ -302,7 +387,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     if args.backend == "auto" and not args.kernel:
         args.backend = "nftables"  # a trace reads no kernel: the layout it follows is nftables'
-    backend, config = make_backend(args)
+    loaded = _load(args)
+    backend, config = make_backend(args, loaded.node)
     tracer = getattr(backend, "trace", None)
     if tracer is None:
         print(f"netproxy trace: the {backend.name} backend has no tracer", file=sys.stderr)
@@ -312,10 +398,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"netproxy trace: --to: {err}", file=sys.stderr)
         return EXIT_FAILED
-    snapshot, errors = _snapshot(args, config)
+    snapshot, errors = _snapshot(loaded, config)
     local = frozenset(args.node_address)
     packet = Packet(args.node_address[0] if args.from_node and local else args.source_address, address, port,
-                    args.protocol, hook="output" if args.from_node else "prerouting", local=local)
+                    args.protocol, hook="output" if args.from_node else "prerouting", local=local,
+                    iif="" if args.from_node else args.from_interface)
     if args.kernel:
         from netproxy.backends import listing
 
@@ -393,16 +480,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     from netproxy.proxier import Proxier
     from netproxy.runner import BoundedFrequencyRunner
 
-    backend, config = make_backend(args)
+    source = _make_source(args, hostname(args))
+    backend, config = make_backend(args, read_node=lambda: start_node(args, source))
     backend.probe()
+    ensure_localhost_nodeports(backend.name, config)
     tracker = ChangeTracker(NodeInfo(name=config.hostname))  # ETP/ITP Local need the node name from the start
     proxier = Proxier(tracker, backend, config)
     runner = BoundedFrequencyRunner(proxier.sync, config.min_sync_period, config.sync_period)
     proxier.retry = runner.retry_after
     tracker.on_change = lambda: _queued(tracker, proxier, runner.request)
-    source = _make_source(args, config)
     _add_post_sync_steps(proxier, config, args)
     stop = threading.Event()
+    failed: List[str] = []
+    if config.detect_local_mode == "NodeCIDR":
+        def pod_cidrs_kept(prev: Optional[Snapshot], cur: Snapshot) -> None:
+            # The rules were written for the pod CIDRs read at start; kube-proxy exits when they
+            # change (its NodeManager) so that it starts again with the new ones: so does netproxy.
+            if cur.node.pod_cidrs and cur.node.pod_cidrs != config.node_pod_cidrs:
+                failed.append(f"the Node's spec.podCIDRs changed from {', '.join(map(str, config.node_pod_cidrs))} "
+                              f"to {', '.join(map(str, cur.node.pod_cidrs))}: exiting to start again with them")
+                stop.set()
+                runner.wake()
+
+        proxier.after_sync.append(pod_cidrs_kept)
 
     def _stop(signum: int, _frame: object) -> None:
         log.info("signal %d: stopping", signum)
@@ -433,7 +533,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         source.stop()
         if watcher is not None:
             watcher.stop()
-    return EXIT_OK
+    for why in failed:
+        log.error("%s", why)
+    return EXIT_FAILED if failed else EXIT_OK
 
 
 def _queued(tracker: ChangeTracker, proxier: Proxier, request: Callable[[], None]) -> None:
@@ -475,10 +577,10 @@ def _add_post_sync_steps(proxier: Proxier, config: ProxyConfig, args: argparse.N
     proxier.after_sync.append(lambda prev, cur: health.sync_node(cur.node))
 
 
-def _make_source(args: argparse.Namespace, config: ProxyConfig) -> Source:
+def _make_source(args: argparse.Namespace, hostname: str) -> Source:
     """The file source for --source; otherwise the Kubernetes API (--kubeconfig, or in-cluster)."""
     if args.source:
-        return FileSource(args.source, node_name=config.hostname)
+        return FileSource(args.source, node_name=hostname)
     # Imported lazily: the kubernetes client is slow to import and file-source users never need it.
     from netproxy.source import kube
 
@@ -486,7 +588,7 @@ def _make_source(args: argparse.Namespace, config: ProxyConfig) -> Source:
         client = kube.api_client_from(args.kubeconfig)
     except ValueError as err:
         raise SourceError(f"{err}; pass --source PATH or --kubeconfig PATH") from None
-    return kube.KubeSource(client, config.hostname, use_endpoints=args.use_endpoints)
+    return kube.KubeSource(client, hostname, use_endpoints=args.use_endpoints)
 
 
 COMMANDS = {"sync": cmd_sync, "run": cmd_run, "plan": cmd_plan, "trace": cmd_trace, "status": cmd_status,
@@ -529,6 +631,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"netproxy: {err}", file=sys.stderr)
     except BackendError as err:
         print(f"netproxy: {err.kind} error: {err}", file=sys.stderr)
+    except ConfigError as err:
+        print(f"netproxy: {err}", file=sys.stderr)
+    except OSError as err:
+        if getattr(err, "filename", None) and "/proc/sys/" in str(err.filename):
+            print(f"netproxy: cannot set {err.filename}: {err.strerror}", file=sys.stderr)
+        else:
+            raise
     return EXIT_FAILED
 
 

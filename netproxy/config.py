@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 from dataclasses import dataclass, field
-from typing import Tuple
+from typing import Optional, Tuple
 
 from netproxy.model import IPNetwork
 
@@ -13,6 +13,9 @@ BACKENDS = ("auto", "iptables", "nftables", "fake")
 IPTABLES_WRITERS = ("restore", "libiptc")
 IPTABLES_FLAVOURS = ("legacy", "nft")
 NFTABLES_WRITERS = ("netlink", "libnftables")
+LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
+"""kube-proxy's ``--detect-local-mode``: what tells traffic from a pod of this node (its localdetector.go)."""
+IFNAMSIZ = 16
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,15 @@ class ProxyConfig:
     cluster_cidrs: Tuple[IPNetwork, ...] = ()
     hostname: str = field(default_factory=socket.gethostname)
     nodeport_addresses: Tuple[IPNetwork, ...] = ()
+    """CIDRs (``primary`` already turned into the node's primary IPs by the CLI); () is every local address."""
+    localhost_nodeports: bool = True
+    """``--iptables-localhost-nodeports``: the iptables backend answers NodePorts on 127.0.0.1
+    (route_localnet), as kube-proxy's iptables mode does; the nftables backend never does."""
+    detect_local_mode: str = "ClusterCIDR"
+    node_pod_cidrs: Tuple[IPNetwork, ...] = ()
+    """NodeCIDR mode: this node's ``spec.podCIDRs``, read from the Node at start (kube-proxy's too)."""
+    pod_bridge_interface: str = ""
+    pod_interface_name_prefix: str = ""
     one_shot: bool = False
     """Set by ``netproxy sync``: this process writes once and ends, so nothing kept for the next
     sync (the iptables backend's table fingerprint) is worth its cost."""
@@ -39,6 +51,41 @@ class ProxyConfig:
     @property
     def masquerade_mark(self) -> int:
         return 1 << self.masquerade_bit
+
+    @property
+    def local_cidrs(self) -> Tuple[IPNetwork, ...]:
+        """The CIDRs whose sources are this node's pods (ClusterCIDR, NodeCIDR modes); () otherwise."""
+        if self.detect_local_mode == "NodeCIDR":
+            return self.node_pod_cidrs
+        if self.detect_local_mode == "ClusterCIDR":
+            return self.cluster_cidrs
+        return ()
+
+    @property
+    def local_interface(self) -> Optional[Tuple[str, bool]]:
+        """(name, is a prefix) of the interface(s) pod traffic comes in on (BridgeInterface,
+        InterfaceNamePrefix modes); None otherwise.  iptables writes ``-i br0`` / ``-i veth+``,
+        nftables ``iifname "br0"`` / ``iifname "veth*"``."""
+        if self.detect_local_mode == "BridgeInterface" and self.pod_bridge_interface:
+            return self.pod_bridge_interface, False
+        if self.detect_local_mode == "InterfaceNamePrefix" and self.pod_interface_name_prefix:
+            return self.pod_interface_name_prefix, True
+        return None
+
+
+def check_interface_name(name: str, what: str, prefix: bool = False) -> str:
+    """A Linux interface name (or name prefix) that is safe in rules; ValueError naming ``what``."""
+    if not name:
+        raise ValueError(f"{what}: must not be empty")
+    # The kernel's name buffer keeps a byte for the NUL; iptables writes a prefix with its "+" in it.
+    limit = IFNAMSIZ - (2 if prefix else 1)
+    if len(name) > limit:
+        raise ValueError(f"{what}: {name!r} is longer than {limit} characters")
+    bad = any(not (c.isascii() and c.isprintable()) or c.isspace() or c in "/:+*\"'!" for c in name)
+    if bad or name in (".", ".."):
+        raise ValueError(f"{what}: {name!r} is not an interface name (printable ASCII, no whitespace, '/', ':', "
+                         "'+', '*', quotes or '!')")
+    return name
 
 
 def parse_cidrs(text: str) -> Tuple[IPNetwork, ...]:

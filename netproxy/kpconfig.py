@@ -10,7 +10,8 @@ for become that flag's value (``FileConfig.values``, keyed by the argparse desti
 line wins over the file (``apply``).  A field set to something netproxy does not do is listed in
 ``not_applied``, a field kube-proxy does not know in ``unknown``: the CLI names both in one warning.
 A setting that would change traffic in a way netproxy cannot honour (``mode: ipvs``,
-``detectLocalMode: NodeCIDR``, ...) and a value of the wrong type raise ``FieldError``.
+``detectLocalMode: BridgeInterface`` without ``detectLocal.bridgeInterface``, ...) and a value of
+the wrong type raise ``FieldError``.
 
 kube-proxy's v1alpha1 keeps ``masqueradeBit``, ``masqueradeAll``, ``syncPeriod`` and ``minSyncPeriod``
 per mode: ``nftables.*`` in nftables mode, ``iptables.*`` otherwise (mode "" is iptables for
@@ -26,8 +27,9 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 import yaml
 
-from netproxy.config import parse_cidrs
+from netproxy.config import check_interface_name, parse_cidrs
 from netproxy.model import FieldError
+from netproxy.nodeconfig import parse_nodeport_addresses
 
 API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
 KIND = "KubeProxyConfiguration"
@@ -168,10 +170,7 @@ def parse(doc: Any) -> FileConfig:
     if mode:
         values["backend"] = MODES[mode]
 
-    local_mode = _string(doc, "detectLocalMode")
-    if local_mode not in ("", "ClusterCIDR"):
-        raise FieldError("detectLocalMode", f"{local_mode!r} is not supported: netproxy tells local pod "
-                         "traffic by the cluster CIDRs only (ClusterCIDR)")
+    values.update(_detect_local(doc, sections["detectLocal"]))
     cidrs = _string(doc, "clusterCIDR")
     if cidrs:
         try:
@@ -218,8 +217,9 @@ def parse(doc: Any) -> FileConfig:
         if _flag(sec, "snatNodeInternalIP", "iptables.") is True:
             raise FieldError("iptables.snatNodeInternalIP", "true is not supported: netproxy masquerades to "
                              "the egress interface's address")
-        if _flag(sec, "localhostNodePorts", "iptables.") is True:
-            not_applied.append("iptables.localhostNodePorts")  # netproxy never serves NodePorts on 127/8
+        localhost = _flag(sec, "localhostNodePorts", "iptables.")
+        if localhost is not None:  # null is kube-proxy's default, true
+            values["iptables_localhost_nodeports"] = localhost
 
     # What kube-proxy would apply in this mode and netproxy does not.  Sections kube-proxy itself
     # ignores here (the other mode's, ipvs, winkernel, detectLocal outside its modes, portRange) are not.
@@ -291,8 +291,33 @@ def _duration(doc: Mapping[str, Any], key: str, prefix: str) -> float:
     return seconds
 
 
+def _detect_local(doc: Mapping[str, Any], section: Mapping[str, Any]) -> Dict[str, Any]:
+    """``detectLocalMode`` and the ``detectLocal`` field its mode needs, as flag values; kube-proxy's
+    validation: the interface modes need their (non-empty) interface field."""
+    mode = _string(doc, "detectLocalMode")
+    if mode in ("", "ClusterCIDR"):
+        return {"detect_local_mode": "ClusterCIDR"} if mode else {}
+    if mode == "NodeCIDR":
+        return {"detect_local_mode": mode}
+    fields = {"BridgeInterface": ("bridgeInterface", "pod_bridge_interface", False),
+              "InterfaceNamePrefix": ("interfaceNamePrefix", "pod_interface_name_prefix", True)}
+    if mode not in fields:
+        raise FieldError("detectLocalMode", f"{mode!r} is not one of ClusterCIDR, NodeCIDR, BridgeInterface, "
+                         "InterfaceNamePrefix")
+    key, dest, prefix = fields[mode]
+    name = _string(section, key, "detectLocal.")
+    if not name:
+        raise FieldError(f"detectLocal.{key}", f"must be set with detectLocalMode {mode}")
+    try:
+        check_interface_name(name, "", prefix)
+    except ValueError as err:
+        raise FieldError(f"detectLocal.{key}", str(err).lstrip(": ")) from None
+    return {"detect_local_mode": mode, dest: name}
+
+
 def _nodeport_addresses(value: Any) -> Optional[Tuple[Any, ...]]:
-    """CIDRs, or () for "all" (every local address, netproxy's default); None when unset."""
+    """CIDRs and kube-proxy's keywords ("primary", "localhost"; "all": () every local address);
+    None when unset."""
     if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -301,12 +326,8 @@ def _nodeport_addresses(value: Any) -> Optional[Tuple[Any, ...]]:
         return None
     if "all" in value:
         return ()
-    for keyword in ("primary", "localhost"):
-        if keyword in value:
-            raise FieldError("nodePortAddresses", f"{keyword!r} is not supported: give the CIDRs "
-                             "(netproxy serves NodePorts on the local addresses in them, never on 127/8)")
     try:
-        return parse_cidrs(",".join(value))
+        return parse_nodeport_addresses(value)
     except ValueError as err:
         raise FieldError("nodePortAddresses", str(err)) from None
 

@@ -227,6 +227,11 @@ class NodeInfo:
     zone: Optional[str] = None
     addresses: Tuple[IPAddress, ...] = ()
     """The node's local addresses that accept NodePorts (only used with --nodeport-addresses)."""
+    pod_cidrs: Tuple[IPNetwork, ...] = ()
+    """``spec.podCIDRs``: this node's pod ranges (``--detect-local-mode NodeCIDR``)."""
+    ips: Tuple[IPAddress, ...] = ()
+    """The node's primary IPs from ``status.addresses`` (first InternalIP, else ExternalIP, per family;
+    the first one's family first), as kube-proxy takes them for ``--nodeport-addresses primary``."""
     eligible: bool = True
     """False while the node is being deleted (deletionTimestamp, or the cluster autoscaler's
     ToBeDeletedByClusterAutoscaler taint): /healthz then answers 503 so that load balancers drain it."""

@@ -6,6 +6,7 @@ trees) or on the node (NodePort addresses), not on one service port.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple, TypeVar
 
 from netproxy.backends.iptables import ipset, names
@@ -32,22 +33,50 @@ TABLES = ("nat", "filter")
 NODEPORTS_COMMENT = "kubernetes service nodeports; NOTE: this must be the last rule in this chain"
 LOOPBACK = {4: "127.0.0.0/8", 6: "::1/128"}
 _NO_NODE = NodeInfo()
+_IPV4_LOOPBACK = ipaddress.ip_address("127.0.0.1")
+LOCALNET_COMMENT = "block incoming localnet connections"
+
+
+def serves_localhost(config: ProxyConfig) -> bool:
+    """Whether NodePorts answer on 127.0.0.1 (IPv4 only), as kube-proxy's iptables mode decides:
+    ``--iptables-localhost-nodeports`` (default true) and ``--nodeport-addresses`` unset or holding
+    127.0.0.1 (its ``ContainsIPv4Loopback``)."""
+    if not config.localhost_nodeports:
+        return False
+    return not config.nodeport_addresses or any(_IPV4_LOOPBACK in c for c in config.nodeport_addresses
+                                                 if c.version == 4)
 
 
 def nodeport_jumps(family: int, config: ProxyConfig, node: NodeInfo, chain: str) -> List[Rule]:
     """The last rules of a ``KUBE-SERVICES``: NodePort traffic is traffic to one of the node's addresses.
 
-    Without ``--nodeport-addresses``: any local address but loopback (kube-proxy >= 1.28 does not serve
-    localhost NodePorts).  With it: the node's addresses inside those CIDRs (the core keeps
-    ``node.addresses`` current and filtered; filtered again here so that a stale list cannot widen it).
+    Without ``--nodeport-addresses``: any local address; loopback only for IPv4 with localhost
+    NodePorts (kube-proxy's iptables mode: ``! -d 127.0.0.0/8`` only when they are off, ``! -d ::1``
+    always).  With it: the node's addresses inside those CIDRs (the core keeps ``node.addresses``
+    current and filtered; filtered again here so that a stale list cannot widen it), 127.0.0.1
+    among them only with localhost NodePorts.
     """
     comment: Rule = ("-m", "comment", "--comment", NODEPORTS_COMMENT)
+    localhost = family == 4 and serves_localhost(config)
     if not config.nodeport_addresses:
-        return [("!", "-d", LOOPBACK[family]) + comment + ("-m", "addrtype", "--dst-type", "LOCAL", "-j", chain)]
+        not_loopback: Rule = () if localhost else ("!", "-d", LOOPBACK[family])
+        return [not_loopback + comment + ("-m", "addrtype", "--dst-type", "LOCAL", "-j", chain)]
     cidrs = [c for c in config.nodeport_addresses if c.version == family]
     addrs = sorted({a for a in node.addresses
-                    if a.version == family and not a.is_loopback and any(a in c for c in cidrs)})
+                    if a.version == family and (localhost or not a.is_loopback) and any(a in c for c in cidrs)})
     return [("-d", host_net(a)) + comment + ("-j", chain) for a in addrs]
+
+
+def localnet_guard(family: int, config: ProxyConfig) -> Tuple[Rule, ...]:
+    """With route_localnet on (localhost NodePorts), the kernel would also accept packets for 127/8
+    arriving from the network (issues.k8s.io/90259): kubelet's ``KUBE-FIREWALL`` rule drops them, and
+    netproxy carries the same rule so that a node without that kubelet rule is not opened.  First
+    in filter ``KUBE-SERVICES`` (new connections from INPUT, FORWARD and OUTPUT); a NodePort on
+    127.0.0.1 is DNAT-ed before it gets there, so only un-DNAT-ed packets are dropped."""
+    if family != 4 or not serves_localhost(config):
+        return ()
+    return (("!", "-s", LOOPBACK[4], "-d", LOOPBACK[4], "-m", "comment", "--comment", LOCALNET_COMMENT,
+             "-m", "conntrack", "!", "--ctstate", "RELATED,ESTABLISHED,DNAT", "-j", "DROP"),)
 
 
 def base_chains(config: ProxyConfig, family: int = 4, random_fully: bool = True,
@@ -74,8 +103,8 @@ def base_chains(config: ProxyConfig, family: int = 4, random_fully: bool = True,
         names.MARK_MASQ: (("-j", "MARK", "--or-mark", mark),),
         names.POSTROUTING: tuple(postrouting),
     }
-    cidrs = [c for c in config.cluster_cidrs if c.version == family]
-    if len(cidrs) > 1 and not config.masquerade_all:
+    cidrs = [c for c in config.local_cidrs if c.version == family]
+    if len(cidrs) > 1 and not config.masquerade_all and config.local_interface is None:
         chains[names.MASQ_NONCLUSTER] = tuple(("-s", str(c), "-j", "RETURN") for c in cidrs) + (
             ("-j", names.MARK_MASQ),)
     return chains
@@ -158,8 +187,8 @@ def assemble(family: int, services: Iterable[ServiceRules], config: ProxyConfig,
         out.sets[ipset.cluster_ip_set(family)] = False
         refuse = (("-m", "set", "--match-set", ipset.cluster_ip_set(family), "dst", "-m", "comment", "--comment",
                    "cluster IPs: a port no service has") + reject_target(family),)
-    filt[names.SERVICES] = ftop + refuse + (tuple(nodeport_jumps(family, config, node, names.EXTERNAL_SERVICES))
-                                            if external else ())
+    filt[names.SERVICES] = localnet_guard(family, config) + ftop + refuse + (
+        tuple(nodeport_jumps(family, config, node, names.EXTERNAL_SERVICES)) if external else ())
     filt[names.EXTERNAL_SERVICES] = external
     filt.update(fsub)
     filt.update(ext_sub)

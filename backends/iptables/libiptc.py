@@ -187,6 +187,9 @@ class RuleBuilder:
             elif arg == "-p":
                 rule.protocol = prefix + args[i + 1]
                 i += 2
+            elif arg == "-i":  # --detect-local-mode's interface ("br0", or a prefix "veth+")
+                rule.in_interface = prefix + args[i + 1]
+                i += 2
             elif arg == "-m":
                 module = rule.create_match(args[i + 1])
                 i += 2

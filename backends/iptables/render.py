@@ -83,6 +83,12 @@ def host_net(addr: IPAddress) -> str:
     return f"{addr}/128"
 
 
+def interface_match(local_interface: Tuple[str, bool]) -> str:
+    """``-i`` 's argument for kube-proxy's interface detectors: ``br0``, or ``veth+`` for a prefix."""
+    name, prefix = local_interface
+    return name + "+" if prefix else name
+
+
 def reject_target(family: int) -> Rule:
     return ("-j", "REJECT", "--reject-with", "icmp-port-unreachable" if family == 4 else "icmp6-port-unreachable")
 
@@ -214,9 +220,11 @@ def _cluster_masq(p: _Port, addrs: Sequence[IPAddress]) -> List[Rule]:
     """kube-proxy's mark for cluster traffic, in the internal chain and qualified by the cluster IP and
     port so that external traffic passing through the same chain is not affected by it."""
     config, family = p.config, p.family
-    cidrs = [c for c in config.cluster_cidrs if c.version == family]
+    cidrs = [c for c in config.local_cidrs if c.version == family]
     if config.masquerade_all:
         qualifier: Rule = ("-j", names.MARK_MASQ)
+    elif config.local_interface is not None:
+        qualifier = ("!", "-i", interface_match(config.local_interface), "-j", names.MARK_MASQ)
     elif len(cidrs) == 1:
         qualifier = ("!", "-s", str(cidrs[0]), "-j", names.MARK_MASQ)
     elif cidrs:
@@ -240,8 +248,11 @@ def _external_chain(p: _Port, svc_chain: Optional[str], svl_chain: Optional[str]
         if svc_chain:
             # Pods reaching an external address are treated as cluster traffic (no policy), as if they
             # had gone out to the load balancer and come back.
-            rules.extend(("-s", str(cidr)) + c + ("-j", svc_chain)
-                         for cidr in p.config.cluster_cidrs if cidr.version == p.family)
+            if p.config.local_interface is not None:
+                rules.append(("-i", interface_match(p.config.local_interface)) + c + ("-j", svc_chain))
+            else:
+                rules.extend(("-s", str(cidr)) + c + ("-j", svc_chain)
+                             for cidr in p.config.local_cidrs if cidr.version == p.family)
             # The node itself: its source address would be the external address's own; masquerade it
             # and let it reach every endpoint so that NodePorts work from the node.
             local_src: Rule = ("-m", "addrtype", "--src-type", "LOCAL")

@@ -32,6 +32,8 @@ class Packet:
     proto: str = "tcp"
     from_node: bool = False
     """Sent by the node itself (nat OUTPUT, ``--src-type LOCAL``) rather than arriving (PREROUTING)."""
+    iif: str = ""
+    """The interface it arrived on (``-i``); none for the node's own packets."""
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,9 @@ class Tracer:
                 ok = ipaddress.ip_address(dst) in ipaddress.ip_network(value)
             elif arg == "-p":
                 ok = pkt.proto == value
+            elif arg == "-i":  # "br0" exactly, or "veth+": any name starting with "veth"
+                iif = "" if pkt.from_node else pkt.iif
+                ok = iif.startswith(value[:-1]) if value.endswith("+") else iif == value
             elif arg == "-m" or arg in ("--comment", "--mode", "--reject-with"):
                 ok = None
             elif arg == "--dport":  # a port, or a range (the NodePort tree's "LO:HI")

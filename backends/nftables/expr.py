@@ -18,8 +18,9 @@ from netproxy.backends.nftables import wire
 # payload bases, meta / ct keys, and other kernel enum values used below
 LINK, NETWORK, TRANSPORT = 0, 1, 2
 _BASES = {LINK: "link", NETWORK: "network", TRANSPORT: "transport"}
-META_MARK, META_L4PROTO = 3, 16
-_META_KEYS = {META_MARK: "mark", META_L4PROTO: "l4proto"}
+META_MARK, META_IIFNAME, META_L4PROTO = 3, 6, 16
+_META_KEYS = {META_MARK: "mark", META_IIFNAME: "iifname", META_L4PROTO: "l4proto"}
+IFNAMSIZ = 16
 CT_STATE, CT_STATUS, CT_PROTO_DST, CT_DST_IP, CT_DST_IP6 = 0, 2, 12, 20, 22
 _CT_KEYS = {CT_STATE: "state", CT_STATUS: "status", CT_PROTO_DST: "proto_dst", CT_DST_IP: "dst_ip",
             CT_DST_IP6: "dst_ip6"}

@@ -250,6 +250,9 @@ def masquerade_rule(chain: str, kind: str, family: str, config: ProxyConfig) -> 
     """The masquerade mark a chain of ``kind`` sets first (None: it sets none)."""
     if kind == EXTERNAL or (kind == CLUSTER and config.masquerade_all):
         return st.rule(chain, mark_stmt(config))
+    if kind == CLUSTER and config.local_interface is not None:
+        name, prefix = config.local_interface
+        return st.rule(chain, st.iifname(name, prefix, invert=True), mark_stmt(config))
     if kind == CLUSTER and has_cluster_cidrs(family, config):
         return st.rule(chain, st.lookup((st.addr(family, "saddr"),), names.CLUSTER_CIDRS, invert=True),
                        mark_stmt(config))
@@ -257,7 +260,9 @@ def masquerade_rule(chain: str, kind: str, family: str, config: ProxyConfig) -> 
 
 
 def has_cluster_cidrs(family: str, config: ProxyConfig) -> bool:
-    return any(c.version == VERSIONS[family] for c in config.cluster_cidrs)
+    """Whether ``family`` has local-pod CIDRs (``--cluster-cidr``, or the Node's pod CIDRs in
+    NodeCIDR mode): the ``cluster-cidrs`` set holds them."""
+    return any(c.version == VERSIONS[family] for c in config.local_cidrs)
 
 
 def exemption_rules(chain: str, family: str, config: ProxyConfig, to: st.Stmt) -> List[Rule]:
@@ -266,7 +271,10 @@ def exemption_rules(chain: str, family: str, config: ProxyConfig, to: st.Stmt) -
     node's own is masqueraded (its source would be the destination's own address).  ``to`` is the
     statement that sends it there (a vmap lookup, or a goto for per-service affinity chains)."""
     rules = []
-    if has_cluster_cidrs(family, config):
+    if config.local_interface is not None:
+        name, prefix = config.local_interface
+        rules.append(st.rule(chain, st.iifname(name, prefix), to, comment="externalTrafficPolicy Local: pods"))
+    elif has_cluster_cidrs(family, config):
         rules.append(st.rule(chain, st.lookup((st.addr(family, "saddr"),), names.CLUSTER_CIDRS), to,
                              comment="externalTrafficPolicy Local: pods"))
     rules.append(st.rule(chain, st.fib_local("saddr"), mark_stmt(config), to,

@@ -149,6 +149,16 @@ def addr_not_in(family: str, which: str, network: str) -> Stmt:
     return Stmt(f"{field.text} != {network}", (load_expr, ex.Cmp(ex.CMP_NEQ, 1, net.network_address.packed[:length])))
 
 
+def iifname(name: str, prefix: bool = False, invert: bool = False) -> Stmt:
+    """``iifname "br0"`` / ``iifname != "veth*"``: as ``nft`` emits them, an exact name compares the
+    whole IFNAMSIZ buffer (NUL-padded), a prefix (``*``) only its own bytes.  The name was checked
+    (``config.check_interface_name``): no quote or ``*`` of its own."""
+    raw = name.encode()
+    data = raw if prefix else raw.ljust(ex.IFNAMSIZ, b"\0")
+    text = f'iifname {"!= " if invert else ""}"{name}{"*" if prefix else ""}"'
+    return Stmt(text, (ex.Meta(ex.META_IIFNAME, dreg=1), ex.Cmp(ex.CMP_NEQ if invert else ex.CMP_EQ, 1, data)))
+
+
 def l4proto(proto: str) -> Stmt:
     return Stmt(f"meta l4proto {proto}", (ex.Meta(ex.META_L4PROTO, dreg=1), ex.Cmp(ex.CMP_EQ, 1,
                                                                                      bytes((_PROTOCOLS[proto],)))))

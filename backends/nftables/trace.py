@@ -212,7 +212,12 @@ class Tracer:
             if e.sreg:
                 st.mark = struct.unpack("=I", _load(regs, e.sreg, 4))[0]
                 return None
-            value = bytes((_PROTOS[p.proto],)) if e.key == ex.META_L4PROTO else struct.pack("=I", st.mark)
+            if e.key == ex.META_IIFNAME:  # the node's own packets have no input interface
+                value = ("" if p.hook == "output" else p.iif).encode().ljust(ex.IFNAMSIZ, b"\0")
+            elif e.key == ex.META_L4PROTO:
+                value = bytes((_PROTOS[p.proto],))
+            else:
+                value = struct.pack("=I", st.mark)
             _store(regs, e.dreg, value)
             return None
         if isinstance(e, ex.Ct):

@@ -177,15 +177,17 @@ def node_elements(node: NodeInfo, fam: str, config: ProxyConfig) -> FrozenSet[El
     if not config.nodeport_addresses:
         return frozenset()
     version = render.VERSIONS[fam]
+    # Never loopback: kube-proxy's nftables mode does not serve NodePorts on 127.0.0.1 (no
+    # route_localnet), even when --nodeport-addresses holds 127.0.0.0/8.
     return frozenset(Element(names.NODEPORT_IPS, render.ip_text(a)) for a in node.addresses
-                     if a.version == version and any(a.version == c.version and a in c
-                                                     for c in config.nodeport_addresses))
+                     if a.version == version and not a.is_loopback
+                     and any(a.version == c.version and a in c for c in config.nodeport_addresses))
 
 
 def config_elements(fam: str, config: ProxyConfig) -> List[Element]:
     """``cluster-cidrs``: ``--cluster-cidr`` of ``fam``, overlaps merged (an interval set refuses them)."""
     version = render.VERSIONS[fam]
-    nets = [c for c in config.cluster_cidrs if c.version == version]
+    nets = [c for c in config.local_cidrs if c.version == version]
     return [Element(names.CLUSTER_CIDRS, str(n)) for n in _collapse(nets)]
 
 

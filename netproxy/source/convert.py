@@ -367,6 +367,41 @@ def parse_node(obj: Mapping[str, Any], node_name: str) -> NodeInfo:
     raw = labels.get(ZONE_LABEL) if isinstance(labels, Mapping) else None
     try:
         zone = check_zone(raw, f"metadata.labels[{ZONE_LABEL}]")
+        pod_cidrs = _pod_cidrs(obj.get("spec"))
+        ips = node_ips(obj.get("status"))
     except FieldError as err:
         raise ValidationError("Node", node_name, err.field_path, err.message) from None
-    return NodeInfo(name=node_name, zone=zone, eligible=node_eligible(obj))
+    return NodeInfo(name=node_name, zone=zone, pod_cidrs=pod_cidrs, ips=ips, eligible=node_eligible(obj))
+
+
+def _pod_cidrs(spec: Any) -> Tuple[Any, ...]:
+    """``spec.podCIDRs`` (or the older single ``spec.podCIDR``), validated."""
+    if not isinstance(spec, Mapping):
+        return ()
+    raw = spec.get("podCIDRs")
+    if raw is None:
+        single = spec.get("podCIDR")
+        return (check_cidr(single, "spec.podCIDR"),) if single else ()
+    if not isinstance(raw, list):
+        raise FieldError("spec.podCIDRs", f"{raw!r} is not a list of CIDRs")
+    return tuple(check_cidr(c, f"spec.podCIDRs[{i}]") for i, c in enumerate(raw))
+
+
+def node_ips(status: Any) -> Tuple[IPAddress, ...]:
+    """kube-proxy's node IPs (GetNodeHostIPs): the InternalIPs, then the ExternalIPs; the first
+    address, then the first of the other family.  Addresses that do not parse are an error."""
+    if not isinstance(status, Mapping):
+        return ()
+    raw = status.get("addresses") or []
+    if not isinstance(raw, list):
+        raise FieldError("status.addresses", f"{raw!r} is not a list")
+    found: Dict[str, List[IPAddress]] = {"InternalIP": [], "ExternalIP": []}
+    for i, entry in enumerate(raw):
+        if isinstance(entry, Mapping) and entry.get("type") in found:
+            found[str(entry["type"])].append(check_ip(entry.get("address"), f"status.addresses[{i}].address"))
+    ordered = found["InternalIP"] + found["ExternalIP"]
+    if not ordered:
+        return ()
+    first = ordered[0]
+    other = next((a for a in ordered if a.version != first.version), None)
+    return (first,) if other is None else (first, other)

@@ -275,6 +275,11 @@ class FileSource:
         sigs = ((f, _signature(f)) for f in files)
         return tuple((f, sig) for f, sig in sigs if sig is not None)
 
+    def node(self) -> Optional[NodeInfo]:
+        """This node's Node in the files now (for what is configured from it at start); the files
+        parsed here stay in the cache, so the first :meth:`load_into` does not parse them again."""
+        return load(self.path, self.node_name, self._cache).node
+
     def load_into(self, tracker: Any) -> Optional[Loaded]:
         """One load; on a parse error keep the tracker's last good state and remember the error."""
         self._signature = self._current_signature()

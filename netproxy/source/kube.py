@@ -218,6 +218,33 @@ class KubeSource:
             r.stop()
 
 
+def read_node(api_client: Any, node_name: str) -> Optional[NodeInfo]:
+    """This node's Node, read once (None when it does not exist or cannot be read yet): what the
+    configuration takes from it at start (``--detect-local-mode NodeCIDR``, ``--nodeport-addresses
+    primary``) before the watches run."""
+    import json
+
+    from kubernetes import client
+
+    try:
+        resp: Any = client.CoreV1Api(api_client).list_node(field_selector=f"metadata.name={node_name}",
+                                                           _preload_content=False, _request_timeout=(5, 10))
+        try:
+            items = json.loads(resp.data).get("items") or []
+        finally:
+            resp.release_conn()
+    except Exception as err:  # noqa: BLE001 - the caller waits and asks again
+        log.warning("cannot read the Node %s: %s", node_name, err)
+        return None
+    if not items:
+        return None
+    try:
+        return parse_node(items[0], node_name)
+    except ValidationError as err:
+        log.error("rejected %s", err)
+        return None
+
+
 def api_client_from(kubeconfig: Optional[str] = None, context: Optional[str] = None) -> Any:
     """An ApiClient from a kubeconfig file, or the pod's service account when run in a cluster.
 

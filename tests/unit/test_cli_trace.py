@@ -42,3 +42,42 @@ def test_iptables_trace_names_chains_and_shares(capsys: pytest.CaptureFixture[st
     rows = capsys.readouterr().out.splitlines()[1:]
     assert len(rows) == 3 and all(r.strip().startswith("33.3%  DNAT to 10.244.") for r in rows)
     assert all("nat/KUBE-SERVICES > nat/KUBE-SVC-" in r for r in rows)
+
+
+# --detect-local-mode: the same packet is a local pod's (source kept) or not (masqueraded) by its
+# source address or by the interface it came in on; both backends must say the same.
+LOCAL_MODE_CASES = {
+    "cidr-pod": (["--cluster-cidr", "10.244.0.0/16"], ["--from", "10.244.1.5"], "source kept"),
+    "cidr-other": (["--cluster-cidr", "10.244.0.0/16"], ["--from", "172.16.0.9"], "masqueraded"),
+    "bridge-pod": (["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "cbr0"],
+                   ["--from", "172.16.0.9", "--from-interface", "cbr0"], "source kept"),
+    "bridge-other": (["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "cbr0"],
+                     ["--from", "10.244.1.5", "--from-interface", "cbr01"], "masqueraded"),
+    "prefix-pod": (["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "veth"],
+                   ["--from", "172.16.0.9", "--from-interface", "veth1a2b"], "source kept"),
+    "prefix-other": (["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "veth"],
+                     ["--from", "10.244.1.5", "--from-interface", "eth0"], "masqueraded"),
+    "prefix-node": (["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "veth"],
+                    ["--from", "10.244.1.5", "--from-node", "--from-interface", "veth0"], "masqueraded"),
+}
+
+
+@pytest.mark.parametrize("name", LOCAL_MODE_CASES)
+def test_detect_local_mode_traces_agree_and_masquerade_only_non_local_sources(
+        name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    flags, packet, source = LOCAL_MODE_CASES[name]
+    case = ["--to", "10.96.0.10:80", *flags, *packet]
+    ipt, nft = _verdicts("iptables", case, capsys), _verdicts("nftables", case, capsys)
+    assert ipt == nft and len(ipt) == 3
+    assert all(line.endswith(source) for line in ipt), ipt
+
+
+def test_localhost_nodeport_answers_on_iptables_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """kube-proxy's iptables mode serves NodePorts on 127.0.0.1 (--iptables-localhost-nodeports,
+    default true); its nftables mode never does."""
+    case = ["--to", "127.0.0.1:30443", "--from", "127.0.0.1", "--from-node"]
+    ipt, nft = _verdicts("iptables", case, capsys), _verdicts("nftables", case, capsys)
+    assert ipt and all("DNAT to 10.244." in line and line.endswith("masqueraded") for line in ipt), ipt
+    assert not any("DNAT" in line for line in nft), nft
+    off = _verdicts("iptables", [*case, "--iptables-localhost-nodeports=false"], capsys)
+    assert not any("DNAT" in line for line in off), off

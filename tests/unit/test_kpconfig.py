@@ -187,15 +187,39 @@ def test_nodeport_addresses_all_means_every_local_address() -> None:
 
 # -- what is not applied, and what is refused ---------------------------------------------------------
 
+@pytest.mark.parametrize("changes, values", [
+    ({"detectLocalMode": "ClusterCIDR"}, {"detect_local_mode": "ClusterCIDR"}),
+    ({"detectLocalMode": "NodeCIDR"}, {"detect_local_mode": "NodeCIDR"}),
+    ({"detectLocalMode": "BridgeInterface", "detectLocal__bridgeInterface": "cbr0"},
+     {"detect_local_mode": "BridgeInterface", "pod_bridge_interface": "cbr0"}),
+    ({"detectLocalMode": "InterfaceNamePrefix", "detectLocal__interfaceNamePrefix": "veth"},
+     {"detect_local_mode": "InterfaceNamePrefix", "pod_interface_name_prefix": "veth"}),
+    ({"nodePortAddresses": ["primary"]}, {"nodeport_addresses": ("primary",)}),
+    ({"nodePortAddresses": ["primary", "localhost", "10.0.0.0/8"]},
+     {"nodeport_addresses": ("primary", "localhost", ipaddress.ip_network("10.0.0.0/8"))}),
+    ({"iptables__localhostNodePorts": True}, {"iptables_localhost_nodeports": True}),
+    ({"iptables__localhostNodePorts": False}, {"iptables_localhost_nodeports": False}),
+])
+def test_detect_local_mode_nodeport_addresses_and_localhost_nodeports_map_onto_flags(
+        changes: Dict[str, Any], values: Dict[str, Any]) -> None:
+    got = kpconfig.parse(kubeadm(**changes)).values
+    assert {k: got[k] for k in values} == values
+
+
+def test_localhost_nodeports_null_is_kube_proxys_default_and_sets_nothing() -> None:
+    assert "iptables_localhost_nodeports" not in kpconfig.parse(kubeadm()).values
+
+
 def test_unsupported_and_unknown_fields_are_named_in_one_line() -> None:
     # ipvs.* and detectLocal.* are set too: kube-proxy ignores them in iptables mode, and so does netproxy.
     config = kpconfig.parse(kubeadm(conntrack__maxPerCore=65536, conntrack__tcpEstablishedTimeout="24h0m0s",
                                     oomScoreAdj=-999, featureGates={"SomeGate": True}, ipvs__scheduler="rr",
-                                    iptables__localhostNodePorts=True, bindAddress="192.168.0.5",
+                                    iptables__localhostNodePorts=False, bindAddress="192.168.0.5",
                                     detectLocal__bridgeInterface="cbr0", udpIdleTimeout="250ms",
                                     iptables__typo=1))
     assert config.not_applied == ("bindAddress", "conntrack.maxPerCore", "conntrack.tcpEstablishedTimeout",
-                                  "featureGates.SomeGate", "iptables.localhostNodePorts", "oomScoreAdj")
+                                  "featureGates.SomeGate", "oomScoreAdj")
+    assert config.values["iptables_localhost_nodeports"] is False
     assert config.unknown == ("iptables.typo", "udpIdleTimeout")
     warning = config.warning()
     assert warning is not None and "\n" not in warning
@@ -207,8 +231,15 @@ def test_unsupported_and_unknown_fields_are_named_in_one_line() -> None:
     ({"mode": "ipvs"}, "mode", "'ipvs' is not supported"),
     ({"mode": "kernelspace"}, "mode", "not supported"),
     ({"mode": 3}, "mode", "not a string"),
-    ({"detectLocalMode": "NodeCIDR"}, "detectLocalMode", "'NodeCIDR' is not supported"),
-    ({"detectLocalMode": "InterfaceNamePrefix"}, "detectLocalMode", "not supported"),
+    ({"detectLocalMode": "LocalCIDR"}, "detectLocalMode", "'LocalCIDR' is not one of ClusterCIDR, NodeCIDR"),
+    ({"detectLocalMode": "InterfaceNamePrefix"}, "detectLocal.interfaceNamePrefix",
+     "must be set with detectLocalMode InterfaceNamePrefix"),
+    ({"detectLocalMode": "BridgeInterface", "detectLocal__bridgeInterface": "br 0"}, "detectLocal.bridgeInterface",
+     "is not an interface name"),
+    ({"detectLocalMode": "BridgeInterface", "detectLocal__bridgeInterface": "a-very-long-bridge"},
+     "detectLocal.bridgeInterface", "longer than 15 characters"),
+    ({"detectLocalMode": "InterfaceNamePrefix", "detectLocal__interfaceNamePrefix": "veth+"},
+     "detectLocal.interfaceNamePrefix", "is not an interface name"),
     ({"iptables__masqueradeBit": "x"}, "iptables.masqueradeBit", "not an integer"),
     ({"iptables__masqueradeBit": 40}, "iptables.masqueradeBit", "out of range (0-31)"),
     ({"iptables__masqueradeBit": True}, "iptables.masqueradeBit", "not an integer"),
@@ -222,8 +253,7 @@ def test_unsupported_and_unknown_fields_are_named_in_one_line() -> None:
     ({"iptables__snatNodeInternalIP": True}, "iptables.snatNodeInternalIP", "not supported"),
     ({"clusterCIDR": "10.244.0.0/16,nope"}, "clusterCIDR", "'nope' is not a CIDR"),
     ({"nodePortAddresses": "10.0.0.0/8"}, "nodePortAddresses", "not a list"),
-    ({"nodePortAddresses": ["primary"]}, "nodePortAddresses", "'primary' is not supported"),
-    ({"nodePortAddresses": ["localhost", "10.0.0.0/8"]}, "nodePortAddresses", "'localhost' is not supported"),
+    ({"nodePortAddresses": ["primary", "nope"]}, "nodePortAddresses", "'nope' is not a CIDR"),
     ({"iptables": "on"}, "iptables", "expected a mapping"),
     ({"featureGates": ["A"]}, "featureGates", "expected a mapping"),
     ({"apiVersion": "kubeproxy.config.k8s.io/v1beta1"}, "apiVersion", "expected kubeproxy.config.k8s.io/v1alpha1"),
@@ -360,7 +390,7 @@ def test_sync_names_fields_not_applied_in_one_warning(created: List[Tuple[str, P
 @pytest.mark.parametrize("changes, field", [({"mode": "ipvs"}, "mode"),
                                             ({"iptables__masqueradeBit": 40}, "iptables.masqueradeBit"),
                                             ({"iptables__masqueradeBit": "x"}, "iptables.masqueradeBit"),
-                                            ({"detectLocalMode": "BridgeInterface"}, "detectLocalMode")])
+                                            ({"detectLocalMode": "BridgeInterface"}, "detectLocal.bridgeInterface")])
 def test_a_bad_value_exits_2_naming_the_field_and_touches_nothing(
         command: str, changes: Dict[str, Any], field: str, created: List[Tuple[str, ProxyConfig]],
         tmp_path: Path, source: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -126,9 +126,16 @@ def test_node_port_from_outside_and_from_the_node_is_masqueraded() -> None:
     assert reach(t, NODE_IP, NODE_IP, NODE_PORT, from_node=True) == dnat(BOTH, masq=True)
 
 
-def test_node_port_not_on_loopback_nor_other_hosts() -> None:
+def test_node_port_on_loopback_only_with_localhost_nodeports() -> None:
+    """kube-proxy's iptables mode: 127.0.0.1 NodePorts by default (--iptables-localhost-nodeports)."""
+    served = tracer(service(node_port=NODE_PORT))
+    assert reach(served, "127.0.0.1", "127.0.0.1", NODE_PORT, from_node=True) == dnat(BOTH, masq=True)
+    off = tracer(service(node_port=NODE_PORT), config=ProxyConfig(hostname="node", localhost_nodeports=False))
+    assert reach(off, "127.0.0.1", "127.0.0.1", NODE_PORT, from_node=True) == UNTOUCHED
+
+
+def test_node_port_not_on_other_hosts() -> None:
     t = tracer(service(node_port=NODE_PORT))
-    assert reach(t, "127.0.0.1", "127.0.0.1", NODE_PORT, from_node=True) == UNTOUCHED
     assert reach(t, CLIENT, "192.168.1.11", NODE_PORT) == UNTOUCHED
     assert reach(t, CLIENT, NODE_IP, NODE_PORT + 1) == UNTOUCHED
 
@@ -232,7 +239,7 @@ def test_multi_port_service_refuses_only_unknown_ports() -> None:
     t = Tracer(ruleset([web, other], endpoints(LOCAL_EP)), local_addresses=(NODE_IP,))
     assert reach(t, POD, CLUSTER_IP, 443) == {Outcome("accept", f"{LOCAL_EP}:8080", False)}
     assert reach(t, POD, CLUSTER_IP, 8443) == REFUSED
-    catch_all = [r for r in t.ruleset.chains("filter")[names.SERVICES] if "--dport" not in r]
+    catch_all = [r for r in t.ruleset.chains("filter")[names.SERVICES] if "--dport" not in r and "--match-set" in r]
     assert len(catch_all) == 1  # once per address, not once per port
 
 

@@ -254,3 +254,20 @@ def test_stop_ends_every_thread_promptly(running: KubeSource) -> None:
 
 def _requests(api: ApiServer) -> List[Tuple[str, str]]:
     return [(m, p) for m, p, q in api.requests]
+
+
+def test_read_node_gives_the_pod_cidrs_and_primary_ips(api: ApiServer, api_client: client.ApiClient) -> None:
+    """What --detect-local-mode NodeCIDR and --nodeport-addresses primary read at start."""
+    from netproxy.source.kube import read_node
+
+    assert read_node(api_client, "node-a") is None
+    obj = node("node-a", zone="zone-1")
+    obj["spec"] = {"podCIDRs": ["10.244.1.0/24", "fd00:10:244:1::/64"]}
+    obj["status"] = {"addresses": [{"type": "InternalIP", "address": "192.168.1.10"},
+                                   {"type": "InternalIP", "address": "fd00::10"}]}
+    api.create("nodes", obj)
+    api.create("nodes", node("node-b", zone="zone-2"))
+    info = read_node(api_client, "node-a")
+    assert info is not None and info.zone == "zone-1"
+    assert [str(c) for c in info.pod_cidrs] == ["10.244.1.0/24", "fd00:10:244:1::/64"]
+    assert info.ips == (ipaddress.ip_address("192.168.1.10"), ipaddress.ip_address("fd00::10"))
