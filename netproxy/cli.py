@@ -124,6 +124,9 @@ def _add_proxy(p: argparse.ArgumentParser) -> None:
                    help="this node's name (default: the host name)")
     p.add_argument("--nodeport-addresses", type=cidr_list, default=(), action=_Store,
                    help="CIDRs of node addresses that accept NodePorts (default: all local addresses)")
+    p.add_argument("--service-cluster-ip-range", type=cidr_list, default=(), action=_Store,
+                   help="service CIDRs, comma-separated (with the API source's ServiceCIDR objects): traffic "
+                        "to an address inside them that no service owns is dropped")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -201,6 +204,7 @@ def _config(args: argparse.Namespace, backend: str, flavour: str) -> ProxyConfig
         cluster_cidrs=tuple(getattr(args, "cluster_cidr", ())),
         hostname=getattr(args, "hostname_override", "") or socket.gethostname(),
         nodeport_addresses=tuple(getattr(args, "nodeport_addresses", ())),
+        service_cidrs=tuple(getattr(args, "service_cluster_ip_range", ())),
         one_shot=getattr(args, "one_shot", False),
     )
 
@@ -238,7 +242,8 @@ def _snapshot(args: argparse.Namespace, config: ProxyConfig) -> Tuple[Snapshot, 
     and nothing they build forms cycles: the cyclic collector stays off for their whole life."""
     gc.disable()
     loaded = load(args.source, config.hostname)
-    tracker = ChangeTracker(NodeInfo(name=config.hostname))
+    tracker = ChangeTracker(NodeInfo(name=config.hostname), service_cidrs=config.service_cidrs)
+    tracker.replace_service_cidrs(loaded.service_cidrs)
     if loaded.node is not None:
         tracker.set_node(loaded.node)
     if config.nodeport_addresses:
@@ -395,7 +400,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     backend, config = make_backend(args)
     backend.probe()
-    tracker = ChangeTracker(NodeInfo(name=config.hostname))  # ETP/ITP Local need the node name from the start
+    # ETP/ITP Local need the node name from the start
+    tracker = ChangeTracker(NodeInfo(name=config.hostname), service_cidrs=config.service_cidrs)
     proxier = Proxier(tracker, backend, config)
     runner = BoundedFrequencyRunner(proxier.sync, config.min_sync_period, config.sync_period)
     proxier.retry = runner.retry_after
