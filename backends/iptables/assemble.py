@@ -114,8 +114,10 @@ def service_cidr_drops(family: int, service_cidrs: Sequence[IPNetwork]) -> Tuple
     addresses services own (their known ports were DNAT-ed in nat; the others refused above), what is
     left inside a service CIDR goes nowhere.  One rule per CIDR (a cluster has one or two), however
     many services there are."""
-    return tuple(("-d", str(c), "-m", "comment", "--comment", SERVICE_CIDR_COMMENT, "-j", "DROP")
-                 for c in service_cidrs if c.version == family)
+    # Not to the node's own addresses: filter KUBE-SERVICES runs from INPUT too, and kube-proxy's
+    # check sits in forward and output only.
+    return tuple(("-d", str(c), "-m", "addrtype", "!", "--dst-type", "LOCAL", "-m", "comment", "--comment",
+                  SERVICE_CIDR_COMMENT, "-j", "DROP") for c in service_cidrs if c.version == family)
 
 
 def assemble(family: int, services: Iterable[ServiceRules], config: ProxyConfig,

@@ -106,8 +106,8 @@ def test_iptables_drops_a_service_cidr_after_the_cluster_ip_refusal() -> None:
                        service_cidrs=(net("10.96.0.0/16"), net("fd00::/108")))
     rules = ruleset.tables["filter"]["KUBE-SERVICES"]
     refuse = next(i for i, r in enumerate(rules) if "--match-set" in r)
-    assert rules[refuse + 1] == ("-d", "10.96.0.0/16", "-m", "comment", "--comment", SERVICE_CIDR_COMMENT,
-                                 "-j", "DROP")
+    assert rules[refuse + 1] == ("-d", "10.96.0.0/16", "-m", "addrtype", "!", "--dst-type", "LOCAL",
+                                 "-m", "comment", "--comment", SERVICE_CIDR_COMMENT, "-j", "DROP")
     assert not any("fd00::/108" in r for r in rules), "only the family's own CIDRs"
     assert not any("-d" in r and "DROP" in r for r in assemble(4, [rendered], ProxyConfig()).tables[
         "filter"]["KUBE-SERVICES"]), "no CIDRs, no drop"
