@@ -21,11 +21,10 @@ from typing import Sequence, Tuple
 
 from netproxy.model import Endpoint, NodeInfo, ServicePort, Snapshot
 
-PREFER_ZONE = ("PreferClose", "PreferSameZone")
-PREFER_NODE = "PreferSameNode"
-
 SAME_NODE, SAME_ZONE = "PreferSameNode", "PreferSameZone"
-"""Topology modes (kube-proxy's names); "" is none: every ready endpoint."""
+"""Topology modes (kube-proxy's names, the trafficDistribution values); "" is none: every ready endpoint."""
+PREFER_ZONE = ("PreferClose", SAME_ZONE)
+PREFER_NODE = SAME_NODE
 
 
 def usable(endpoints: Sequence[Endpoint]) -> Tuple[Endpoint, ...]:
