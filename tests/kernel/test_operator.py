@@ -107,7 +107,10 @@ def _diff(proxy: Proxy, objects: list) -> Tuple[int, str]:  # type: ignore[type-
 def test_plan_diff_names_what_a_sync_would_change_and_writes_nothing(proxy: Proxy, sandbox: Sandbox) -> None:
     pods = sandbox.pods
     cluster = web(pods[:2]) + [service("api", API_IP, [port(80, 9090, name="http")]),
-                               endpoint_slice("api", pods[:1], [port(9090, name="http")])]
+                               endpoint_slice("api", pods[:1], [port(9090, name="http")]),
+                               # Node-wide state too (issue 18): listed and compared like the rest.
+                               {"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+                                "metadata": {"name": "kubernetes"}, "spec": {"cidrs": ["10.96.0.0/16"]}}]
     code, out = _diff(proxy, cluster)
     assert code == 1 and "default/web:http: +" in out and "default/api:http: +" in out, out
     def tables() -> list:  # type: ignore[type-arg]
