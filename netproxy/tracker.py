@@ -122,22 +122,27 @@ class ChangeTracker:
                 self._cidr_objects.pop(name, None)
             else:
                 self._cidr_objects[name] = cidrs
-            self._cidrs_now()
-        self._notify()
+            changed = self._cidrs_now()
+        if changed:
+            self._notify()
 
     def replace_service_cidrs(self, objects: Mapping[str, Tuple[IPNetwork, ...]]) -> None:
         """Every ServiceCIDR object after a (re)list or a file load: ones not in ``objects`` are gone."""
         with self._lock:
             self._cidr_objects = dict(objects)
-            self._cidrs_now()
-        self._notify()
+            changed = self._cidrs_now()
+        if changed:
+            self._notify()
 
-    def _cidrs_now(self) -> None:
+    def _cidrs_now(self) -> bool:
+        """Join the flag's and the objects' CIDRs again; whether that changed anything."""
         joined = _joined(self._flag_cidrs, self._cidr_objects)
-        if joined != self._service_cidrs:
-            self._service_cidrs = joined
-            # Rare, and node-wide (a drop rule or set, not a service's rules): a full sync.
-            self._node_changed = True
+        if joined == self._service_cidrs:
+            return False  # e.g. every file reload: no sync to ask for
+        self._service_cidrs = joined
+        # Rare, and node-wide (a drop rule or set, not a service's rules): a full sync.
+        self._node_changed = True
+        return True
 
     def services_synced(self) -> None:
         with self._lock:
