@@ -545,7 +545,7 @@ def test_topology_prefers_this_nodes_zone(proxy: Proxy, sandbox: Sandbox) -> Non
 
 SAME_NODE = [
     # (cluster IP, spec, [(pod index, zone, zone hints, node hints)], pods that must answer); pods 0-2
-    # are on this node (zone-a), 3-4 on REMOTE_NODE_NAME.
+    # are on this node (zone-a), 3-4 on REMOTE_NODE_NAME.  A negative index: that pod, not ready.
     # PreferSameNode without the controller's hints: this node's endpoint only...
     ("10.96.1.23", {"trafficDistribution": "PreferSameNode"},
      [(0, "zone-a", (), ()), (3, "zone-a", (), ()), (4, "zone-b", (), ())], [0]),
@@ -559,9 +559,9 @@ SAME_NODE = [
     # Partial node hints (pod 3 has none): the node level is off, the zone hints decide.
     ("10.96.1.27", {}, [(0, "zone-a", ("zone-b",), (NODE_NAME,)), (3, "zone-a", ("zone-a",), ()),
                         (4, "zone-b", ("zone-a",), (REMOTE_NODE_NAME,))], [3, 4]),
-    # A not-ready endpoint's missing hint does not count (kube-proxy looks at ready ones only).
+    # A not-ready endpoint's missing hints do not count (kube-proxy looks at ready ones only).
     ("10.96.1.28", {}, [(0, "zone-a", ("zone-a",), (NODE_NAME,)), (3, "zone-a", ("zone-a",), (REMOTE_NODE_NAME,)),
-                        (1, "zone-a", (), ())], [0]),
+                        (-1, "zone-a", (), ())], [0]),
 ]
 
 
@@ -572,9 +572,7 @@ def test_topology_prefers_this_node(proxy: Proxy, sandbox: Sandbox) -> None:
     pods = sandbox.pods
     objects = [node_object("zone-a")]
     for k, (ip, spec, layout, _) in enumerate(SAME_NODE):
-        endpoints = [ep(pods[i], zone=z, hints=h, nodes=n) for i, z, h, n in layout]
-        if ip == "10.96.1.28":
-            endpoints[-1]["conditions"] = {"ready": False, "serving": False, "terminating": False}
+        endpoints = [ep(pods[abs(i)], ready=i >= 0, zone=z, hints=h, nodes=n) for i, z, h, n in layout]
         objects += [service(f"samenode{k}", ip, [http_port()], **spec),
                     slice_of(f"samenode{k}", endpoints, [port(8080, name="http")])]
     proxy.sync(objects)
