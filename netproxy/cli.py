@@ -191,6 +191,9 @@ def _add_proxy(p: argparse.ArgumentParser) -> None:
                    help="BridgeInterface mode: the bridge the pods are on")
     p.add_argument("--pod-interface-name-prefix", type=interface_prefix, default="", action=_Store,
                    help="InterfaceNamePrefix mode: the prefix of the pods' interfaces (e.g. veth)")
+    p.add_argument("--service-cluster-ip-range", type=cidr_list, default=(), action=_Store,
+                   help="service CIDRs, comma-separated (with the API source's ServiceCIDR objects): traffic "
+                        "to an address inside them that no service owns is dropped")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -270,6 +273,7 @@ def _config(args: argparse.Namespace, backend: str, flavour: str, node: Optional
         hostname=hostname(args),
         nodeport_addresses=nodeport_cidrs(args, node),
         localhost_nodeports=getattr(args, "iptables_localhost_nodeports", True) is not False,
+        service_cidrs=tuple(getattr(args, "service_cluster_ip_range", ())),
         one_shot=getattr(args, "one_shot", False),
         **local_detection(args, node),
     )
@@ -320,7 +324,8 @@ def _load(args: argparse.Namespace) -> Loaded:
 
 def _snapshot(loaded: Loaded, config: ProxyConfig) -> Tuple[Snapshot, List[ValidationError]]:
     """The loaded --source as the snapshot a one-shot command syncs, plans or traces."""
-    tracker = ChangeTracker(NodeInfo(name=config.hostname))
+    tracker = ChangeTracker(NodeInfo(name=config.hostname), service_cidrs=config.service_cidrs)
+    tracker.replace_service_cidrs(loaded.service_cidrs)
     if loaded.node is not None:
         tracker.set_node(loaded.node)
     if config.nodeport_addresses:
@@ -484,7 +489,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     backend, config = make_backend(args, read_node=lambda: start_node(args, source))
     backend.probe()
     ensure_localhost_nodeports(backend.name, config)
-    tracker = ChangeTracker(NodeInfo(name=config.hostname))  # ETP/ITP Local need the node name from the start
+    # ETP/ITP Local need the node name from the start
+    tracker = ChangeTracker(NodeInfo(name=config.hostname), service_cidrs=config.service_cidrs)
     proxier = Proxier(tracker, backend, config)
     runner = BoundedFrequencyRunner(proxier.sync, config.min_sync_period, config.sync_period)
     proxier.retry = runner.retry_after

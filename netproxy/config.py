@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
-from netproxy.model import IPNetwork
+from netproxy.model import FieldError, IPNetwork, check_cidr
 
 BACKENDS = ("auto", "iptables", "nftables", "fake")
 IPTABLES_WRITERS = ("restore", "libiptc")
@@ -44,6 +43,9 @@ class ProxyConfig:
     """NodeCIDR mode: this node's ``spec.podCIDRs``, read from the Node at start (kube-proxy's too)."""
     pod_bridge_interface: str = ""
     pod_interface_name_prefix: str = ""
+    service_cidrs: Tuple[IPNetwork, ...] = ()
+    """--service-cluster-ip-range: service CIDRs known without the API's ServiceCIDR objects (the
+    tracker joins both into ``Snapshot.service_cidrs``, which is what the backends read)."""
     one_shot: bool = False
     """Set by ``netproxy sync``: this process writes once and ends, so nothing kept for the next
     sync (the iptables backend's table fingerprint) is worth its cost."""
@@ -94,10 +96,8 @@ def parse_cidrs(text: str) -> Tuple[IPNetwork, ...]:
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
-        if "%" in part:  # an IPv6 zone would be carried into rule text verbatim
-            raise ValueError(f"{part!r} is not a CIDR (no %zone allowed)")
         try:
-            out.append(ipaddress.ip_network(part, strict=False))
-        except ValueError:
-            raise ValueError(f"{part!r} is not a CIDR") from None
+            out.append(check_cidr(part, ""))  # the one CIDR check (model.py), also for objects
+        except FieldError as err:
+            raise ValueError(err.message) from None
     return tuple(out)

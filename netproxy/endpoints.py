@@ -3,9 +3,16 @@
 Both backends call these so that they cannot disagree on which endpoints are eligible:
 - ready endpoints; when none is ready, the serving-and-terminating ones (graceful termination);
 - ``internalTrafficPolicy``/``externalTrafficPolicy: Local``: only endpoints on this node;
-- topology: zone hints (``hints.forZones``, or the endpoint's own zone under
-  ``trafficDistribution: PreferClose``) restrict cluster traffic to endpoints for this node's zone,
-  only when every endpoint is hinted and at least one is for this zone (kube-proxy's canUseTopology).
+- topology, as kube-proxy's ``pkg/proxy/topology.go`` (topologyModeFromHints) decides it, from the
+  *ready* endpoints' hints only: when every ready endpoint has a node hint (``hints.forNodes``) and
+  one is for this node, cluster traffic goes to the ready endpoints hinted for this node; otherwise,
+  when every ready endpoint has a zone hint (``hints.forZones``) and one is for this node's zone, to
+  those hinted for the zone; otherwise to every ready endpoint.  Partial hints (one ready endpoint
+  without) switch that level off; a node level that is off falls back to the zone level.  Without
+  ready endpoints there is no topology: the serving-and-terminating ones, wherever they are.
+- Without the EndpointSlice controller (the file source), an endpoint that carries no hint at all
+  gets what the controller would give it under ``trafficDistribution``: PreferClose/PreferSameZone
+  its own zone, PreferSameNode its own node and zone (the controller's preferCloseHeuristic).
 """
 
 from __future__ import annotations
@@ -14,7 +21,10 @@ from typing import Dict, Sequence, Tuple
 
 from netproxy.model import Endpoint, NodeInfo, ServicePort, Snapshot
 
-PREFER_ZONE = ("PreferClose", "PreferSameZone")
+SAME_NODE, SAME_ZONE = "PreferSameNode", "PreferSameZone"
+"""Topology modes (kube-proxy's names, the trafficDistribution values); "" is none: every ready endpoint."""
+PREFER_ZONE = ("PreferClose", SAME_ZONE)
+PREFER_NODE = SAME_NODE
 
 
 def usable(endpoints: Sequence[Endpoint]) -> Tuple[Endpoint, ...]:
@@ -29,14 +39,14 @@ def cluster_endpoints(svc: ServicePort, endpoints: Sequence[Endpoint], node: Nod
     """Endpoints for traffic from inside the cluster (ClusterIP), honouring internalTrafficPolicy."""
     if svc.internal_traffic_policy == "Local":
         return local_endpoints(endpoints, node)
-    return _by_topology(svc, usable(endpoints), node)
+    return _by_topology(svc, endpoints, node)
 
 
 def external_endpoints(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeInfo) -> Tuple[Endpoint, ...]:
     """Endpoints for external traffic (NodePort, external IP, LB IP), honouring externalTrafficPolicy."""
     if svc.external_traffic_policy == "Local":
         return local_endpoints(endpoints, node)
-    return _by_topology(svc, usable(endpoints), node)
+    return _by_topology(svc, endpoints, node)
 
 
 def local_endpoints(endpoints: Sequence[Endpoint], node: NodeInfo) -> Tuple[Endpoint, ...]:
@@ -44,24 +54,56 @@ def local_endpoints(endpoints: Sequence[Endpoint], node: NodeInfo) -> Tuple[Endp
     return usable(tuple(e for e in endpoints if node.name and e.node_name == node.name))
 
 
-def _zones_of(svc: ServicePort, ep: Endpoint) -> Tuple[str, ...]:
-    if ep.zone_hints:
-        return ep.zone_hints
-    if svc.traffic_distribution in PREFER_ZONE and ep.zone:
-        # Without the EndpointSlice controller (file source), PreferClose means what the controller
-        # would hint: each endpoint serves its own zone.
-        return (ep.zone,)
-    return ()
+def hints(svc: ServicePort, ep: Endpoint) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """(node hints, zone hints) of ``ep``: its own, or, when it carries none, what the EndpointSlice
+    controller would give it under the service's trafficDistribution (file source)."""
+    if ep.node_hints or ep.zone_hints:
+        return ep.node_hints, ep.zone_hints
+    distribution = svc.traffic_distribution
+    if not distribution:
+        return (), ()
+    nodes = (ep.node_name,) if distribution == PREFER_NODE and ep.node_name else ()
+    zones = (ep.zone,) if (distribution == PREFER_NODE or distribution in PREFER_ZONE) and ep.zone else ()
+    return nodes, zones
 
 
-def _by_topology(svc: ServicePort, endpoints: Tuple[Endpoint, ...], node: NodeInfo) -> Tuple[Endpoint, ...]:
-    if not node.zone or not endpoints:
-        return endpoints
-    zones = [_zones_of(svc, e) for e in endpoints]
-    if any(not z for z in zones):
-        return endpoints  # kube-proxy ignores hints unless every endpoint has them
-    same = tuple(e for e, z in zip(endpoints, zones) if node.zone in z)
-    return same or endpoints
+def topology_mode(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeInfo) -> str:
+    """kube-proxy's topologyModeFromHints: SAME_NODE, SAME_ZONE or "" (no topology)."""
+    any_ready = False
+    all_nodes = all_zones = True
+    for_node = for_zone = False
+    for ep in endpoints:
+        if not ep.ready:
+            continue  # only ready endpoints' hints count, as in kube-proxy
+        any_ready = True
+        nodes, zones = hints(svc, ep)
+        if not nodes:
+            all_nodes = False
+        elif node.name in nodes:
+            for_node = True
+        if not zones:
+            all_zones = False
+        elif node.zone in zones:
+            for_zone = True
+        if not all_nodes and not all_zones:
+            return ""
+    if not any_ready:
+        return ""
+    if all_nodes and for_node and node.name:
+        return SAME_NODE
+    if all_zones and for_zone and node.zone:
+        return SAME_ZONE
+    return ""
+
+
+def _by_topology(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeInfo) -> Tuple[Endpoint, ...]:
+    mode = topology_mode(svc, endpoints, node)
+    if not mode:
+        return usable(endpoints)
+    if mode == SAME_NODE:
+        return tuple(e for e in endpoints if e.ready and node.name in hints(svc, e)[0])
+    # The mode was chosen because a ready endpoint is for this zone: never empty.
+    return tuple(e for e in endpoints if e.ready and node.zone in hints(svc, e)[1])
 
 
 def no_local_endpoints(snapshot: Snapshot) -> Dict[Tuple[int, str], int]:

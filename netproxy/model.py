@@ -188,7 +188,12 @@ class ServicePort:
     health_check_node_port: int = 0
     service_type: str = "ClusterIP"
     traffic_distribution: str = ""
-    """``spec.trafficDistribution`` ("PreferClose"): prefer endpoints in the node's zone."""
+    """``spec.trafficDistribution``: "PreferClose"/"PreferSameZone" prefer endpoints in the node's
+    zone, "PreferSameNode" endpoints on this node (then the zone); see netproxy/endpoints.py."""
+    proxy_load_balancer_ips: Tuple[IPAddress, ...] = ()
+    """``status.loadBalancer.ingress[].ip`` with ``ipMode: Proxy``: the load balancer proxies to the
+    node, so, as kube-proxy >= 1.30, the node has no rule for them and traffic to them leaves for the
+    load balancer.  Kept for ``netproxy trace``/``status``; no backend renders them."""
 
     @property
     def client_ip_affinity(self) -> bool:
@@ -212,6 +217,8 @@ class Endpoint:
     zone: Optional[str] = None
     zone_hints: Tuple[str, ...] = ()
     """EndpointSlice ``hints.forZones``: the zones whose nodes should route to this endpoint."""
+    node_hints: Tuple[str, ...] = ()
+    """EndpointSlice ``hints.forNodes`` (KEP-3015, PreferSameNode): the nodes that should route to it."""
 
     def __str__(self) -> str:
         if self.ip.version == 6:
@@ -248,6 +255,9 @@ class Snapshot:
     services: Mapping[ServicePortName, ServicePort] = field(default_factory=dict)
     endpoints: Mapping[ServicePortName, Tuple[Endpoint, ...]] = field(default_factory=dict)
     node: NodeInfo = NodeInfo()
+    service_cidrs: Tuple[IPNetwork, ...] = ()
+    """The cluster's service CIDRs (--service-cluster-ip-range and ServiceCIDR objects): traffic to
+    an address inside them that no service owns is dropped, as kube-proxy's nftables mode does."""
 
     def endpoints_of(self, name: ServicePortName) -> Tuple[Endpoint, ...]:
         return self.endpoints.get(name, ())
@@ -259,10 +269,10 @@ class Snapshot:
     @classmethod
     def build(cls, services: Iterable[ServicePort],
               endpoints: Optional[Mapping[ServicePortName, Iterable[Endpoint]]] = None,
-              node: NodeInfo = NodeInfo()) -> Snapshot:
+              node: NodeInfo = NodeInfo(), service_cidrs: Tuple[IPNetwork, ...] = ()) -> Snapshot:
         """Convenience constructor for tests and benchmarks."""
         eps = {k: tuple(v) for k, v in (endpoints or {}).items()}
-        return cls({s.name: s for s in services}, eps, node)
+        return cls({s.name: s for s in services}, eps, node, service_cidrs)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from netproxy.model import (
     Changes,
     Endpoint,
     IPAddress,
+    IPNetwork,
     NodeInfo,
     ServicePort,
     ServicePortName,
@@ -34,8 +35,14 @@ Key = Tuple[str, str]  # (namespace, name)
 class ChangeTracker:
     """Holds the latest state from the sources and what changed since the last :meth:`take`."""
 
-    def __init__(self, node: Optional[NodeInfo] = None, on_change: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, node: Optional[NodeInfo] = None, on_change: Optional[Callable[[], None]] = None,
+                 service_cidrs: Tuple[IPNetwork, ...] = ()) -> None:
         self._lock = threading.Lock()
+        self._flag_cidrs = tuple(service_cidrs)
+        """--service-cluster-ip-range: always part of the snapshot's service CIDRs."""
+        self._cidr_objects: Dict[str, Tuple[IPNetwork, ...]] = {}
+        """ServiceCIDR objects by name (cluster-scoped), from the sources."""
+        self._service_cidrs = _joined(self._flag_cidrs, self._cidr_objects)
         self._services: Dict[Key, Tuple[ServicePort, ...]] = {}
         self._slices: Dict[Key, EndpointSet] = {}  # keyed by (namespace, slice name)
         self._slices_by_service: Dict[Key, Set[Key]] = {}
@@ -108,6 +115,35 @@ class ChangeTracker:
                 self._node_changed = True
         self._notify()
 
+    def update_service_cidr(self, name: str, cidrs: Optional[Tuple[IPNetwork, ...]]) -> None:
+        """A ServiceCIDR object was added or changed (``cidrs``) or deleted (``None``)."""
+        with self._lock:
+            if cidrs is None:
+                self._cidr_objects.pop(name, None)
+            else:
+                self._cidr_objects[name] = cidrs
+            changed = self._cidrs_now()
+        if changed:
+            self._notify()
+
+    def replace_service_cidrs(self, objects: Mapping[str, Tuple[IPNetwork, ...]]) -> None:
+        """Every ServiceCIDR object after a (re)list or a file load: ones not in ``objects`` are gone."""
+        with self._lock:
+            self._cidr_objects = dict(objects)
+            changed = self._cidrs_now()
+        if changed:
+            self._notify()
+
+    def _cidrs_now(self) -> bool:
+        """Join the flag's and the objects' CIDRs again; whether that changed anything."""
+        joined = _joined(self._flag_cidrs, self._cidr_objects)
+        if joined == self._service_cidrs:
+            return False  # e.g. every file reload: no sync to ask for
+        self._service_cidrs = joined
+        # Rare, and node-wide (a drop rule or set, not a service's rules): a full sync.
+        self._node_changed = True
+        return True
+
     def services_synced(self) -> None:
         with self._lock:
             self._services_synced = True
@@ -150,10 +186,10 @@ class ChangeTracker:
             self._dirty.clear()
             self._pending_services = self._pending_endpoints = 0
             self.last_trigger_times, self._trigger_times = tuple(self._trigger_times), []
-            full = self._node_changed  # node zone/name changes can affect every service
+            full = self._node_changed  # node zone/name (and service CIDR) changes can affect every service
             self._node_changed = False
             node = replace(self._node, addresses=self._node_addresses) if self._node_addresses else self._node
-            snap = Snapshot(dict(self._ports), dict(self._resolved), node)
+            snap = Snapshot(dict(self._ports), dict(self._resolved), node, self._service_cidrs)
         return snap, Changes(full=full, services=frozenset(changed))
 
     # -- internals (lock held) ------------------------------------------------------------------
@@ -234,3 +270,11 @@ class ChangeTracker:
         if names:
             self._names_by_service[key] = names
         return touched | names
+
+
+def _joined(flag: Tuple[IPNetwork, ...], objects: Mapping[str, Tuple[IPNetwork, ...]]) -> Tuple[IPNetwork, ...]:
+    """The flag's CIDRs and every object's, once each, in a stable order (v4 first)."""
+    seen = set(flag)
+    for cidrs in objects.values():
+        seen.update(cidrs)
+    return tuple(sorted(seen, key=lambda n: (n.version, int(n.network_address), n.prefixlen)))

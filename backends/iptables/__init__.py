@@ -127,7 +127,7 @@ class IptablesBackend:
         if self._random_fully is None:
             self._random_fully = supports_random_fully(self.config.iptables_flavour)
         desired = {f: assemble(f, (r.rules[f] for r in ordered if f in r.rules), self.config, node,
-                               self._random_fully, self._memo[f]) for f in FAMILIES}
+                               self._random_fully, self._memo[f], snapshot.service_cidrs) for f in FAMILIES}
         return desired, rerendered
 
     def _has_family(self, family: int) -> bool:

@@ -7,13 +7,13 @@ trees) or on the node (NodePort addresses), not on one service port.
 from __future__ import annotations
 
 import ipaddress
-from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple, TypeVar
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, TypeVar
 
 from netproxy.backends.iptables import ipset, names
 from netproxy.backends.iptables.render import FamilyRuleset, ServiceRules, host_net, reject_target
 from netproxy.backends.iptables.tree import Chains, Rule, build_port_tree, build_tree
 from netproxy.config import ProxyConfig
-from netproxy.model import NodeInfo
+from netproxy.model import IPNetwork, NodeInfo
 
 SERVICE_PORTALS = "kubernetes service portals"
 NAT_JUMPS: Tuple[Tuple[str, str, Rule], ...] = (
@@ -135,8 +135,23 @@ class Memo:
         return value
 
 
+SERVICE_CIDR_COMMENT = "service CIDR: an address no service owns"
+
+
+def service_cidr_drops(family: int, service_cidrs: Sequence[IPNetwork]) -> Tuple[Rule, ...]:
+    """kube-proxy's nftables "drop traffic to unallocated ClusterIPs": after every verdict for the
+    addresses services own (their known ports were DNAT-ed in nat; the others refused above), what is
+    left inside a service CIDR goes nowhere.  One rule per CIDR (a cluster has one or two), however
+    many services there are."""
+    # Not to the node's own addresses: filter KUBE-SERVICES runs from INPUT too, and kube-proxy's
+    # check sits in forward and output only.
+    return tuple(("-d", str(c), "-m", "addrtype", "!", "--dst-type", "LOCAL", "-m", "comment", "--comment",
+                  SERVICE_CIDR_COMMENT, "-j", "DROP") for c in service_cidrs if c.version == family)
+
+
 def assemble(family: int, services: Iterable[ServiceRules], config: ProxyConfig,
-             node: NodeInfo = _NO_NODE, random_fully: bool = True, memo: Optional[Memo] = None) -> FamilyRuleset:
+             node: NodeInfo = _NO_NODE, random_fully: bool = True, memo: Optional[Memo] = None,
+             service_cidrs: Sequence[IPNetwork] = ()) -> FamilyRuleset:
     """One family's desired state from its services' rules (already rendered, possibly cached)."""
     rendered = list(services)
     out = FamilyRuleset(family)
@@ -187,8 +202,9 @@ def assemble(family: int, services: Iterable[ServiceRules], config: ProxyConfig,
         out.sets[ipset.cluster_ip_set(family)] = False
         refuse = (("-m", "set", "--match-set", ipset.cluster_ip_set(family), "dst", "-m", "comment", "--comment",
                    "cluster IPs: a port no service has") + reject_target(family),)
-    filt[names.SERVICES] = localnet_guard(family, config) + ftop + refuse + (
-        tuple(nodeport_jumps(family, config, node, names.EXTERNAL_SERVICES)) if external else ())
+    to_nodeports = tuple(nodeport_jumps(family, config, node, names.EXTERNAL_SERVICES)) if external else ()
+    filt[names.SERVICES] = localnet_guard(family, config) + ftop + refuse + service_cidr_drops(family, service_cidrs) \
+        + to_nodeports
     filt[names.EXTERNAL_SERVICES] = external
     filt.update(fsub)
     filt.update(ext_sub)

@@ -116,7 +116,7 @@ class NftablesBackend:
                 count_refs(fstate, written.refs, 1)
             state.entries[name] = entry
         for fam in render.FAMILIES:
-            state.family(fam).node = node_elements(snapshot.node, fam, self.config)
+            state.family(fam).node = node_elements(snapshot.node, fam, self.config, snapshot.service_cidrs)
         return state
 
     def _full(self, snapshot: Snapshot) -> SyncResult:
@@ -276,7 +276,8 @@ class NftablesBackend:
             ref_changes(tx, fam, fstate, ref_before.get(fam, {}))
             drop_unused_shared(tx, fam, fstate)
             if fam in state.tables:
-                node_changes(tx, fam, fstate, node_elements(snapshot.node, fam, self.config))
+                node_changes(tx, fam, fstate, node_elements(snapshot.node, fam, self.config,
+                                                            snapshot.service_cidrs))
         self.last_transaction = tx
         written = self._apply_incremental(tx, state) if len(tx) else 0
         for name, entry in new_entries.items():

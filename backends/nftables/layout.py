@@ -14,7 +14,8 @@ Packet path (docs/parity.md is the contract, README.md the picture):
   connections) gets the mark; marked packets are masqueraded and the bit cleared;
 - filter ``input``/``forward``/``output`` (new connections that nat did not DNAT): ``reject`` (or
   ``drop``) through ``no-endpoint-services``/``no-endpoint-nodeports``, then ``reject`` for any
-  other port of an active ClusterIP (``cluster-ips``).  ``filter-output`` sits after nat output's
+  other port of an active ClusterIP (``cluster-ips``), then (forward and output, as kube-proxy)
+  ``drop`` for any other address inside a service CIDR (``service-cidrs``).  ``filter-output`` sits after nat output's
   DNAT (priority -90) so that a valid ClusterIP port, DNAT-ed already, is not caught by the
   cluster-IP reject; input and forward come after prerouting's DNAT anyway.
 """
@@ -89,13 +90,18 @@ def base_chains(family: str, config: ProxyConfig) -> List[Tuple[Chain, Tuple[Rul
                 st.lookup(dispatch + (st.addr(fam, "saddr"),), names.FIREWALL_ALLOW, invert=True),
                 st.DROP)
 
-    def filter_rules(chain: str, with_nodeports: bool) -> Tuple[Rule, ...]:
+    def filter_rules(chain: str, with_nodeports: bool, service_cidrs: bool = True) -> Tuple[Rule, ...]:
         rules = [st.rule(chain, st.CT_STATE_NEW, st.vmap(dispatch, names.NO_ENDPOINTS))]
         if with_nodeports:
             rules.append(st.rule(chain, st.CT_STATE_NEW, *nodeports,
                                  st.vmap(NODEPORT_FIELDS, names.NO_ENDPOINT_NODEPORTS)))
         rules.append(st.rule(chain, st.CT_STATE_NEW, st.lookup((st.addr(fam, "daddr"),), names.CLUSTER_IPS),
                              st.reject(fam), comment="other ports of active cluster IPs"))
+        if service_cidrs:
+            # kube-proxy's "drop traffic to unallocated ClusterIPs" (its cluster-ips-check chain, from
+            # forward and output after DNAT): what is left inside a service CIDR has no service.
+            rules.append(st.rule(chain, st.CT_STATE_NEW, st.lookup((st.addr(fam, "daddr"),), names.SERVICE_CIDRS),
+                                 st.DROP, comment="service CIDRs: addresses no service owns"))
         return tuple(rules)
 
     chains = [
@@ -112,7 +118,7 @@ def base_chains(family: str, config: ProxyConfig) -> List[Tuple[Chain, Tuple[Rul
             st.rule(names.NAT_POSTROUTING, st.mark_has(mark), st.mark_xor(mark), st.MASQUERADE_FULLY_RANDOM,
                     comment="masquerade traffic marked by netproxy"))),
         (Chain(names.FILTER_INPUT, Hook("filter", "input", FILTER_PRIORITY)),
-         filter_rules(names.FILTER_INPUT, True)),
+         filter_rules(names.FILTER_INPUT, True, service_cidrs=False)),
         (Chain(names.FILTER_FORWARD, Hook("filter", "forward", FILTER_PRIORITY)),
          filter_rules(names.FILTER_FORWARD, False)),
         (Chain(names.FILTER_OUTPUT, Hook("filter", "output", FILTER_OUTPUT_PRIORITY)),
@@ -168,6 +174,8 @@ def base_sets(family: str) -> List[Set]:
         Set(names.CLUSTER_IPS, addr, comment="active cluster IPs"),
         Set(names.NODEPORT_IPS, addr, comment="--nodeport-addresses"),
         Set(names.CLUSTER_CIDRS, addr, flags=("interval",), comment="--cluster-cidr"),
+        Set(names.SERVICE_CIDRS, addr, flags=("interval",),
+            comment="service CIDRs: --service-cluster-ip-range and ServiceCIDR objects"),
         Set(names.FIREWALL_IPS, dispatch, comment="load-balancer IPs with source ranges"),
         Set(names.FIREWALL_ALLOW, f"{dispatch} . {addr}", flags=("interval",),
             comment="load-balancer IP . protocol . port . allowed source range"),

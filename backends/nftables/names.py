@@ -39,6 +39,7 @@ FIREWALL_IPS = "firewall-ips"
 FIREWALL_ALLOW = "firewall-allow"
 HAIRPIN = "hairpin"
 CLUSTER_CIDRS = "cluster-cidrs"
+SERVICE_CIDRS = "service-cidrs"
 AFFINITY_SERVICES = "affinity-services"
 AFFINITY_NODEPORTS = "affinity-nodeports"
 

@@ -21,7 +21,7 @@ from netproxy.backends.nftables.layout import PROTOCOLS
 from netproxy.backends.nftables.objects import Chain, Element, ElementRun, Object, Rule
 from netproxy.backends.nftables.serialise import Op, ops_text
 from netproxy.config import ProxyConfig
-from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName
+from netproxy.model import Endpoint, IPNetwork, NodeInfo, ServicePort, ServicePortName
 
 log = logging.getLogger(__name__)
 
@@ -171,17 +171,24 @@ def ref_changes(tx: Transaction, fam: str, fstate: FamilyState, before: Mapping[
             fstate.refs.pop(ref, None)
 
 
-def node_elements(node: NodeInfo, fam: str, config: ProxyConfig) -> FrozenSet[Element]:
-    """``nodeport-ips``: with --nodeport-addresses, the node's addresses inside those CIDRs (the core
-    fills ``node.addresses`` already filtered; filtered again here by family and CIDR)."""
-    if not config.nodeport_addresses:
-        return frozenset()
+def node_elements(node: NodeInfo, fam: str, config: ProxyConfig,
+                  service_cidrs: Sequence[IPNetwork] = ()) -> FrozenSet[Element]:
+    """The node-wide elements that follow the snapshot, not one service:
+
+    - ``nodeport-ips``: with --nodeport-addresses, the node's addresses inside those CIDRs (the core
+      fills ``node.addresses`` already filtered; filtered again here by family and CIDR);
+    - ``service-cidrs``: the snapshot's service CIDRs of ``fam``, overlaps merged (an interval set
+      refuses them)."""
     version = render.VERSIONS[fam]
-    # Never loopback: kube-proxy's nftables mode does not serve NodePorts on 127.0.0.1 (no
-    # route_localnet), even when --nodeport-addresses holds 127.0.0.0/8.
-    return frozenset(Element(names.NODEPORT_IPS, render.ip_text(a)) for a in node.addresses
-                     if a.version == version and not a.is_loopback
-                     and any(a.version == c.version and a in c for c in config.nodeport_addresses))
+    out = {Element(names.SERVICE_CIDRS, str(n))
+           for n in _collapse([c for c in service_cidrs if c.version == version])}
+    if config.nodeport_addresses:
+        # Never loopback: kube-proxy's nftables mode does not serve NodePorts on 127.0.0.1 (no
+        # route_localnet), even when --nodeport-addresses holds 127.0.0.0/8.
+        out.update(Element(names.NODEPORT_IPS, render.ip_text(a)) for a in node.addresses
+                   if a.version == version and not a.is_loopback
+                   and any(a.version == c.version and a in c for c in config.nodeport_addresses))
+    return frozenset(out)
 
 
 def config_elements(fam: str, config: ProxyConfig) -> List[Element]:

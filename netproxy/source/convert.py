@@ -20,6 +20,7 @@ from netproxy.model import (
     Endpoint,
     FieldError,
     IPAddress,
+    IPNetwork,
     NodeInfo,
     ServicePort,
     ServicePortName,
@@ -76,7 +77,7 @@ class EndpointSet:
             for p in self.ports:
                 if p.name == port_name and p.protocol == protocol:
                     out.extend(Endpoint(e.ip, p.port, e.ready, e.serving, e.terminating, e.node_name, e.zone,
-                                        e.zone_hints) for e in self.endpoints)
+                                        e.zone_hints, e.node_hints) for e in self.endpoints)
             hit = cache[key] = tuple(out)
         return hit
 
@@ -163,11 +164,7 @@ def _service_ports(ns: str, name: str, obj: Mapping[str, Any]) -> Tuple[ServiceP
         return ()
     cluster_ips = _cluster_ips(spec)
     external_ips = _ips(spec.get("externalIPs"), "spec.externalIPs")
-    ingress = _list(_map(_map(obj.get("status"), "status").get("loadBalancer"),
-                         "status.loadBalancer").get("ingress"), "status.loadBalancer.ingress")
-    lb_ips = tuple(check_ip(_map(ing, f"status.loadBalancer.ingress[{i}]").get("ip"),
-                            f"status.loadBalancer.ingress[{i}].ip")
-                   for i, ing in enumerate(ingress) if isinstance(ing, Mapping) and ing.get("ip"))
+    lb_ips, proxy_lb_ips = _load_balancer_ips(obj)
     ranges = tuple(check_cidr(v, f"spec.loadBalancerSourceRanges[{i}]")
                    for i, v in enumerate(_list(spec.get("loadBalancerSourceRanges"),
                                                "spec.loadBalancerSourceRanges")))
@@ -212,9 +209,51 @@ def _service_ports(ns: str, name: str, obj: Mapping[str, Any]) -> Tuple[ServiceP
             external_ips=external_ips, load_balancer_ips=lb_ips, source_ranges=ranges,
             affinity=affinity, affinity_timeout=timeout, external_traffic_policy=etp,
             internal_traffic_policy=itp, health_check_node_port=hc_port, service_type=svc_type,
-            traffic_distribution=str(distribution),
+            traffic_distribution=str(distribution), proxy_load_balancer_ips=proxy_lb_ips,
         ))
     return tuple(out)
+
+
+LB_IP_MODES = ("VIP", "Proxy")
+
+
+def _load_balancer_ips(obj: Mapping[str, Any]) -> Tuple[Tuple[IPAddress, ...], Tuple[IPAddress, ...]]:
+    """``status.loadBalancer.ingress[].ip`` split by ``ipMode``: (VIP, the default: the node DNATs
+    them as the service; Proxy: the load balancer proxies, the node leaves them alone)."""
+    ingress = _list(_map(_map(obj.get("status"), "status").get("loadBalancer"),
+                         "status.loadBalancer").get("ingress"), "status.loadBalancer.ingress")
+    vip: List[IPAddress] = []
+    proxy: List[IPAddress] = []
+    for i, raw in enumerate(ingress):
+        path = f"status.loadBalancer.ingress[{i}]"
+        ing = _map(raw, path)
+        mode = check_choice(ing.get("ipMode"), f"{path}.ipMode", LB_IP_MODES, "VIP")
+        if not ing.get("ip"):
+            if ing.get("ipMode") is not None:
+                raise FieldError(f"{path}.ipMode", "is only allowed with an ip")
+            continue  # a hostname-only ingress: nothing for the node
+        (proxy if mode == "Proxy" else vip).append(check_ip(ing.get("ip"), f"{path}.ip"))
+    return tuple(vip), tuple(proxy)
+
+
+def parse_service_cidr(obj: Mapping[str, Any]) -> Tuple[str, Tuple[IPNetwork, ...]]:
+    """A networking.k8s.io/v1 ServiceCIDR → (its name, ``spec.cidrs``): at most one CIDR per family,
+    as the API server allows.  Cluster-scoped: the name alone identifies it."""
+    kind = str(obj.get("kind") or "ServiceCIDR")
+    meta = obj.get("metadata") or {}
+    raw_name = meta.get("name") if isinstance(meta, Mapping) else None
+
+    def build() -> Tuple[str, Tuple[IPNetwork, ...]]:
+        name = check_subdomain(raw_name, "metadata.name")
+        raw = _list(_map(obj.get("spec"), "spec").get("cidrs"), "spec.cidrs")
+        if not raw:
+            raise FieldError("spec.cidrs", "must list one CIDR (or one per family)")
+        cidrs = tuple(check_cidr(v, f"spec.cidrs[{i}]") for i, v in enumerate(raw))
+        if len(cidrs) > 2 or len({c.version for c in cidrs}) != len(cidrs):
+            raise FieldError("spec.cidrs", "may hold at most one IPv4 and one IPv6 CIDR")
+        return name, cidrs
+
+    return _guard(kind, str(raw_name), build)
 
 
 def _slice_ports(raw_ports: Any, path: str) -> Tuple[SlicePort, ...]:
@@ -283,17 +322,28 @@ def _slice_endpoint(raw: Any, addr_type: str, port: int, out: List[Endpoint]) ->
         node = sys.intern(check_subdomain(node, "nodeName"))
     zone = check_zone(e.get("zone"), "zone")
     zone_hints: Tuple[str, ...] = ()
+    node_hints: Tuple[str, ...] = ()
     hints = e.get("hints")
     if hints is not None:
-        for_zones = _list(_map(hints, "hints").get("forZones"), "hints.forZones")
-        zone_hints = tuple(check_zone(_map(z, f"hints.forZones[{k}]").get("name"),
-                                      f"hints.forZones[{k}].name") or ""
-                           for k, z in enumerate(for_zones))
+        hint_map = _map(hints, "hints")
+        for_zones = _list(hint_map.get("forZones"), "hints.forZones")
+        zone_hints = tuple(_hint_name(z, f"hints.forZones[{k}]", check_zone) for k, z in enumerate(for_zones))
+        for_nodes = _list(hint_map.get("forNodes"), "hints.forNodes")
+        node_hints = tuple(sys.intern(_hint_name(n, f"hints.forNodes[{k}]", check_subdomain))
+                           for k, n in enumerate(for_nodes))
     for j, addr in enumerate(_list(e.get("addresses"), "addresses")):
         ip = check_ip(addr, f"addresses[{j}]")
         if ("IPv6" if ip.version == 6 else "IPv4") != addr_type:
             raise FieldError(f"addresses[{j}]", f"{addr!r} is not of addressType {addr_type}")
-        out.append(Endpoint(ip, port, ready, serving, terminating, node, zone, zone_hints))
+        out.append(Endpoint(ip, port, ready, serving, terminating, node, zone, zone_hints, node_hints))
+
+
+def _hint_name(raw: Any, path: str, check: Callable[[Any, str], Optional[str]]) -> str:
+    """``hints.forZones[k].name`` / ``hints.forNodes[k].name``: required, and a zone / node name."""
+    name = _map(raw, path).get("name")
+    if name is None or name == "":
+        raise FieldError(f"{path}.name", "is required")
+    return check(name, f"{path}.name") or ""
 
 
 def parse_endpoints(obj: Mapping[str, Any]) -> EndpointSet:

@@ -2,7 +2,8 @@
 
 Accepts what ``kubectl get svc,endpointslices -A -o yaml`` prints as is: ``kind: List`` (and typed
 lists such as ``ServiceList``), multi-document YAML, JSON, ``v1 Service``, ``discovery.k8s.io/v1
-EndpointSlice``, the seed's ``v1 Endpoints`` and ``v1 Node`` (for this node's zone).
+EndpointSlice``, the seed's ``v1 Endpoints``, ``v1 Node`` (for this node's zone) and
+``networking.k8s.io/v1 ServiceCIDR`` (the service CIDRs whose unowned addresses are dropped).
 A file that fails to parse keeps the last good state; an invalid object is rejected on its own.
 """
 
@@ -19,7 +20,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, 
 
 import yaml
 
-from netproxy.model import NodeInfo, ServicePort, ValidationError
+from netproxy.model import IPNetwork, NodeInfo, ServicePort, ValidationError
 from netproxy.source import jsonstream
 from netproxy.source.convert import (
     EndpointSet,
@@ -28,6 +29,7 @@ from netproxy.source.convert import (
     parse_endpoints,
     parse_node,
     parse_service,
+    parse_service_cidr,
 )
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,8 @@ class Loaded:
     errors: List[ValidationError] = field(default_factory=list)
     legacy: Dict[Key, EndpointSet] = field(default_factory=dict)
     """v1 Endpoints by service; :func:`merge` uses them only for services without slices."""
+    service_cidrs: Dict[str, Tuple[IPNetwork, ...]] = field(default_factory=dict)
+    """networking.k8s.io/v1 ServiceCIDR objects by name: their ``spec.cidrs``."""
 
 
 def manifest_files(path: str) -> List[str]:
@@ -151,6 +155,11 @@ def _parse_part(objects: Iterator[Mapping[str, Any]], node_name: str) -> Loaded:
             elif kind == "Endpoints":
                 eps = parse_endpoints(obj)
                 out.legacy[(eps.namespace, eps.service)] = eps
+            elif kind == "ServiceCIDR":
+                cidr_name, cidrs = parse_service_cidr(obj)
+                if cidr_name in out.service_cidrs:
+                    raise ValidationError(kind, cidr_name, "metadata.name", "is defined twice")
+                out.service_cidrs[cidr_name] = cidrs
             elif kind == "Node":
                 node = _parse_node(obj, node_name)
                 if node is not None:
@@ -178,6 +187,7 @@ def merge(parts: Sequence[Loaded]) -> Loaded:
             out.services[key] = ports
         out.endpoints.update(part.endpoints)
         out.legacy.update(part.legacy)
+        out.service_cidrs.update(part.service_cidrs)
         out.node = part.node or out.node
         out.errors.extend(part.errors)
     sliced = {(e.namespace, e.service) for e in out.endpoints.values()}
@@ -294,6 +304,7 @@ class FileSource:
             tracker.reject(rejected)
         if loaded.node is not None:
             tracker.set_node(loaded.node)
+        tracker.replace_service_cidrs(loaded.service_cidrs)
         tracker.replace_services(loaded.services)
         tracker.replace_endpoints(loaded.endpoints)
         tracker.services_synced()

@@ -1,4 +1,4 @@
-"""The Kubernetes API source: list-watch Services, EndpointSlices (or Endpoints) and this node.
+"""The Kubernetes API source: list-watch Services, EndpointSlices (or Endpoints), ServiceCIDRs and this node.
 
 Objects are read as raw JSON and converted by :mod:`netproxy.source.convert`, the code the file
 source uses, so a manifest and an API object can never be read differently.  An object that does not
@@ -9,7 +9,7 @@ on anyway.
 Construct with an API client (see :func:`api_client_from`)::
 
     source = KubeSource(api_client, node_name, use_endpoints=False, families=("IPv4", "IPv6"))
-    source.start(tracker)   # three daemon threads
+    source.start(tracker)   # four daemon threads
     ...
     source.stop()
 """
@@ -20,13 +20,14 @@ import logging
 import os
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
-from netproxy.model import NodeInfo, ServicePort, ValidationError
+from netproxy.model import IPNetwork, NodeInfo, ServicePort, ValidationError
 from netproxy.source.convert import (
     EndpointSet,
     parse_endpoint_slice,
     parse_endpoints,
     parse_node,
     parse_service,
+    parse_service_cidr,
 )
 from netproxy.source.kube_reflector import Obj, Reflector, ReflectorSettings
 from netproxy.tracker import ChangeTracker
@@ -172,8 +173,42 @@ class NodeHandler:
         self._set(self.node_info(None if event_type == "DELETED" else obj))
 
 
+class ServiceCIDRHandler:
+    """networking.k8s.io/v1 ServiceCIDRs (cluster-scoped) → tracker.update_service_cidr /
+    replace_service_cidrs.  Every object's ``spec.cidrs`` counts, whatever its status, as in
+    kube-proxy's ServiceCIDR handler; one that does not convert is rejected and treated as absent."""
+
+    def __init__(self, tracker: ChangeTracker) -> None:
+        self.tracker = tracker
+
+    def _convert(self, obj: Obj) -> Tuple[Optional[str], Optional[Tuple[IPNetwork, ...]]]:
+        key = object_key(obj)
+        try:
+            return (key[1] if key else None), parse_service_cidr(obj)[1]
+        except ValidationError as err:
+            self.tracker.reject(err)
+            return (key[1] if key else None), None
+
+    def replace(self, items: Iterator[Obj]) -> None:
+        found: Dict[str, Tuple[IPNetwork, ...]] = {}
+        for obj in items:
+            name, cidrs = self._convert(obj)
+            if name is not None and cidrs is not None:
+                found[name] = cidrs
+        self.tracker.replace_service_cidrs(found)
+
+    def apply(self, event_type: str, obj: Obj) -> None:
+        if event_type == "DELETED":
+            key = object_key(obj)
+            name, cidrs = (key[1] if key else None), None
+        else:
+            name, cidrs = self._convert(obj)
+        if name is not None:
+            self.tracker.update_service_cidr(name, cidrs)
+
+
 class KubeSource:
-    """Keeps a tracker up to date with the cluster: three reflectors in daemon threads."""
+    """Keeps a tracker up to date with the cluster: four reflectors in daemon threads."""
 
     def __init__(self, api_client: Any, node_name: str, use_endpoints: bool = False,
                  families: Tuple[str, ...] = ("IPv4", "IPv6"),
@@ -205,9 +240,13 @@ class KubeSource:
             endpoints,
             Reflector("Node", core.list_node, NodeHandler(tracker, self.node_name), self.settings,
                       list_kwargs={"field_selector": f"metadata.name={self.node_name}"}),
+            # networking.k8s.io/v1 (Kubernetes >= 1.33): the service CIDRs whose unowned addresses
+            # are dropped.  Not a readiness condition: without them only the drop is missing.
+            Reflector("ServiceCIDR", client.NetworkingV1Api(self.api_client).list_service_cidr,
+                      ServiceCIDRHandler(tracker), self.settings),
         ]
-        log.info("watching services, %s and node %s", "endpoints" if self.use_endpoints else "endpointslices",
-                 self.node_name)
+        log.info("watching services, %s, servicecidrs and node %s",
+                 "endpoints" if self.use_endpoints else "endpointslices", self.node_name)
         for r in self.reflectors:
             r.start()
 

@@ -113,7 +113,10 @@ def _diff(proxy: Proxy, objects: list) -> Tuple[int, str]:  # type: ignore[type-
 def test_plan_diff_names_what_a_sync_would_change_and_writes_nothing(proxy: Proxy, sandbox: Sandbox) -> None:
     pods = sandbox.pods
     cluster = web(pods[:2]) + [service("api", API_IP, [port(80, 9090, name="http")]),
-                               endpoint_slice("api", pods[:1], [port(9090, name="http")])]
+                               endpoint_slice("api", pods[:1], [port(9090, name="http")]),
+                               # Node-wide state too (issue 18): listed and compared like the rest.
+                               {"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+                                "metadata": {"name": "kubernetes"}, "spec": {"cidrs": ["10.96.0.0/16"]}}]
     code, out = _diff(proxy, cluster)
     assert code == 1 and "default/web:http: +" in out and "default/api:http: +" in out, out
     def tables() -> list:  # type: ignore[type-arg]
@@ -234,10 +237,17 @@ def test_trace_predicts_the_endpoints_real_connections_reach(proxy: Proxy, sandb
     cluster = [service("web", "10.96.0.10", [port(80, 8080)]), endpoint_slice("web", pods[:2], [port(8080)]),
                service("near", "10.96.0.11", [port(80, 8080)], internalTrafficPolicy="Local"),
                endpoint_slice("near", [pods[0], remote, pods[2]], [port(8080)]),
-               service("empty", "10.96.0.12", [port(80, 8080)])]
+               service("empty", "10.96.0.12", [port(80, 8080)]),
+               # PreferSameNode (issue 18): this node's endpoints only.
+               service("same", "10.96.0.13", [port(80, 8080)], trafficDistribution="PreferSameNode"),
+               endpoint_slice("same", [pods[0], remote, pods[2]], [port(8080)]),
+               # A service CIDR: an address in it that no service owns is dropped.
+               {"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR", "metadata": {"name": "kubernetes"},
+                "spec": {"cidrs": ["10.96.0.0/16"]}}]
     proxy.sync(cluster)
     by_ip = {p.ip: p.name for p in pods}
-    for to, want in (("10.96.0.10:80", {pods[0].name, pods[1].name}), ("10.96.0.11:80", {pods[0].name, pods[2].name})):
+    for to, want in (("10.96.0.10:80", {pods[0].name, pods[1].name}), ("10.96.0.11:80", {pods[0].name, pods[2].name}),
+                     ("10.96.0.13:80", {pods[0].name, pods[2].name})):
         targets, others = _traced(proxy, to)
         predicted = {by_ip[t] for t in targets}
         assert predicted == want and not others, (to, targets, others)
@@ -246,7 +256,7 @@ def test_trace_predicts_the_endpoints_real_connections_reach(proxy: Proxy, sandb
         assert reached.errors == {} and set(reached.counts) == predicted, (to, reached.counts, predicted)
     # --kernel traces what the kernel holds (iptables: iptables-save's spelling; nftables: the rules,
     # sets and maps read back over netlink): the same answer as the rendered rules.
-    for to in ("10.96.0.10:80", "10.96.0.11:80", "10.96.0.12:80", "10.96.0.99:80"):
+    for to in ("10.96.0.10:80", "10.96.0.11:80", "10.96.0.12:80", "10.96.0.13:80", "10.96.0.99:80"):
         argv = ["trace", "--source", proxy.source, "--to", to, "--from", CLIENT4, *proxy.base_flags]
         rendered, kernel = proxy.command(*argv), proxy.command(*argv, "--kernel")
         assert (kernel.returncode, kernel.stdout) == (0, rendered.stdout), kernel.stderr[-2000:]
@@ -254,3 +264,7 @@ def test_trace_predicts_the_endpoints_real_connections_reach(proxy: Proxy, sandb
     assert not targets and others == {"refused (ICMP port unreachable)"}, others
     refused = sandbox.connect("10.96.0.12", 80, count=3, timeout=0.5, source=sandbox.client)
     assert refused.counts == {} and refused.failed == 3, refused.errors
+    targets, others = _traced(proxy, "10.96.0.99:80")
+    assert not targets and others == {"dropped"}, others
+    dropped = sandbox.connect("10.96.0.99", 80, count=2, timeout=0.5, source=sandbox.client)
+    assert dropped.counts == {} and dropped.errors == {"timeout": 2}, dropped.errors

@@ -16,13 +16,14 @@ source address of its own (:meth:`Sandbox.client_addresses`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 import shutil
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 import traced
@@ -43,6 +44,7 @@ from netproxy.sandbox import (
     GATEWAY4,
     NODE_EXT4,
     NODE_NAME,
+    REMOTE_NODE_NAME,
     ConnectResult,
     Pod,
     Sandbox,
@@ -93,16 +95,21 @@ def remote(sb: Sandbox) -> List[Pod]:
 
 
 def ep(pod: Pod, *, ready: bool = True, serving: Optional[bool] = None, terminating: bool = False,
-       zone: Optional[str] = None, hints: Sequence[str] = (), ipv6: bool = False) -> Manifest:
-    """One EndpointSlice endpoint for ``pod`` with explicit conditions, zone and zone hints."""
+       zone: Optional[str] = None, hints: Sequence[str] = (), nodes: Sequence[str] = (),
+       ipv6: bool = False) -> Manifest:
+    """One EndpointSlice endpoint for ``pod`` with explicit conditions, zone, zone hints and node hints."""
     out: Manifest = {"addresses": [pod.ip6 if ipv6 else pod.ip], "nodeName": pod.node_name,
                      "conditions": {"ready": ready, "serving": ready if serving is None else serving,
                                     "terminating": terminating},
                      "targetRef": {"kind": "Pod", "name": pod.name, "namespace": "default"}}
     if zone:
         out["zone"] = zone
+    if hints or nodes:
+        out["hints"] = {}
     if hints:
-        out["hints"] = {"forZones": [{"name": z} for z in hints]}
+        out["hints"]["forZones"] = [{"name": z} for z in hints]
+    if nodes:
+        out["hints"]["forNodes"] = [{"name": n} for n in nodes]
     return out
 
 
@@ -551,6 +558,157 @@ def test_topology_prefers_this_nodes_zone(proxy: Proxy, sandbox: Sandbox) -> Non
             assert_only_and_all(res, [pods[i] for i in want], total=90)
         except AssertionError as err:
             raise AssertionError(f"{ip} {spec} endpoints {layout}: {err}") from None
+
+
+SAME_NODE = [
+    # (cluster IP, spec, [(pod index, zone, zone hints, node hints)], pods that must answer); pods 0-2
+    # are on this node (zone-a), 3-4 on REMOTE_NODE_NAME.  A negative index: that pod, not ready.
+    # PreferSameNode without the controller's hints: this node's endpoint only...
+    ("10.96.1.23", {"trafficDistribution": "PreferSameNode"},
+     [(0, "zone-a", (), ()), (3, "zone-a", (), ()), (4, "zone-b", (), ())], [0]),
+    # ... none on this node: the zone's; none in the zone either: all.
+    ("10.96.1.24", {"trafficDistribution": "PreferSameNode"}, [(3, "zone-a", (), ()), (4, "zone-b", (), ())], [3]),
+    ("10.96.1.25", {"trafficDistribution": "PreferSameNode"}, [(3, "zone-b", (), ()), (4, "zone-c", (), ())],
+     [3, 4]),
+    # The controller's hints win over where the endpoints are: 3 and 4 are hinted for this node.
+    ("10.96.1.26", {}, [(0, "zone-a", ("zone-a",), (REMOTE_NODE_NAME,)), (3, "zone-a", ("zone-a",), (NODE_NAME,)),
+                        (4, "zone-b", ("zone-b",), (NODE_NAME,))], [3, 4]),
+    # Partial node hints (pod 3 has none): the node level is off, the zone hints decide.
+    ("10.96.1.27", {}, [(0, "zone-a", ("zone-b",), (NODE_NAME,)), (3, "zone-a", ("zone-a",), ()),
+                        (4, "zone-b", ("zone-a",), (REMOTE_NODE_NAME,))], [3, 4]),
+    # A not-ready endpoint's missing hints do not count (kube-proxy looks at ready ones only).
+    ("10.96.1.28", {}, [(0, "zone-a", ("zone-a",), (NODE_NAME,)), (3, "zone-a", ("zone-a",), (REMOTE_NODE_NAME,)),
+                        (-1, "zone-a", (), ())], [0]),
+]
+
+
+def test_topology_prefers_this_node(proxy: Proxy, sandbox: Sandbox) -> None:
+    """trafficDistribution PreferSameNode and hints.forNodes (kube-proxy 1.33+, KEP-3015): cluster
+    traffic stays on this node's endpoints, then the zone's, then goes anywhere; partial node hints
+    fall back to the zone hints (kube-proxy's topologyModeFromHints)."""
+    pods = sandbox.pods
+    objects = [node_object("zone-a")]
+    for k, (ip, spec, layout, _) in enumerate(SAME_NODE):
+        endpoints = [ep(pods[abs(i)], ready=i >= 0, zone=z, hints=h, nodes=n) for i, z, h, n in layout]
+        objects += [service(f"samenode{k}", ip, [http_port()], **spec),
+                    slice_of(f"samenode{k}", endpoints, [port(8080, name="http")])]
+    proxy.sync(objects)
+    results = connect_all(sandbox, *((ip, 80, {"count": 60}) for ip, _, _, _ in SAME_NODE))
+    for (ip, spec, layout, want), res in zip(SAME_NODE, results):
+        try:
+            assert_only_and_all(res, [pods[i] for i in want], total=60)
+        except AssertionError as err:
+            raise AssertionError(f"{ip} {spec} endpoints {layout}: {err}") from None
+
+
+# ---- service CIDRs -----------------------------------------------------------------------------
+
+SERVICE_CIDR = "10.96.0.0/16"
+UNOWNED = "10.96.200.200"
+"""Inside SERVICE_CIDR, owned by no service."""
+OUTSIDE = "10.97.0.1"
+"""Outside SERVICE_CIDR."""
+
+
+def service_cidr(name: str, *cidrs: str) -> Manifest:
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR", "metadata": {"name": name},
+            "spec": {"cidrs": list(cidrs)}}
+
+
+@contextlib.contextmanager
+def beyond_the_node(sb: Sandbox, name: str, *addresses: str) -> Iterator[Pod]:
+    """A server in ``ext`` (past the node's default route) holding ``addresses``: traffic the node
+    leaves alone reaches it and is answered by ``name``; traffic the node drops or DNATs does not."""
+    server = Pod(name=name, netns=sb.ext, ip=addresses[0], ip6="", node_name="")
+    for a in addresses:
+        sb.exec(sb.ext, ["ip", "addr", "add", f"{a}/32", "dev", "lo"], check=True)
+    try:
+        sb.start_server(server)
+        yield server
+    finally:
+        sb.stop_server(server)
+        for a in addresses:
+            sb.exec(sb.ext, ["ip", "addr", "del", f"{a}/32", "dev", "lo"])
+
+
+def test_service_cidr_drops_unowned_addresses(proxy: Proxy, sandbox: Sandbox) -> None:
+    """ServiceCIDR objects (kube-proxy 1.30+ nftables mode, default from 1.33) and
+    --service-cluster-ip-range: an address inside a service CIDR that no service owns is dropped,
+    from pods and from the node; owned addresses work as before (other ports refused); addresses
+    outside go on untouched (here to a server beyond the node).  Then `run`: removing the
+    ServiceCIDR object lifts the drop (the incremental path)."""
+    pods = local(sandbox)
+    with beyond_the_node(sandbox, "beyond", UNOWNED, OUTSIDE) as beyond:
+        proxy.sync([service_cidr("kubernetes", SERVICE_CIDR), *web(pods)])
+        owned, unowned, from_node, outside = connect_all(
+            sandbox, (SVC_IP, 80, {"count": 60}), (UNOWNED, 8080, {"count": 2, "timeout": DROP_TIMEOUT}),
+            (UNOWNED, 8080, {"count": 2, "timeout": DROP_TIMEOUT, "source": sandbox.node}),
+            (OUTSIDE, 8080, {"count": 10}))
+        assert_only_and_all(owned, pods, total=60)
+        assert_dropped(unowned, 2)
+        assert_dropped(from_node, 2)
+        assert_only_and_all(outside, [beyond], total=10)
+        refused_check(sandbox, SVC_IP, 81)  # an owned address's other port: refused, not dropped
+
+        # The flag alone, another range: the object's range is no longer netproxy's.
+        write_manifests(proxy.source, web(pods))
+        synced = proxy.command("sync", "--source", proxy.source, *proxy.base_flags,
+                               "--service-cluster-ip-range", "10.97.0.0/16")
+        assert synced.returncode == 0, synced.stderr
+        dropped_check(sandbox, OUTSIDE, 8080)
+        assert_only_and_all(sandbox.connect(UNOWNED, 8080, count=10), [beyond], total=10)
+        assert_only_and_all(sandbox.connect(SVC_IP, 80, count=30), pods, total=30)
+
+        # A running proxy follows the objects: there, then deleted.
+        proxy.reset()
+        proxy.start_run([*web(pods), service_cidr("kubernetes", SERVICE_CIDR)])
+
+        def synced_run() -> Optional[str]:
+            alive(proxy)
+            res = sandbox.connect(SVC_IP, 80, count=1, timeout=DROP_TIMEOUT)
+            return None if res.answered == 1 else f"{SVC_IP}: {res.counts} {res.errors}"
+
+        run_wait(proxy, synced_run, timeout=15)  # one snapshot: the service and the CIDR together
+        dropped_check(sandbox, UNOWNED, 8080)
+        write_manifests(proxy.source, web(pods))
+
+        def lifted() -> Optional[str]:
+            alive(proxy)
+            res = sandbox.connect(UNOWNED, 8080, count=1, timeout=DROP_TIMEOUT)
+            return None if res.counts == {beyond.name: 1} else f"{UNOWNED}: {res.counts} {res.errors}"
+
+        run_wait(proxy, lifted, timeout=15)
+        assert_only_and_all(sandbox.connect(SVC_IP, 80, count=30), pods, total=30)
+
+
+# ---- loadBalancer ipMode -----------------------------------------------------------------------
+
+LB_VIP = "198.51.100.30"
+LB_PROXIED = "198.51.100.31"
+
+
+def test_load_balancer_ip_mode_proxy(proxy: Proxy, sandbox: Sandbox) -> None:
+    """ingress ipMode Proxy (kube-proxy 1.30+): no rule for that IP on the node, so traffic to it
+    from pods and from the node goes out to the load balancer (here a server in ext holding the IP);
+    ipMode VIP (the default) is still DNAT-ed on the node to the endpoints."""
+    pods = local(sandbox)
+    with beyond_the_node(sandbox, "load-balancer", LB_PROXIED) as lb:
+        svc = service("lbmode", SVC_IP, [port(8080, 8080, name="http")], type="LoadBalancer")
+        svc["status"] = {"loadBalancer": {"ingress": [{"ip": LB_VIP, "ipMode": "VIP"},
+                                                      {"ip": LB_PROXIED, "ipMode": "Proxy"}]}}
+        endpoints = slice_of("lbmode", [ep(p) for p in pods], [port(8080, name="http")])
+        proxy.sync([svc, endpoints])
+        vip, proxied, proxied_from_node = connect_all(
+            sandbox, (LB_VIP, 8080, {"count": 60}), (LB_PROXIED, 8080, {"count": 20}),
+            (LB_PROXIED, 8080, {"count": 20, "source": sandbox.node}))
+        assert_only_and_all(vip, pods, total=60)
+        assert_only_and_all(proxied, [lb], total=20)
+        assert_preserved(proxied, CLIENT4)  # not DNAT-ed, not masqueraded: untouched by the node
+        assert_only_and_all(proxied_from_node, [lb], total=20)
+        # The same IP as VIP: the node takes it over again.
+        svc["status"]["loadBalancer"]["ingress"][1]["ipMode"] = "VIP"
+        proxy.sync([svc, endpoints])
+        assert_only_and_all(sandbox.connect(LB_PROXIED, 8080, count=60), pods, total=60)
 
 
 # ---- dual-stack --------------------------------------------------------------------------------

@@ -26,10 +26,11 @@ def svc(**kw: Any) -> ServicePort:
 
 
 def ep(last: int, *, ready: bool = True, serving: Optional[bool] = None, terminating: bool = False,
-       node: Optional[str] = HERE, zone: Optional[str] = None, hints: Tuple[str, ...] = ()) -> Endpoint:
+       node: Optional[str] = HERE, zone: Optional[str] = None, hints: Tuple[str, ...] = (),
+       nodes: Tuple[str, ...] = ()) -> Endpoint:
     return Endpoint(ipaddress.ip_address(f"10.244.1.{last}"), 8080, ready=ready,
                     serving=ready if serving is None else serving, terminating=terminating, node_name=node,
-                    zone=zone, zone_hints=hints)
+                    zone=zone, zone_hints=hints, node_hints=nodes)
 
 
 def ips(endpoints: Sequence[Endpoint]) -> set:  # type: ignore[type-arg]
@@ -130,6 +131,93 @@ def test_topology_applies_to_external_traffic_with_etp_cluster() -> None:
     assert ips(external_endpoints(svc(traffic_distribution="PreferClose"), ZONED, NODE)) == {10, 12}
 
 
+def test_zone_hints_of_not_ready_endpoints_do_not_count() -> None:
+    """kube-proxy's topologyModeFromHints looks at ready endpoints only: a not-ready endpoint without
+    hints does not switch topology off."""
+    eps = [ep(10, hints=("zone-a",)), ep(11, hints=("zone-b",)), ep(12, ready=False, serving=False)]
+    assert ips(cluster_endpoints(svc(), eps, NODE)) == {10}
+
+
+def test_no_topology_for_terminating_endpoints() -> None:
+    """Without a ready endpoint there is no topology mode: every serving-terminating endpoint,
+    whatever its hints (kube-proxy falls back after choosing the mode from ready ones)."""
+    eps = [ep(10, ready=False, serving=True, terminating=True, hints=("zone-b",)),
+           ep(11, ready=False, serving=True, terminating=True, hints=("zone-a",))]
+    assert ips(cluster_endpoints(svc(), eps, NODE)) == {10, 11}
+
+
+# ---- PreferSameNode (hints.forNodes, KEP-3015) ---------------------------------------------------
+
+
+def test_node_hints_keep_cluster_traffic_on_this_node() -> None:
+    eps = [ep(10, nodes=(HERE,), hints=("zone-a",)), ep(11, node=THERE, nodes=(THERE,), hints=("zone-a",)),
+           ep(12, node=THERE, nodes=(THERE,), hints=("zone-b",))]
+    assert ips(cluster_endpoints(svc(), eps, NODE)) == {10}
+    assert ips(external_endpoints(svc(), eps, NODE)) == {10}
+
+
+def test_node_hints_win_over_the_endpoints_own_node() -> None:
+    """Hints are what the controller decided: an endpoint elsewhere hinted for this node serves it."""
+    eps = [ep(10, nodes=(THERE,)), ep(11, node=THERE, nodes=(HERE, THERE))]
+    assert ips(cluster_endpoints(svc(), eps, NODE)) == {11}
+
+
+def test_node_hints_for_other_nodes_only_fall_back_to_the_zone() -> None:
+    eps = [ep(10, node=THERE, nodes=(THERE,), hints=("zone-a",)),
+           ep(11, node="node-c", nodes=("node-c",), hints=("zone-b",))]
+    assert ips(cluster_endpoints(svc(), eps, NODE)) == {10}
+
+
+def test_partial_node_hints_fall_back_to_the_zone() -> None:
+    """One ready endpoint without a node hint switches the node level off, not the zone level."""
+    eps = [ep(10, nodes=(HERE,), hints=("zone-b",)), ep(11, node=THERE, hints=("zone-a",)),
+           ep(12, node=THERE, nodes=(THERE,), hints=("zone-a",))]
+    assert ips(cluster_endpoints(svc(), eps, NODE)) == {11, 12}
+
+
+def test_partial_node_and_zone_hints_mean_every_endpoint() -> None:
+    eps = [ep(10, nodes=(HERE,)), ep(11, node=THERE, hints=("zone-a",))]
+    assert ips(cluster_endpoints(svc(), eps, NODE)) == {10, 11}
+
+
+def test_node_hints_need_the_nodes_name() -> None:
+    eps = [ep(10, nodes=(HERE,)), ep(11, node=THERE, nodes=(THERE,))]
+    assert ips(cluster_endpoints(svc(), eps, NodeInfo(zone="zone-a"))) == {10, 11}
+
+
+def test_node_hints_without_a_zone_label() -> None:
+    """The node level needs no zone: kube-proxy checks it first, with the node name alone."""
+    eps = [ep(10, nodes=(HERE,)), ep(11, node=THERE, nodes=(THERE,))]
+    assert ips(cluster_endpoints(svc(), eps, NodeInfo(name=HERE))) == {10}
+
+
+SPREAD = [ep(10, zone="zone-a"), ep(11, node=THERE, zone="zone-a"), ep(12, node=THERE, zone="zone-b")]
+
+
+def test_prefer_same_node_without_hints_means_this_nodes_endpoints() -> None:
+    """The file source has no EndpointSlice controller: PreferSameNode hints each endpoint for its
+    own node and zone, as the controller's preferCloseHeuristic would."""
+    assert ips(cluster_endpoints(svc(traffic_distribution="PreferSameNode"), SPREAD, NODE)) == {10}
+
+
+def test_prefer_same_node_falls_back_to_the_zone_then_everything() -> None:
+    elsewhere = [e for e in SPREAD if e.node_name == THERE]
+    assert ips(cluster_endpoints(svc(traffic_distribution="PreferSameNode"), elsewhere, NODE)) == {11}
+    far = [ep(12, node=THERE, zone="zone-b"), ep(13, node=THERE, zone="zone-c")]
+    assert ips(cluster_endpoints(svc(traffic_distribution="PreferSameNode"), far, NODE)) == {12, 13}
+
+
+def test_prefer_same_zone_is_prefer_close() -> None:
+    for distribution in ("PreferSameZone", "PreferClose"):
+        assert ips(cluster_endpoints(svc(traffic_distribution=distribution), SPREAD, NODE)) == {10, 11}
+
+
+def test_prefer_same_node_with_itp_local_is_local() -> None:
+    policy = svc(traffic_distribution="PreferSameNode", internal_traffic_policy="Local")
+    assert ips(cluster_endpoints(policy, SPREAD, NODE)) == {10}
+    assert cluster_endpoints(policy, SPREAD[1:], NODE) == ()
+
+
 # ---- the manifests the kernel suite writes mean the above -------------------------------------
 
 
@@ -175,3 +263,35 @@ def test_file_source_ignores_other_nodes(tmp_path: Path) -> None:
     node = {"apiVersion": "v1", "kind": "Node",
             "metadata": {"name": THERE, "labels": {"topology.kubernetes.io/zone": "zone-z"}}}
     assert load(_manifests(tmp_path, node), HERE).node is None
+
+
+def test_file_source_reads_node_hints(tmp_path: Path) -> None:
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "default"},
+               "spec": {"clusterIP": "10.96.0.10", "trafficDistribution": "PreferSameNode",
+                        "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]}}
+    slice_ = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+              "metadata": {"name": "web-a", "namespace": "default",
+                           "labels": {"kubernetes.io/service-name": "web"}},
+              "addressType": "IPv4", "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+              "endpoints": [{"addresses": ["10.244.1.10"], "nodeName": THERE, "zone": "zone-a",
+                             "hints": {"forZones": [{"name": "zone-a"}], "forNodes": [{"name": HERE}]}}]}
+    loaded = load(_manifests(tmp_path, service, slice_), HERE)
+    assert loaded.errors == []
+    ((port,),) = loaded.services.values()
+    assert port.traffic_distribution == "PreferSameNode"
+    ((only,),) = [s.for_port("http", "TCP") for s in loaded.endpoints.values()]
+    assert (only.node_hints, only.zone_hints) == ((HERE,), ("zone-a",))
+
+
+def test_bad_node_hint_is_rejected_naming_the_field(tmp_path: Path) -> None:
+    slice_ = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+              "metadata": {"name": "web-a", "namespace": "default",
+                           "labels": {"kubernetes.io/service-name": "web"}},
+              "addressType": "IPv4", "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+              "endpoints": [{"addresses": ["10.244.1.10"], "hints": {"forNodes": [{"name": "Node_A"}]}},
+                            {"addresses": ["10.244.1.11"], "hints": {"forNodes": [{}]}}]}
+    (err,) = load(_manifests(tmp_path, slice_), HERE).errors
+    assert err.field_path == "endpoints[0].hints.forNodes[0].name" and "Node_A" in str(err)
+    slice_["endpoints"] = slice_["endpoints"][1:]  # type: ignore[index]
+    (err,) = load(_manifests(tmp_path, slice_), HERE).errors
+    assert err.field_path == "endpoints[0].hints.forNodes[0].name" and "required" in str(err)

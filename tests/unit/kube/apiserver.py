@@ -57,6 +57,7 @@ RESOURCES = {r.plural: r for r in (
     Resource("endpoints", "/api/v1", "Endpoints", True),
     Resource("nodes", "/api/v1", "Node", False),
     Resource("endpointslices", "/apis/discovery.k8s.io/v1", "EndpointSlice", True),
+    Resource("servicecidrs", "/apis/networking.k8s.io/v1", "ServiceCIDR", False),
 )}
 
 

@@ -208,7 +208,11 @@ def test_active_cluster_ips_reject_other_ports_refcounted_across_ports() -> None
     b.sync(snap((http, eps("10.1.0.1")), (https, ())), Changes())
     assert set(fake.elements("ip", names.CLUSTER_IPS)) == {"10.96.0.10"}
     for chain in (names.FILTER_INPUT, names.FILTER_FORWARD, names.FILTER_OUTPUT):
-        assert fake.chain_rules("ip", chain)[-1] == "ct state new ip daddr @cluster-ips reject"
+        rules = fake.chain_rules("ip", chain)
+        at = rules.index("ct state new ip daddr @cluster-ips reject")
+        # Then only the service-CIDR drop (forward and output, as kube-proxy's cluster-ips-check).
+        assert rules[at + 1:] == ([] if chain == names.FILTER_INPUT else
+                                  ["ct state new ip daddr @service-cidrs drop"])
     assert fake.tables["ip"].chains[names.FILTER_OUTPUT].hook.priority == -90, "after nat output's DNAT"
     _incremental(b, snap((http, eps("10.1.0.1"))), https)
     assert set(fake.elements("ip", names.CLUSTER_IPS)) == {"10.96.0.10"}, "still used by the http port"
