@@ -29,7 +29,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, Iterable, Iterator, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 from netproxy.model import IPAddress, ServicePortName, Snapshot
 
@@ -117,7 +117,8 @@ class Pass:
 class Table(Protocol):
     """What a pass needs of ctnetlink (netproxy.ctnetlink.Ctnetlink; a fake in unit tests)."""
 
-    def dump(self, family: int, proto: int) -> Iterator[Tuple[bytes, int, int]]: ...
+    def select(self, family: int, proto: int, pick: Callable[[bytes, bytes, bytes], bool]) -> Tuple[int, List[bytes]]:
+        ...
 
     def delete(self, messages: Sequence[bytes], family: int) -> Tuple[int, int]: ...
 
@@ -160,7 +161,7 @@ class Reconciler:
     def reconcile(self, state: State) -> Pass:
         """One pass: per (family, protocol) with service ports, one dump, then batched deletes."""
         from netproxy import metrics
-        from netproxy.ctnetlink import Ctnetlink, Layout
+        from netproxy.ctnetlink import Ctnetlink
 
         done = Pass()
         if not state:
@@ -180,15 +181,9 @@ class Reconciler:
             for (family, proto), desired in sorted(state.items()):
                 label = FAMILY_LABEL[family]
                 start = time.perf_counter()
-                layout = Layout.of(family)
-                stale: List[bytes] = []
                 seen = 0
                 try:
-                    for data, off, length in ct.dump(family, proto):
-                        seen += 1
-                        keys = layout.keys(data, off)
-                        if keys is not None and desired.stale(*keys):
-                            stale.append(data[off:off + length])
+                    seen, stale = ct.select(family, proto, desired.stale)
                     deleted, _gone = ct.delete(stale, family) if stale else (0, 0)
                 except OSError as err:
                     deleted = 0

@@ -21,7 +21,7 @@ import contextlib
 import errno
 import socket
 import struct
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_CTNETLINK = 1
@@ -111,6 +111,8 @@ class Layout:
         self.fixed = struct.Struct(f"=12s{4 + a}x{a}s20x4s2s2x12s{a}s{16 + a}x4s2s")
         self.expected = (self.orig_head, _ATTR.pack(6, CTA_PROTO_DST_PORT), self.reply_head,
                          _ATTR.pack(6, CTA_PROTO_SRC_PORT))
+        # The same with the netlink header in front, for the dump loop: one unpack per entry.
+        self.whole = struct.Struct("=IHHI8x" + self.fixed.format[1:])
 
     @staticmethod
     def of(family: int) -> Layout:
@@ -189,9 +191,7 @@ class Ctnetlink:
         reply: slicing out every message would copy the whole table once more."""
         self._seq += 1
         seq = self._seq
-        wanted = _nest(CTA_TUPLE_ORIG, _nest(CTA_TUPLE_PROTO, _attr(CTA_PROTO_NUM, bytes([proto]))))
-        flt = _nest(CTA_FILTER, _attr(CTA_FILTER_ORIG_FLAGS, struct.pack("=I", CTA_FILTER_FLAG_CTA_PROTO_NUM)))
-        self._sock.send(_message(IPCTNL_MSG_CT_GET, NLM_F_REQUEST | NLM_F_DUMP, family, wanted + flt, seq))
+        self._sock.send(self._dump_request(family, proto, seq))
         while True:
             data = self._sock.recv(_RECV_SIZE)
             off, n = 0, len(data)
@@ -209,6 +209,52 @@ class Ctnetlink:
                     elif kind == _NEW_REPLY:
                         yield data, off, length
                 off += (length + 3) & ~3
+
+    def select(self, family: int, proto: int, pick: Callable[[bytes, bytes, bytes], bool]) -> Tuple[int, List[bytes]]:
+        """One dump of ``family``/``proto``: (entries seen, the dump replies of those ``pick`` chose).
+        ``pick`` gets :data:`Keys`.  The loop a pass spends its time in: one unpack per entry reads
+        the header and the compared fields, no object per entry."""
+        layout = _LAYOUTS[family]
+        whole, expected = layout.whole, layout.expected
+        floor = whole.size
+        self._seq += 1
+        seq = self._seq
+        self._sock.send(self._dump_request(family, proto, seq))
+        seen, picked = 0, []
+        while True:
+            data = self._sock.recv(_RECV_SIZE)
+            off, n = 0, len(data)
+            while off + 16 <= n:
+                if off + floor <= n:
+                    length, kind, _f, mseq, oh, dst, dh, dport, rh, src, sh, sport = whole.unpack_from(data, off)
+                else:
+                    length, kind, _f, mseq, _p = _HDR.unpack_from(data, off)
+                    oh = None
+                if length < 16:
+                    raise CtnetlinkError(errno.EPROTO, "conntrack dump: malformed netlink message")
+                if mseq == seq:
+                    if kind == _NEW_REPLY:
+                        seen += 1
+                        if oh is not None and (oh, dh, rh, sh) == expected:
+                            if pick(dst + dport, dport, src + sport):
+                                picked.append(data[off:off + length])
+                        else:
+                            keys = layout.keys(data, off)
+                            if keys is not None and pick(*keys):
+                                picked.append(data[off:off + length])
+                    elif kind == NLMSG_DONE:
+                        return seen, picked
+                    elif kind == NLMSG_ERROR:
+                        code = -_ERR.unpack_from(data, off + 16)[0]
+                        if code:
+                            raise CtnetlinkError(code, f"conntrack dump refused: {errno.errorcode.get(code, code)}")
+                off += (length + 3) & ~3
+
+    @staticmethod
+    def _dump_request(family: int, proto: int, seq: int) -> bytes:
+        wanted = _nest(CTA_TUPLE_ORIG, _nest(CTA_TUPLE_PROTO, _attr(CTA_PROTO_NUM, bytes([proto]))))
+        flt = _nest(CTA_FILTER, _attr(CTA_FILTER_ORIG_FLAGS, struct.pack("=I", CTA_FILTER_FLAG_CTA_PROTO_NUM)))
+        return _message(IPCTNL_MSG_CT_GET, NLM_F_REQUEST | NLM_F_DUMP, family, wanted + flt, seq)
 
     def batch(self, requests: Sequence[bytes]) -> Tuple[int, int]:
         """Send acked requests in as few sends as fit; (done, already gone).  Another refusal raises,

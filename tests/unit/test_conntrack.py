@@ -6,7 +6,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import struct
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 from prometheus_client import REGISTRY
@@ -192,14 +192,11 @@ class FakeTable:
         self.deleted: List[bytes] = []
         self.closed = False
 
-    def dump(self, family: int, proto: int) -> Iterator[Tuple[bytes, int, int]]:
+    def select(self, family: int, proto: int, pick: Callable[[bytes, bytes, bytes], bool]) -> Tuple[int, List[bytes]]:
         self.dumps.append((family, proto))
-        blob = b"".join(self.entries.get((family, proto), []))
-        off = 0
-        while off < len(blob):
-            length = ctnetlink._HDR.unpack_from(blob, off)[0]
-            yield blob, off, length
-            off += length
+        entries = self.entries.get((family, proto), [])
+        layout = ctnetlink.Layout.of(family)
+        return len(entries), [m for m in entries if pick(*(layout.keys(m) or (b"", b"", b"")))]
 
     def delete(self, messages: Sequence[bytes], family: int) -> Tuple[int, int]:
         self.deleted.extend(messages)
