@@ -10,6 +10,8 @@ import json
 import os
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from bench import conntrack
+
 Results = Dict[str, Any]
 Cell = Optional[Dict[str, Any]]
 
@@ -320,7 +322,8 @@ def markdown(results: Results) -> str:
         head.append("")
     body = (control_tables(results) + ratio_table(results) + mixed_table(results) + floor_table(results)
             + dataplane_table(results)
-            + latency_table(results) + rss_table(results) + target_lines(results))
+            + latency_table(results) + rss_table(results) + conntrack.markdown(results.get("conntrack") or {})
+            + target_lines(results))
     errors = results.get("errors", [])
     if errors:
         body += ["### Errors", ""] + [f"- {e}" for e in errors] + [""]
