@@ -14,7 +14,7 @@ policy change does not cut flows), an entry is stale when
   port, and its reply source (the DNAT target) is not in E; or
 - its original destination port is the port's NodePort (any address), likewise.
 A port with no serving endpoint has E empty: every flow to it is deleted, so that its packets meet
-the reject rule instead of the endpoint that went away (kubernetes #139628, fixed in 1.34 by #139629).
+the reject rule instead of the endpoint that went away (kubernetes #139628, fixed upstream by #139629).
 A port deleted since the last pass is reconciled once more with E empty (#141371).
 
 TCP is left alone, as kube-proxy leaves it: a TCP connection to a removed endpoint fails on its own
