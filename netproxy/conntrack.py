@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple
 
-from netproxy.model import IPAddress, ServicePortName, Snapshot
+from netproxy.model import Endpoint, IPAddress, ServicePort, ServicePortName, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -73,30 +73,58 @@ State = Dict[Tuple[int, int], Desired]
 """(address family, IP protocol number) → what that table should hold."""
 
 
+PortView = List[Tuple[Tuple[int, int], List[Key], Optional[Key], FrozenSet[Key]]]
+"""One port's share of the state: per table, its front-end keys, NodePort key, allowed endpoints."""
+ViewCache = Dict[ServicePortName, Tuple[ServicePort, Sequence[Endpoint], PortView]]
+
+
+def port_view(svc: ServicePort, endpoints: Sequence[Endpoint]) -> PortView:
+    out: PortView = []
+    proto = PROTOCOLS.get(svc.protocol)
+    if proto is None:
+        return out
+    for version, family in FAMILIES.items():
+        fronts = [key(a, svc.port) for a in svc.addresses() if a.version == version]
+        if not fronts:
+            continue  # the port does not exist in this family (kube-proxy's per-family proxier)
+        allowed = frozenset(key(e.ip, e.port) for e in endpoints if e.ip.version == version and (e.serving or e.ready))
+        out.append(((family, proto), fronts, port_key(svc.node_port) if svc.node_port else None, allowed))
+    return out
+
+
 def desired_state(snapshot: Snapshot, retired: Iterable[ServicePortName] = (),
-                  previous: Optional[Snapshot] = None) -> State:
+                  previous: Optional[Snapshot] = None, cache: Optional[ViewCache] = None) -> State:
     """The reconciler's view of ``snapshot``: every UDP/SCTP service port's front ends, per family,
     with the serving endpoints of that family.  ``retired`` names ports gone since ``previous``:
-    their front ends (read from ``previous``) get no endpoint at all."""
+    their front ends (read from ``previous``) get no endpoint at all.  ``cache`` keeps each port's
+    view while its ServicePort and endpoints are the same objects (the tracker reuses them), so
+    that a sync at 10k services does not rebuild 10k views."""
     maps: Dict[Tuple[int, int], Tuple[Dict[Key, FrozenSet[Key]], Dict[Key, FrozenSet[Key]]]] = {}
-    ports = [(svc, snapshot.endpoints_of(name)) for name, svc in snapshot.services.items()]
-    if previous is not None:
-        ports += [(previous.services[name], ()) for name in retired if name in previous.services]
-    for svc, endpoints in ports:
-        proto = PROTOCOLS.get(svc.protocol)
-        if proto is None:
+    views: List[PortView] = []
+    for name, svc in snapshot.services.items():
+        if svc.protocol not in PROTOCOLS:
             continue
-        for version, family in FAMILIES.items():
-            fronts = [a for a in svc.addresses() if a.version == version]
-            if not fronts:
-                continue  # the port does not exist in this family (kube-proxy's per-family proxier)
-            allowed = frozenset(key(e.ip, e.port) for e in endpoints
-                                if e.ip.version == version and (e.serving or e.ready))
-            by_address, by_node_port = maps.setdefault((family, proto), ({}, {}))
-            for address in fronts:
-                by_address[key(address, svc.port)] = allowed
-            if svc.node_port:
-                by_node_port[port_key(svc.node_port)] = allowed
+        endpoints = snapshot.endpoints_of(name)
+        hit = cache.get(name) if cache is not None else None
+        if hit is not None and hit[0] is svc and hit[1] is endpoints:
+            views.append(hit[2])
+            continue
+        view = port_view(svc, endpoints)
+        if cache is not None:
+            cache[name] = (svc, endpoints, view)
+        views.append(view)
+    if previous is not None:
+        views += [port_view(previous.services[n], ()) for n in retired if n in previous.services]
+    if cache is not None and len(cache) > len(snapshot.services):
+        for gone in [n for n in cache if n not in snapshot.services]:
+            del cache[gone]
+    for view in views:
+        for table, fronts, node_port, allowed in view:
+            by_address, by_node_port = maps.setdefault(table, ({}, {}))
+            for front in fronts:
+                by_address[front] = allowed
+            if node_port is not None:
+                by_node_port[node_port] = allowed
     return {table: Desired(a, n) for table, (a, n) in maps.items()}
 
 
@@ -141,6 +169,7 @@ class Reconciler:
         self._last: Optional[State] = None
         self._last_at = 0.0
         self._unusable: Optional[str] = None
+        self._views: ViewCache = {}
         self.last: Optional[Pass] = None
         """The last pass run by :meth:`after_sync`."""
 
@@ -148,14 +177,14 @@ class Reconciler:
         retired: Iterable[ServicePortName] = ()
         if previous is not None:
             retired = [n for n in previous.services if n not in current.services]
-        state = desired_state(current, retired, previous)
+        state = desired_state(current, retired, previous, self._views)
         now = self.clock()
         if self._last is not None and state == self._last and now - self._last_at < self.period:
             return
         self.last = self.reconcile(state)
         # Deleted ports were handled; keep only the live ones so that the next pass does not
         # re-run merely because they are gone from the view.
-        self._last = desired_state(current) if retired else state
+        self._last = desired_state(current, cache=self._views) if retired else state
         self._last_at = now
 
     def reconcile(self, state: State) -> Pass:

@@ -299,3 +299,14 @@ def test_a_kernel_without_ctnetlink_turns_the_reconciler_off_once() -> None:
     second = rec.reconcile(state)
     assert calls == [1]
     assert first is not None and "cannot open ctnetlink" in first.errors[0] and second.errors == first.errors
+
+
+def test_the_view_cache_follows_changed_objects_and_forgets_deleted_ports() -> None:
+    cache: Dict[Any, Any] = {}
+    svc, other = service(), service("other", cluster_ips=(IP("10.96.0.54"),))
+    one = snap((svc, (ep("10.244.1.1"),)), (other, (ep("10.244.1.5"),)))
+    assert desired_state(one, cache=cache) == desired_state(one)
+    two = Snapshot({svc.name: svc}, {svc.name: (ep("10.244.1.2"),)})  # new endpoints object; other deleted
+    assert desired_state(two, cache=cache) == desired_state(two)
+    assert stale(desired_state(two, cache=cache)[(V4, UDP)], DNS_IP, 53, "10.244.1.1", 5353)
+    assert set(cache) == {svc.name}
