@@ -55,7 +55,7 @@ def child(entries: int = ENTRIES, with_pyroute2: bool = True) -> Dict[str, Any]:
     if not wanted or here != wanted:
         raise SystemExit("bench.conntrack --child: runs only in the namespace bench.conntrack.measure made "
                          f"(here: {here or 'not a named namespace'})")
-    from netproxy import ctnetlink
+    from netproxy import ctnetlink, metrics  # noqa: F401 - metrics: imported before the pass, as in `run`
     from netproxy.conntrack import Reconciler, desired_state
     from netproxy.model import Endpoint, ServicePort, ServicePortName, Snapshot
 
