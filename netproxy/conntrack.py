@@ -182,6 +182,9 @@ class Reconciler:
         if self._last is not None and state == self._last and now - self._last_at < self.period:
             return
         self.last = self.reconcile(state)
+        if self.last.errors:
+            self._last = None  # the next sync tries again
+            return
         # Deleted ports were handled; keep only the live ones so that the next pass does not
         # re-run merely because they are gone from the view.
         self._last = desired_state(current, cache=self._views) if retired else state

@@ -310,3 +310,23 @@ def test_the_view_cache_follows_changed_objects_and_forgets_deleted_ports() -> N
     assert desired_state(two, cache=cache) == desired_state(two)
     assert stale(desired_state(two, cache=cache)[(V4, UDP)], DNS_IP, 53, "10.244.1.1", 5353)
     assert set(cache) == {svc.name}
+
+
+def test_a_failed_pass_is_retried_at_the_next_sync() -> None:
+    class Failing(FakeTable):
+        def select(self, family: int, proto: int,
+                   pick: Callable[[bytes, bytes, bytes], bool]) -> Tuple[int, List[bytes]]:
+            raise OSError(105, "No buffer space available")
+
+    opened: List[FakeTable] = []
+
+    def opener() -> FakeTable:
+        opened.append(Failing({}) if not opened else FakeTable({}))
+        return opened[-1]
+
+    rec = Reconciler(clock=Clock(), opener=opener)
+    one = snap((service(), [ep("10.244.1.1")]))
+    rec.after_sync(None, one)
+    assert rec.last is not None and rec.last.errors
+    rec.after_sync(one, one)  # nothing changed, but the last pass failed
+    assert len(opened) == 2 and rec.last is not None and not rec.last.errors
