@@ -17,12 +17,13 @@ from typing import Any, Iterator, List, Optional, Sequence
 import pytest
 from harness import Manifest, Proxy, endpoint_slice, port, require, service, wait_for, write_manifests
 
-from netproxy.sandbox import Pod, Sandbox
+from netproxy.sandbox import NODE_EXT4, Pod, Sandbox
 
 pytestmark = pytest.mark.kernel
 log = logging.getLogger(__name__)
 
-UDP_IP, TCP_IP = "10.96.2.53", "10.96.2.80"
+UDP_IP, UDP_IP6, TCP_IP = "10.96.2.53", "fd00:10:96::2:53", "10.96.2.80"
+NODE_PORT = 30553
 INTERVAL = 0.1
 UDP_PORTS = [port(8080, name="dns", protocol="UDP")]
 
@@ -38,6 +39,15 @@ def dns(pods: Sequence[Pod]) -> List[Manifest]:
             endpoint_slice("dns", pods, UDP_PORTS)]
 
 
+def dns_everywhere(pods: Sequence[Pod]) -> List[Manifest]:
+    """A dual-stack NodePort UDP service: every kind of front end the reconciler matches."""
+    svc = service("dns", UDP_IP, [{**port(53, 8080, name="dns", protocol="UDP"), "nodePort": NODE_PORT}],
+                  type="NodePort", clusterIPs=[UDP_IP, UDP_IP6], ipFamilies=["IPv4", "IPv6"],
+                  ipFamilyPolicy="RequireDualStack")
+    return [svc, endpoint_slice("dns", pods, UDP_PORTS, suffix="v4"),
+            endpoint_slice("dns", pods, UDP_PORTS, suffix="v6", address_type="IPv6")]
+
+
 def web(pods: Sequence[Pod]) -> List[Manifest]:
     return [service("web", TCP_IP, [port(80, 8080, name="http")]),
             endpoint_slice("web", pods, [port(8080, name="http")])]
@@ -51,7 +61,10 @@ def sync(proxy: Proxy, objects: Sequence[Manifest], *extra: str, expect: int = 0
 
 
 def udp_entries(sb: Sandbox) -> str:
-    return str(sb.exec(sb.node, ["conntrack", "-L", "-p", "udp"]).stdout) if shutil.which("conntrack") else ""
+    """Both families' UDP entries in the node (``conntrack -L`` alone lists IPv4 only)."""
+    if not shutil.which("conntrack"):
+        return ""
+    return "".join(str(sb.exec(sb.node, ["conntrack", "-L", "-p", "udp", "-f", f]).stdout) for f in ("ipv4", "ipv6"))
 
 
 def flow_started(sb: Sandbox, sport: int) -> None:
@@ -91,6 +104,27 @@ def test_a_new_sync_process_moves_a_udp_flow_off_a_removed_endpoint(proxy: Proxy
     flow_started(sandbox, 41053)
     time.sleep(0.5)
     sync(proxy, dns([new]))
+    res = pending.result()
+    assert res.errors == {}, f"the flow lost packets: {res.errors}: {res.sequence}"
+    assert_moved(res.sequence, old, new)
+
+
+@pytest.mark.parametrize("front", ["cluster-ip-v6", "node-port"])
+def test_a_new_sync_process_moves_flows_to_every_kind_of_front_end(proxy: Proxy, sandbox: Sandbox, front: str) -> None:
+    """The same through an IPv6 cluster IP (the other family's dump and deletes) and through a
+    NodePort reached from outside the cluster (matched on the port alone)."""
+    old, new = sandbox.pods[0], sandbox.pods[1]
+    address, dport, source, sport = ((UDP_IP6, 53, None, 41063) if front == "cluster-ip-v6"
+                                     else (NODE_EXT4, NODE_PORT, sandbox.ext, 41064))
+    sync(proxy, dns_everywhere([old]))
+    wait_for(lambda: None if sandbox.connect(address, dport, proto="udp", count=1, timeout=0.3,
+                                             source=source).counts == {old.name: 1} else "not on the old endpoint yet",
+             timeout=15)
+    pending = sandbox.start_connect(address, dport, proto="udp", count=40, interval=INTERVAL, timeout=0.5,
+                                    bind=f":{sport}", source=source)
+    flow_started(sandbox, sport)
+    time.sleep(0.5)
+    sync(proxy, dns_everywhere([new]))
     res = pending.result()
     assert res.errors == {}, f"the flow lost packets: {res.errors}: {res.sequence}"
     assert_moved(res.sequence, old, new)
