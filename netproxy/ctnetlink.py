@@ -8,7 +8,10 @@ the kernel always writes a tuple as ``IP{src,dst} PROTO{num,sport,dport}`` (ctne
 An entry laid out otherwise (a per-direction zone in the tuple) is read attribute by attribute.
 
 - The dump asks the kernel to filter by protocol (``CTA_FILTER``, Linux 5.8+), so a node's TCP
-  entries never cross into user space.
+  entries never cross into user space.  ctnetlink (and pyroute2) can also filter on the conntrack
+  mark, zone and status, but netproxy's rules set no conntrack mark or zone on service flows and a
+  stale flow may or may not be DNAT-ed (one recorded while its service had no endpoint is not), so
+  the protocol is the only filter that narrows the dump without missing a stale entry.
 - Deletes name an entry by its original tuple, copied from the dump as it was, plus ``CTA_ID``: an
   entry that expired and was re-created with the same tuple meanwhile is a different id, and stays.
 - Many requests go in one ``send`` (the kernel walks every message of a netlink packet), each acked
