@@ -15,7 +15,7 @@ import time
 from typing import Any, Iterator, List, Optional, Sequence
 
 import pytest
-from harness import Manifest, Proxy, endpoint_slice, port, require, service, wait_for, write_manifests
+from harness import TIME_SCALE, Manifest, Proxy, endpoint_slice, port, require, service, wait_for, write_manifests
 
 from netproxy.sandbox import NODE_EXT4, Pod, Sandbox
 
@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 UDP_IP, UDP_IP6, TCP_IP = "10.96.2.53", "fd00:10:96::2:53", "10.96.2.80"
 NODE_PORT = 30553
 INTERVAL = 0.1
+# Packets per flow: long enough to outlast a `netproxy sync` process on a busy machine (an
+# iptables-legacy sync there took over 3 s); stretched like every wait (NETPROXY_TEST_TIME_SCALE).
+FLOW = int(80 * TIME_SCALE)
 UDP_PORTS = [port(8080, name="dns", protocol="UDP")]
 
 
@@ -100,7 +103,7 @@ def test_a_new_sync_process_moves_a_udp_flow_off_a_removed_endpoint(proxy: Proxy
     old, new = sandbox.pods[0], sandbox.pods[1]
     sync(proxy, dns([old]))
     answered_by(proxy, sandbox, old)
-    pending = sandbox.start_connect(UDP_IP, 53, proto="udp", count=40, interval=INTERVAL, timeout=0.5, bind=":41053")
+    pending = sandbox.start_connect(UDP_IP, 53, proto="udp", count=FLOW, interval=INTERVAL, timeout=0.5, bind=":41053")
     flow_started(sandbox, 41053)
     time.sleep(0.5)
     sync(proxy, dns([new]))
@@ -120,7 +123,7 @@ def test_a_new_sync_process_moves_flows_to_every_kind_of_front_end(proxy: Proxy,
     wait_for(lambda: None if sandbox.connect(address, dport, proto="udp", count=1, timeout=0.3,
                                              source=source).counts == {old.name: 1} else "not on the old endpoint yet",
              timeout=15)
-    pending = sandbox.start_connect(address, dport, proto="udp", count=40, interval=INTERVAL, timeout=0.5,
+    pending = sandbox.start_connect(address, dport, proto="udp", count=FLOW, interval=INTERVAL, timeout=0.5,
                                     bind=f":{sport}", source=source)
     flow_started(sandbox, sport)
     time.sleep(0.5)
@@ -136,7 +139,8 @@ def test_the_first_sync_after_a_restart_cleans_stale_flows(proxy: Proxy, sandbox
     old, new = sandbox.pods[0], sandbox.pods[1]
     proxy.start_run(dns([old]))
     answered_by(proxy, sandbox, old)
-    pending = sandbox.start_connect(UDP_IP, 53, proto="udp", count=80, interval=INTERVAL, timeout=0.5, bind=":41054")
+    pending = sandbox.start_connect(UDP_IP, 53, proto="udp", count=FLOW + 20, interval=INTERVAL,
+                                    timeout=0.5, bind=":41054")
     flow_started(sandbox, 41054)
     proxy.stop_runs()  # the rules stay: the flow goes on to `old`
     time.sleep(0.5)
@@ -154,7 +158,8 @@ def test_scale_to_zero_then_one_does_not_blackhole(proxy: Proxy, sandbox: Sandbo
     old, new = sandbox.pods[0], sandbox.pods[1]
     sync(proxy, dns([old]))
     answered_by(proxy, sandbox, old)
-    pending = sandbox.start_connect(UDP_IP, 53, proto="udp", count=60, interval=INTERVAL, timeout=0.3, bind=":41055")
+    pending = sandbox.start_connect(UDP_IP, 53, proto="udp", count=FLOW + 20, interval=INTERVAL,
+                                    timeout=0.3, bind=":41055")
     flow_started(sandbox, 41055)
     time.sleep(0.5)
     sync(proxy, dns([]))
