@@ -10,7 +10,9 @@ the stale entry, not a dead pod.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
+import sys
 import time
 from typing import Any, Iterator, List, Optional, Sequence
 
@@ -133,6 +135,22 @@ def test_a_new_sync_process_moves_flows_to_every_kind_of_front_end(proxy: Proxy,
     assert_moved(res.sequence, old, new)
 
 
+METRICS = "127.0.0.1:10349"
+
+
+def metrics(sb: Sandbox) -> str:
+    """The running `netproxy run`'s /metrics, fetched inside the node namespace."""
+    fetch = ("import urllib.request; "
+             f"print(urllib.request.urlopen('http://{METRICS}/metrics', timeout=5).read().decode())")
+    return str(sb.exec(sb.node, [sys.executable, "-c", fetch], check=True).stdout)
+
+
+def sample(text: str, name: str, **labels: str) -> Optional[float]:
+    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    found = re.search(rf"^{re.escape(name)}\{{{re.escape(wanted)}\}} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else None
+
+
 def test_the_first_sync_after_a_restart_cleans_stale_flows(proxy: Proxy, sandbox: Sandbox) -> None:
     """`netproxy run` stops; the endpoint goes away while none runs; the next `run`'s first sync
     moves the flow."""
@@ -144,12 +162,18 @@ def test_the_first_sync_after_a_restart_cleans_stale_flows(proxy: Proxy, sandbox
     flow_started(sandbox, 41054)
     proxy.stop_runs()  # the rules stay: the flow goes on to `old`
     time.sleep(0.5)
-    proxy.start_run(dns([new]))
+    proxy.start_run(dns([new]), "--metrics-bind-address", METRICS)
     res = pending.result()
     log_text = proxy.run_output()
     assert res.errors == {}, f"the flow lost packets: {res.errors}: {res.sequence}\n{log_text[-2000:]}"
     assert_moved(res.sequence, old, new)
     assert "conntrack reconciler: deleted" in log_text, log_text[-2000:]
+    # kube-proxy's two metrics, served by the run that deleted the flow.
+    served = metrics(sandbox)
+    for name in ("kubeproxy_conntrack_reconciler_deleted_entries_total",
+                 "kubeproxy_conntrack_reconciler_sync_duration_seconds_count"):
+        value = sample(served, name, ip_family="IPv4")
+        assert value is not None and value >= 1, f"{name} = {value}:\n{served[-2000:]}"
 
 
 def test_scale_to_zero_then_one_does_not_blackhole(proxy: Proxy, sandbox: Sandbox) -> None:

@@ -330,3 +330,18 @@ def test_a_failed_pass_is_retried_at_the_next_sync() -> None:
     assert rec.last is not None and rec.last.errors
     rec.after_sync(one, one)  # nothing changed, but the last pass failed
     assert len(opened) == 2 and rec.last is not None and not rec.last.errors
+
+
+def test_the_metrics_have_kube_proxys_names_types_labels_and_buckets() -> None:
+    from netproxy import metrics
+
+    metrics.CONNTRACK_RECONCILE_DURATION.labels("IPv6").observe(0.003)
+    metrics.CONNTRACK_RECONCILE_DELETED.labels("IPv6").inc(0)
+    families = {f.name: f for f in REGISTRY.collect()}
+    hist = families["kubeproxy_conntrack_reconciler_sync_duration_seconds"]
+    counter = families["kubeproxy_conntrack_reconciler_deleted_entries"]
+    assert (hist.type, counter.type) == ("histogram", "counter")
+    bounds = sorted({float(s.labels["le"]) for s in hist.samples if s.name.endswith("_bucket")})
+    assert bounds[:-1] == [0.001 * 2 ** i for i in range(15)] and bounds[-1] == float("inf")
+    assert {s.labels["ip_family"] for s in counter.samples} >= {"IPv6"}
+    assert any(s.name == "kubeproxy_conntrack_reconciler_deleted_entries_total" for s in counter.samples)
