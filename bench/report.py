@@ -10,6 +10,8 @@ import json
 import os
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from bench import conntrack
+
 Results = Dict[str, Any]
 Cell = Optional[Dict[str, Any]]
 
@@ -284,7 +286,7 @@ def floor_table(results: Results) -> List[str]:
 
 
 TARGET_GROUPS = {"bench.targets_nft": "Issue 14: nftables at scale", "bench.targets_ipt": "Issue 15: iptables at scale",
-                 "bench.targets": "Earlier targets"}
+                 "bench.targets": "Earlier targets", "bench.conntrack": "Issue 18: the conntrack reconciler"}
 
 
 def target_lines(results: Results) -> List[str]:
@@ -320,7 +322,8 @@ def markdown(results: Results) -> str:
         head.append("")
     body = (control_tables(results) + ratio_table(results) + mixed_table(results) + floor_table(results)
             + dataplane_table(results)
-            + latency_table(results) + rss_table(results) + target_lines(results))
+            + latency_table(results) + rss_table(results) + conntrack.markdown(results.get("conntrack") or {})
+            + target_lines(results))
     errors = results.get("errors", [])
     if errors:
         body += ["### Errors", ""] + [f"- {e}" for e in errors] + [""]

@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from bench import client as client_mod
-from bench import control, dataplane, gen, latency, netns, report, rss
+from bench import conntrack, control, dataplane, gen, latency, netns, report, rss
 from bench.combos import Combo
 
 DP_EXTRA = 1  # the data plane also runs at N=1
@@ -332,7 +332,25 @@ class Bench:
                 # iptables figures, which are targets.
                 self.phase_references(only=big, refs=("kube-proxy nft", "kube-proxy iptables-nft"))
             sb.reset_netfilter()
+        self.phase_conntrack()
         return self.results
+
+    def phase_conntrack(self) -> None:
+        """Issue 18's conntrack reconciler at 100,000 entries, in a namespace of its own (bench/conntrack.py);
+        not in a smoke run (filling the table takes seconds)."""
+        if self.smoke:
+            return
+        timeout = self.budget.timeout(180.0)
+        if timeout < 60:
+            self.results["conntrack"] = self._skip("out of time budget")
+            return
+        self.progress("conntrack reconciler: 100,000 entries, one pass")
+        try:
+            self.results["conntrack"] = conntrack.measure(timeout=timeout)
+        except Exception as err:  # noqa: BLE001 - one measure failing must not lose the others
+            self.results["conntrack"] = {"error": repr(err)}
+        if "error" in self.results["conntrack"]:
+            self.results["errors"].append(f"conntrack reconciler: {self.results['conntrack']['error']}")
 
     def phase_references(self, upto: Optional[int] = None, only: Optional[int] = None,
                          refs: Optional[Sequence[str]] = None) -> None:

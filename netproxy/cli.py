@@ -26,8 +26,8 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, List, NoReturn, Optional, Protocol, Sequence, Tuple, Union
 
+from netproxy import ctsysctl, logs
 from netproxy import detect as detect_mod
-from netproxy import logs
 from netproxy.backends import BackendError, create
 from netproxy.backends.base import Backend, Packet
 from netproxy.config import (
@@ -194,6 +194,59 @@ def _add_proxy(p: argparse.ArgumentParser) -> None:
     p.add_argument("--service-cluster-ip-range", type=cidr_list, default=(), action=_Store,
                    help="service CIDRs, comma-separated (with the API source's ServiceCIDR objects): traffic "
                         "to an address inside them that no service owns is dropped")
+    _add_conntrack(p)
+
+
+def _add_conntrack(p: argparse.ArgumentParser) -> None:
+    """kube-proxy's --conntrack-* flags: sysctls set at start by sync and run (netproxy/ctsysctl.py).
+    Unset (the default) leaves the kernel's value, where kube-proxy would apply its own defaults."""
+    g = p.add_argument_group("conntrack (set at start by sync and run; unset: the kernel's value is kept)")
+    g.add_argument("--conntrack-max-per-core", type=_count, default=None, action=_Store, metavar="N",
+                   help="nf_conntrack_max = N x CPUs (at least --conntrack-min, at most 1048576); 0 leaves it")
+    g.add_argument("--conntrack-min", type=_count, default=None, action=_Store, metavar="N",
+                   help="the least nf_conntrack_max that --conntrack-max-per-core sets")
+    g.add_argument("--conntrack-tcp-timeout-established", type=duration, default=None, action=_Store,
+                   metavar="DURATION", help="nf_conntrack_tcp_timeout_established (e.g. 24h)")
+    g.add_argument("--conntrack-tcp-timeout-close-wait", type=duration, default=None, action=_Store,
+                   metavar="DURATION", help="nf_conntrack_tcp_timeout_close_wait (e.g. 1h)")
+    g.add_argument("--conntrack-tcp-be-liberal", action=_StoreTrue,
+                   help="nf_conntrack_tcp_be_liberal = 1 (accept out-of-window TCP packets)")
+    g.add_argument("--conntrack-udp-timeout", type=duration, default=None, action=_Store, metavar="DURATION",
+                   help="nf_conntrack_udp_timeout")
+    g.add_argument("--conntrack-udp-timeout-stream", type=duration, default=None, action=_Store,
+                   metavar="DURATION", help="nf_conntrack_udp_timeout_stream")
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def conntrack_settings(args: argparse.Namespace) -> ctsysctl.ConntrackSettings:
+    return ctsysctl.ConntrackSettings(
+        max_per_core=getattr(args, "conntrack_max_per_core", None), min=getattr(args, "conntrack_min", None),
+        tcp_established_timeout=getattr(args, "conntrack_tcp_timeout_established", None),
+        tcp_close_wait_timeout=getattr(args, "conntrack_tcp_timeout_close_wait", None),
+        tcp_be_liberal=bool(getattr(args, "conntrack_tcp_be_liberal", False)),
+        udp_timeout=getattr(args, "conntrack_udp_timeout", None),
+        udp_stream_timeout=getattr(args, "conntrack_udp_timeout_stream", None))
+
+
+def _kernel(backend: Backend) -> bool:
+    """Whether the backend programs this namespace's kernel (the in-memory test backend does not:
+    conntrack and sysctls are then left alone)."""
+    return bool(backend.name != "fake")
+
+
+def _set_conntrack_sysctls(args: argparse.Namespace, backend: Backend) -> None:
+    """kube-proxy's platformSetup: a setting that cannot be applied stops the start (SysctlError)."""
+    if _kernel(backend):
+        ctsysctl.apply(conntrack_settings(args))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -345,9 +398,16 @@ def cmd_sync(args: argparse.Namespace) -> int:
     snapshot, errors = _snapshot(loaded, config)
     backend.probe()
     ensure_localhost_nodeports(backend.name, config)
+    _set_conntrack_sysctls(args, backend)
     _report_rejections(errors)  # before the write, so that they are named even when it fails
     result = backend.sync(snapshot, Changes(full=True))
     log.info("synced %d service ports with the %s backend", result.services_written, backend.name)
+    if _kernel(backend):
+        # The reconciler compares the kernel's table with this state, so a one-shot sync cleans the
+        # flows an earlier process's rules left stale (no previous snapshot needed).
+        from netproxy.conntrack import Reconciler, desired_state
+
+        Reconciler().reconcile(desired_state(snapshot))
     return EXIT_REJECTED if errors else EXIT_OK
 
 
@@ -489,6 +549,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     backend, config = make_backend(args, read_node=lambda: start_node(args, source))
     backend.probe()
     ensure_localhost_nodeports(backend.name, config)
+    _set_conntrack_sysctls(args, backend)
     # ETP/ITP Local need the node name from the start
     tracker = ChangeTracker(NodeInfo(name=config.hostname), service_cidrs=config.service_cidrs)
     proxier = Proxier(tracker, backend, config)
@@ -564,20 +625,18 @@ def _queued(tracker: ChangeTracker, proxier: Proxier, request: Callable[[], None
 
 
 def _add_post_sync_steps(proxier: Proxier, config: ProxyConfig, args: argparse.Namespace) -> None:
-    """What kube-proxy does after writing rules: UDP conntrack cleanup and the health-check servers."""
-    from netproxy.conntrack import ConntrackCleaner, stale_udp
+    """What kube-proxy does after writing rules: the conntrack reconciler and the health-check servers."""
+    from netproxy.conntrack import Reconciler
     from netproxy.healthcheck import ProxyHealth, ServiceHealthServers
 
-    cleaner = ConntrackCleaner()
+    reconciler = Reconciler(period=config.sync_period)
     services = ServiceHealthServers()
     health = ProxyHealth(2 * config.sync_period)  # kube-proxy's healthz timeout
     health.serve(args.healthz_bind_address)
     proxier.health = health
 
-    def clean_conntrack(prev: Optional[Snapshot], cur: Snapshot) -> None:
-        cleaner.clean(stale_udp(prev, cur))
-
-    proxier.after_sync.append(clean_conntrack)
+    if _kernel(proxier.backend):
+        proxier.after_sync.append(reconciler.after_sync)
     proxier.after_sync.append(lambda prev, cur: services.update(cur))
     proxier.after_sync.append(lambda prev, cur: health.synced())
     proxier.after_sync.append(lambda prev, cur: health.sync_node(cur.node))
@@ -637,6 +696,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"netproxy: {err}", file=sys.stderr)
     except BackendError as err:
         print(f"netproxy: {err.kind} error: {err}", file=sys.stderr)
+    except ctsysctl.SysctlError as err:
+        print(f"netproxy: conntrack: {err}", file=sys.stderr)
     except ConfigError as err:
         print(f"netproxy: {err}", file=sys.stderr)
     except OSError as err:

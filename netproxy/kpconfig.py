@@ -226,8 +226,7 @@ def parse(doc: Any) -> FileConfig:
     for sub in ("acceptContentTypes", "contentType", "qps", "burst"):
         if not _is_zero(sections["clientConnection"].get(sub)):
             not_applied.append(f"clientConnection.{sub}")
-    not_applied += [f"conntrack.{k}" for k, v in sections["conntrack"].items()
-                    if k in _SECTIONS["conntrack"] and not _is_zero(v)]
+    values.update(_conntrack(sections["conntrack"]))
     gates = doc.get("featureGates") or {}
     if not isinstance(gates, dict):
         raise FieldError("featureGates", f"expected a mapping of gate names to true/false, not {type(gates).__name__}")
@@ -236,6 +235,34 @@ def parse(doc: Any) -> FileConfig:
         not_applied.append("bindAddress")
     not_applied += [k for k in _NOT_APPLIED if not _is_zero(doc.get(k))]
     return FileConfig(values, tuple(sorted(not_applied)), tuple(sorted(unknown)))
+
+
+_CONNTRACK_COUNTS = {"maxPerCore": "conntrack_max_per_core", "min": "conntrack_min"}
+_CONNTRACK_DURATIONS = {"tcpEstablishedTimeout": "conntrack_tcp_timeout_established",
+                        "tcpCloseWaitTimeout": "conntrack_tcp_timeout_close_wait",
+                        "udpTimeout": "conntrack_udp_timeout", "udpStreamTimeout": "conntrack_udp_timeout_stream"}
+
+
+def _conntrack(sec: Mapping[str, Any]) -> Dict[str, Any]:
+    """The ``conntrack`` section as the --conntrack-* flags (sysctls set at start, netproxy/ctsysctl.py).
+    null/0 is kube-proxy's "unset"; netproxy then keeps the kernel's value (kube-proxy's defaults are
+    not applied: docs/parity.md)."""
+    out: Dict[str, Any] = {}
+    for key, dest in _CONNTRACK_COUNTS.items():
+        value = sec.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise FieldError(f"conntrack.{key}", f"{value!r} is not a whole number >= 0")
+        if key == "maxPerCore" or value:
+            out[dest] = value  # maxPerCore: 0 is meaningful: "leave nf_conntrack_max alone"
+    for key, dest in _CONNTRACK_DURATIONS.items():
+        seconds = _duration(sec, key, "conntrack.")
+        if seconds:
+            out[dest] = seconds
+    if _flag(sec, "tcpBeLiberal", "conntrack.") is True:
+        out["conntrack_tcp_be_liberal"] = True
+    return out
 
 
 def apply(args: Any, config: FileConfig, given: Iterable[str]) -> Set[str]:

@@ -66,6 +66,11 @@ IPTABLES_RULES_LAST = Gauge("kubeproxy_sync_proxy_rules_iptables_last",
                             "Number of iptables rules written by kube-proxy in last sync", ["ip_family", "table"])
 HEALTHZ = Counter("kubeproxy_proxy_healthz", "Cumulative proxy healthz HTTP status", ["code"])
 LIVEZ = Counter("kubeproxy_proxy_livez", "Cumulative proxy livez HTTP status", ["code"])
+CONNTRACK_RECONCILE_DURATION = Histogram("kubeproxy_conntrack_reconciler_sync_duration_seconds",
+                                         "ReconcileConntrackFlowsLatency latency in seconds", ["ip_family"],
+                                         buckets=SYNC_BUCKETS)
+CONNTRACK_RECONCILE_DELETED = Counter("kubeproxy_conntrack_reconciler_deleted_entries",
+                                      "Cumulative conntrack flows deleted by conntrack reconciler", ["ip_family"])
 
 # -- netproxy's own ------------------------------------------------------------------------------
 SYNC_TOTAL = Counter("netproxy_sync_proxy_rules", "Syncs of the proxy rules, by result", ["result"])

@@ -212,18 +212,16 @@ def test_localhost_nodeports_null_is_kube_proxys_default_and_sets_nothing() -> N
 
 def test_unsupported_and_unknown_fields_are_named_in_one_line() -> None:
     # ipvs.* and detectLocal.* are set too: kube-proxy ignores them in iptables mode, and so does netproxy.
-    config = kpconfig.parse(kubeadm(conntrack__maxPerCore=65536, conntrack__tcpEstablishedTimeout="24h0m0s",
-                                    oomScoreAdj=-999, featureGates={"SomeGate": True}, ipvs__scheduler="rr",
+    config = kpconfig.parse(kubeadm(oomScoreAdj=-999, featureGates={"SomeGate": True}, ipvs__scheduler="rr",
                                     iptables__localhostNodePorts=False, bindAddress="192.168.0.5",
                                     detectLocal__bridgeInterface="cbr0", udpIdleTimeout="250ms",
                                     iptables__typo=1))
-    assert config.not_applied == ("bindAddress", "conntrack.maxPerCore", "conntrack.tcpEstablishedTimeout",
-                                  "featureGates.SomeGate", "oomScoreAdj")
+    assert config.not_applied == ("bindAddress", "featureGates.SomeGate", "oomScoreAdj")
     assert config.values["iptables_localhost_nodeports"] is False
     assert config.unknown == ("iptables.typo", "udpIdleTimeout")
     warning = config.warning()
     assert warning is not None and "\n" not in warning
-    assert warning.startswith("not applied: bindAddress, conntrack.maxPerCore")
+    assert warning.startswith("not applied: bindAddress, featureGates.SomeGate")
     assert warning.endswith("unknown fields: iptables.typo, udpIdleTimeout")
 
 
@@ -377,11 +375,11 @@ def test_run_takes_the_bind_addresses_and_the_kubeconfig(tmp_path: Path) -> None
 
 def test_sync_names_fields_not_applied_in_one_warning(created: List[Tuple[str, ProxyConfig]], tmp_path: Path,
                                                       source: str, caplog: pytest.LogCaptureFixture) -> None:
-    path = write(tmp_path, kubeadm(conntrack__maxPerCore=65536, oomScoreAdj=-999, extraThing=1))
+    path = write(tmp_path, kubeadm(enableProfiling=True, oomScoreAdj=-999, extraThing=1))
     with caplog.at_level(logging.WARNING, logger="netproxy"):
         assert cli.main(["sync", "--source", source, "--config", path, "--backend", "fake"]) == 0
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == [f"--config {path}: not applied: conntrack.maxPerCore, oomScoreAdj; "
+    assert warnings == [f"--config {path}: not applied: enableProfiling, oomScoreAdj; "
                         "unknown fields: extraThing"]
     assert len(created) == 1  # and the sync went on
 
@@ -463,3 +461,39 @@ def test_an_inline_token_is_not_a_token_file(tmp_path: Path) -> None:
         "current-context": "c", "contexts": [{"name": "c", "context": {"user": "u"}}],
         "users": [{"name": "u", "user": {"token": "abc", "tokenFile": "/t"}}]}))
     assert kube.kubeconfig_token_file(str(kubeconfig)) is None
+
+
+# -- conntrack (sysctls set at start: netproxy/ctsysctl.py) -------------------------------------------
+
+def test_conntrack_section_becomes_the_conntrack_flags() -> None:
+    values = kpconfig.parse(kubeadm(conntrack__maxPerCore=65536, conntrack__min=131072,
+                                    conntrack__tcpEstablishedTimeout="24h0m0s", conntrack__tcpCloseWaitTimeout="1h0m0s",
+                                    conntrack__tcpBeLiberal=True, conntrack__udpTimeout="30s",
+                                    conntrack__udpStreamTimeout="2m0s")).values
+    assert {k: v for k, v in values.items() if k.startswith("conntrack_")} == {
+        "conntrack_max_per_core": 65536, "conntrack_min": 131072, "conntrack_tcp_timeout_established": 86400.0,
+        "conntrack_tcp_timeout_close_wait": 3600.0, "conntrack_tcp_be_liberal": True, "conntrack_udp_timeout": 30.0,
+        "conntrack_udp_timeout_stream": 120.0}
+
+
+def test_kubeadms_null_conntrack_fields_leave_the_kernel_alone_and_max_per_core_zero_is_kept() -> None:
+    assert not [k for k in kpconfig.parse(kubeadm()).values if k.startswith("conntrack_")]
+    assert kpconfig.parse(kubeadm(conntrack__maxPerCore=0)).values["conntrack_max_per_core"] == 0
+
+
+@pytest.mark.parametrize("changes, field", [({"conntrack__maxPerCore": "lots"}, "conntrack.maxPerCore"),
+                                            ({"conntrack__min": -1}, "conntrack.min"),
+                                            ({"conntrack__udpTimeout": "soon"}, "conntrack.udpTimeout"),
+                                            ({"conntrack__tcpBeLiberal": "yes"}, "conntrack.tcpBeLiberal")])
+def test_bad_conntrack_values_are_named(changes: Dict[str, Any], field: str) -> None:
+    with pytest.raises(FieldError) as err:
+        kpconfig.parse(kubeadm(**changes))
+    assert err.value.field_path == field
+
+
+def test_conntrack_flags_win_over_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, kubeadm(conntrack__udpTimeout="30s", conntrack__maxPerCore=65536))
+    args = cli.build_parser().parse_args(["run", "--source", "x.yaml", "--config", path,
+                                          "--conntrack-udp-timeout", "10s"])
+    kpconfig.apply(args, kpconfig.read(path), args.given)
+    assert (args.conntrack_udp_timeout, args.conntrack_max_per_core) == (10.0, 65536)
