@@ -124,6 +124,9 @@ def _add_proxy(p: argparse.ArgumentParser) -> None:
                    help="this node's name (default: the host name)")
     p.add_argument("--nodeport-addresses", type=cidr_list, default=(), action=_Store,
                    help="CIDRs of node addresses that accept NodePorts (default: all local addresses)")
+    p.add_argument("--iptables-lock-timeout", type=duration, default=5.0, action=_Store,
+                   help="legacy iptables: wait at most this long for the xtables lock (/run/xtables.lock) "
+                   "another program holds, then fail the sync naming the holder and retry (5s, kube-proxy's -w 5)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -202,6 +205,7 @@ def _config(args: argparse.Namespace, backend: str, flavour: str) -> ProxyConfig
         hostname=getattr(args, "hostname_override", "") or socket.gethostname(),
         nodeport_addresses=tuple(getattr(args, "nodeport_addresses", ())),
         one_shot=getattr(args, "one_shot", False),
+        iptables_lock_timeout=getattr(args, "iptables_lock_timeout", 5.0),
     )
 
 
@@ -412,6 +416,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     metrics.serve(args.metrics_bind_address)
+    if hasattr(backend, "on_lock_wait"):  # the iptables backend: its waits for the xtables lock
+        backend.on_lock_wait = metrics.IPTABLES_LOCK_WAIT.observe
     metrics.BACKEND.labels(backend.name, config.nftables_writer if backend.name == "nftables"
                            else config.iptables_writer if backend.name == "iptables" else "").set(1)
     source.start(tracker)

@@ -32,6 +32,8 @@ class ProxyConfig:
     cluster_cidrs: Tuple[IPNetwork, ...] = ()
     hostname: str = field(default_factory=socket.gethostname)
     nodeport_addresses: Tuple[IPNetwork, ...] = ()
+    iptables_lock_timeout: float = 5.0
+    """Seconds to wait for the xtables lock held by another program (legacy iptables)."""
     one_shot: bool = False
     """Set by ``netproxy sync``: this process writes once and ends, so nothing kept for the next
     sync (the iptables backend's table fingerprint) is worth its cost."""

@@ -12,7 +12,7 @@ import contextlib
 import gc
 import logging
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from netproxy.backends.base import BackendError, BackendUnavailable, Outcome, Packet, SyncResult
 from netproxy.backends.iptables import cleanup as cleanup_mod
@@ -24,6 +24,7 @@ from netproxy.backends.iptables.render import Chains, FamilyRuleset, Rule, Servi
 from netproxy.backends.iptables.restore import RestoreTools, RestoreWriter, supports_random_fully
 from netproxy.backends.iptables.sets import SetKeeper
 from netproxy.backends.iptables.stamp import Stamp
+from netproxy.backends.iptables.xtlock import XtablesLock
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
 
@@ -54,7 +55,10 @@ class IptablesBackend:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.writer = self._make_writer(config)
+        self.on_lock_wait: Callable[[float], None] = lambda seconds: None
+        """Told every wait for the xtables lock (``netproxy run`` points it at its histogram)."""
+        self.lock = XtablesLock(config.iptables_lock_timeout, waits=lambda seconds: self.on_lock_wait(seconds))
+        self.writer = self._make_writer(config, self.lock)
         self._cache: Dict[ServicePortName, _Rendered] = {}
         self._written: Dict[int, Dict[str, Chains]] = {}
         self._need_full = True
@@ -71,12 +75,12 @@ class IptablesBackend:
         self._memo = {f: Memo() for f in FAMILIES}
 
     @staticmethod
-    def _make_writer(config: ProxyConfig) -> Writer:
+    def _make_writer(config: ProxyConfig, lock: XtablesLock) -> Writer:
         if config.iptables_writer == "libiptc":
             from netproxy.backends.iptables.libiptc import LibiptcWriter
 
-            return LibiptcWriter(config.iptables_flavour)
-        return RestoreWriter(config.iptables_flavour, keep_text=not config.one_shot)
+            return LibiptcWriter(config.iptables_flavour, lock)
+        return RestoreWriter(config.iptables_flavour, keep_text=not config.one_shot, lock=lock)
 
     # -- rendering -------------------------------------------------------------------------------
 
@@ -272,7 +276,7 @@ class IptablesBackend:
         flavour = self.config.iptables_flavour
         if self.config.iptables_writer == "libiptc" and flavour == "nft":
             raise BackendUnavailable("libiptc cannot reach nf_tables; use the restore writer on this node")
-        cleanup_mod.cleanup(RestoreTools(flavour))
+        cleanup_mod.cleanup(RestoreTools(flavour, self.lock))
         self._sets.destroy_all(self.ipsets)
         self._stamps.clear()
         self._written.clear()

@@ -1,4 +1,4 @@
-"""Writer 1: ``iptables-save`` to read, one ``iptables-restore --noflush --counters --wait`` to write.
+"""Writer 1: ``iptables-save`` to read, one ``iptables-restore --noflush --counters -w S -W U`` to write.
 
 The payload for one family covers every table that changes; each table's block applies atomically
 (the legacy kernel API swaps whole tables), so a refused line leaves that table as it was.
@@ -22,6 +22,7 @@ from netproxy.backends.iptables.assemble import TABLES
 from netproxy.backends.iptables.diff import KernelTable, TableChange
 from netproxy.backends.iptables.payload import ChainTextCache, restore_chunks
 from netproxy.backends.iptables.stamp import Expected, Stamp, chains_and_jumps, fingerprint
+from netproxy.backends.iptables.xtlock import EXIT_RESOURCE, XtablesLock, timeout_error
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +87,32 @@ def _run(cmd: List[str], payload: Optional[str] = None) -> subprocess.CompletedP
         raise SyncError(f"cannot run {cmd[0]}: {err.strerror}", payload=payload) from None
 
 
+LOCK_TIMEOUT = 5.0
+"""kube-proxy's iptables-restore ``-w 5``: the default of ``--iptables-lock-timeout``."""
+
+
 class RestoreTools:
     """The save/restore binaries for one iptables flavour ("legacy" or "nft")."""
 
-    def __init__(self, flavour: str) -> None:
+    def __init__(self, flavour: str, lock: Optional[XtablesLock] = None) -> None:
         self.flavour = flavour
+        self.lock = lock if lock is not None else XtablesLock(LOCK_TIMEOUT)
+
+    def _wait_flags(self) -> List[str]:
+        """``-w <secs> -W <usecs>`` for iptables-restore.  On legacy tables the lock is waited for here
+        first, so that the wait is measured (the tool does not say how long it waited), and the tool
+        gets what is left of the timeout; iptables-nft takes no lock and ignores the flags."""
+        left = self.lock.timeout if self.flavour != "legacy" else self.lock.wait_free()
+        flags: List[str] = self.lock.tool_flags(left)
+        return flags
+
+    def _refused(self, cmd: List[str], code: int, stderr: str, payload: str) -> SyncError:
+        if code == EXIT_RESOURCE and self.lock.gave_up(stderr):
+            # Taken again by someone else between our wait and the tool's: the same error as ours.
+            return timeout_error(self.lock.path, self.lock.timeout)
+        line = failing_line(stderr, payload)
+        log.error("%s failed: %s; failing line: %s", cmd[0], stderr, line)
+        return SyncError(f"{cmd[0]} refused the payload", line=line, detail=stderr, payload=payload)
 
     def probe(self) -> None:
         for verb in ("save", "restore"):
@@ -110,7 +132,7 @@ class RestoreTools:
         tool commits each table at its COMMIT line.  ``chunks()`` makes the pieces; it is called a
         second time only to name the failing line of a refused payload (the text is not kept: 50 MB
         at the mixed 10k cluster).  Returns the bytes written."""
-        cmd = [tool(family, self.flavour, "restore"), "--noflush", "--counters", "--wait"]
+        cmd = [tool(family, self.flavour, "restore"), "--noflush", "--counters", *self._wait_flags()]
         sent = 0
         with tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
@@ -143,20 +165,14 @@ class RestoreTools:
             err.seek(0)
             stderr = err.read().decode(errors="replace").strip()
         if code != 0:
-            payload = "".join(chunks())
-            line = failing_line(stderr, payload)
-            log.error("%s failed: %s; failing line: %s", cmd[0], stderr, line)
-            raise SyncError(f"{cmd[0]} refused the payload", line=line, detail=stderr, payload=payload)
+            raise self._refused(cmd, code, stderr, "".join(chunks()))
         return sent
 
     def restore(self, family: int, payload: str, extra: Sequence[str] = ()) -> None:
-        cmd = [tool(family, self.flavour, "restore"), "--noflush", "--counters", "--wait", *extra]
+        cmd = [tool(family, self.flavour, "restore"), "--noflush", "--counters", *self._wait_flags(), *extra]
         proc = _run(cmd, payload)
         if proc.returncode != 0:
-            stderr = proc.stderr.strip()
-            line = failing_line(stderr, payload)
-            log.error("%s failed: %s; failing line: %s", cmd[0], stderr, line)
-            raise SyncError(f"{cmd[0]} refused the payload", line=line, detail=stderr, payload=payload)
+            raise self._refused(cmd, proc.returncode, proc.stderr.strip(), payload)
 
 
 class RestoreWriter:
@@ -164,8 +180,8 @@ class RestoreWriter:
 
     name = "restore"
 
-    def __init__(self, flavour: str, keep_text: bool = True) -> None:
-        self.tools = RestoreTools(flavour)
+    def __init__(self, flavour: str, keep_text: bool = True, lock: Optional[XtablesLock] = None) -> None:
+        self.tools = RestoreTools(flavour, lock)
         self._texts: Dict[int, ChainTextCache] = {}
         self._keep_text = keep_text
         """Keep each chain's text for the next write (a long-running proxy); not for one sync."""
