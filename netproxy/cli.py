@@ -401,8 +401,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     backend.probe()
     tracker = ChangeTracker(NodeInfo(name=config.hostname))  # ETP/ITP Local need the node name from the start
     proxier = Proxier(tracker, backend, config)
-    runner = BoundedFrequencyRunner(proxier.sync, config.min_sync_period, config.sync_period)
+    runner = BoundedFrequencyRunner(proxier.sync, config.min_sync_period, config.sync_period,
+                                    idle=proxier.check_tampering)
     proxier.retry = runner.retry_after
+    proxier.request = runner.request
     tracker.on_change = lambda: _queued(tracker, proxier, runner.request)
     source = _make_source(args, config)
     _add_post_sync_steps(proxier, config, args)

@@ -12,10 +12,11 @@ import contextlib
 import gc
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from netproxy.backends.base import BackendError, BackendUnavailable, Outcome, Packet, SyncResult
 from netproxy.backends.iptables import cleanup as cleanup_mod
+from netproxy.backends.iptables import guard, save
 from netproxy.backends.iptables.assemble import JUMPS, TABLES, Memo, assemble
 from netproxy.backends.iptables.diff import KernelTable, TableChange, Writer, full_change, partial_change
 from netproxy.backends.iptables.ipset import Ipsets, KernelIpsets
@@ -73,6 +74,8 @@ class IptablesBackend:
         """The kernel's ipsets (hairpin and affinity sets); unit tests put a FakeIpsets here."""
         self._sets = SetKeeper()
         self._memo = {f: Memo() for f in FAMILIES}
+        self._watch: Optional[guard.Watch] = None
+        """Notices writes by others between syncs (``netproxy run`` only): see :meth:`tampered`."""
 
     @staticmethod
     def _make_writer(config: ProxyConfig, lock: XtablesLock) -> Writer:
@@ -175,6 +178,14 @@ class IptablesBackend:
             gc.enable()
 
     def _sync(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
+        if self._watch is None and not self.config.one_shot:
+            self._watch = self._open_watch()  # before the first write, so that it sees every later one
+        result = self._sync_tables(snapshot, changes)
+        if self._watch is not None:
+            self._watch.rebase()  # the tables as just written (or found untouched) are the reference
+        return result
+
+    def _sync_tables(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
         full = changes.full or self._need_full
         # A first (or after-failure) full sync always writes: read the kernel before rendering, so
         # that its table blob (30 MB at 10k services) is gone before the render's objects arrive.
@@ -271,6 +282,58 @@ class IptablesBackend:
             expect = {(family, t): {c: len(r) for c, r in ruleset.chains(t).items()} for t in TABLES}
             self._stamps[family] = self.writer.stamp((family,), expect)
         return size
+
+    # -- rules changed behind our back ---------------------------------------------------------
+
+    def _open_watch(self) -> Optional[guard.Watch]:
+        if self.config.iptables_flavour == "legacy":
+            return guard.LegacyWatch()
+        tools = getattr(self.writer, "tools", None)
+        try:
+            return guard.NftWatch(lambda: set(tools.children) if tools is not None else set())
+        except OSError as exc:
+            log.info("no nftables change notifications (%s): changes behind netproxy's back wait for the "
+                     "next full sync", exc)
+            return None
+
+    def tampered(self) -> Optional[str]:
+        """Whether netproxy's rules were changed by someone else since its last write (and why): the
+        runner asks between syncs; a reason means the next sync re-reads the kernel and rewrites all."""
+        watch = self._watch
+        if watch is None or self._need_full or not self._written or not watch.suspect():
+            return None
+        watch.rebase()  # first: what changes while the tables are read below shows at the next look
+        reason = self._verify()
+        if reason is not None:
+            self._need_full = True
+            self._stamps.clear()
+        return reason
+
+    def _verify(self) -> Optional[str]:
+        """The kernel's tables against what we last wrote into them (guard.compare)."""
+        for family, tables in sorted(self._written.items()):
+            for table in TABLES:
+                try:
+                    counts, jumps = self._read_counts(family, table)
+                except (OSError, ValueError, BackendError) as exc:
+                    log.warning("cannot read the IPv%d %s table back (%s): rewriting it", family, table, exc)
+                    return "unreadable"
+                if counts is None:
+                    return "table-deleted"
+                reason: Optional[str] = guard.compare(table, tables.get(table, {}), counts, jumps)
+                if reason is not None:
+                    return reason
+        return None
+
+    def _read_counts(self, family: int, table: str) -> Tuple[Optional[Dict[str, int]], Set[Tuple[str, str]]]:
+        if self.config.iptables_flavour == "legacy":
+            counts, jumps = guard.legacy_counts(family, table)
+            return dict(counts), set(jumps)
+        parsed = save.parse(RestoreTools(self.config.iptables_flavour, self.lock).save(family, table))
+        if table not in parsed:
+            return None, set()
+        saved = parsed[table]
+        return {c.name: len(c.rules) for c in saved.chains.values()}, set(saved.kernel_table().jumps)
 
     def cleanup(self) -> None:
         flavour = self.config.iptables_flavour

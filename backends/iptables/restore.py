@@ -6,6 +6,7 @@ The payload for one family covers every table that changes; each table's block a
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import re
@@ -14,7 +15,7 @@ import signal
 import subprocess
 import tempfile
 import threading
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Deque, Dict, Iterable, List, Optional, Sequence
 
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.iptables import save
@@ -97,6 +98,8 @@ class RestoreTools:
     def __init__(self, flavour: str, lock: Optional[XtablesLock] = None) -> None:
         self.flavour = flavour
         self.lock = lock if lock is not None else XtablesLock(LOCK_TIMEOUT)
+        self.children: Deque[int] = collections.deque(maxlen=32)
+        """Pids of the latest restore processes: their nf_tables commits are ours (``guard.NftWatch``)."""
 
     def _wait_flags(self) -> List[str]:
         """``-w <secs> -W <usecs>`` for iptables-restore.  On legacy tables the lock is waited for here
@@ -136,6 +139,7 @@ class RestoreTools:
         sent = 0
         with tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
+            self.children.append(proc.pid)
             assert proc.stdin is not None
             try:
                 for chunk in chunks():
