@@ -75,6 +75,7 @@ class IptablesBackend:
         self._sets = SetKeeper()
         self._memo = {f: Memo() for f in FAMILIES}
         self._watch: Optional[guard.Watch] = None
+        self._commits = 0
         """Notices writes by others between syncs (``netproxy run`` only): see :meth:`tampered`."""
 
     @staticmethod
@@ -180,9 +181,18 @@ class IptablesBackend:
     def _sync(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
         if self._watch is None and not self.config.one_shot:
             self._watch = self._open_watch()  # before the first write, so that it sees every later one
-        result = self._sync_tables(snapshot, changes)
-        if self._watch is not None:
-            self._watch.rebase()  # the tables as just written (or found untouched) are the reference
+        watch = self._watch
+        full = changes.full or self._need_full
+        self._commits = 0
+        if watch is not None and full:
+            watch.pause()
+        try:
+            result = self._sync_tables(snapshot, changes)
+        finally:
+            if watch is not None and full:
+                watch.resume(self._commits)
+        if watch is not None:
+            watch.rebase()  # the tables as just written (or found untouched) are the reference
         return result
 
     def _sync_tables(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
@@ -259,6 +269,7 @@ class IptablesBackend:
             written = self._written[family]
             table_changes = [partial_change(t, ruleset.chains(t), written.get(t, {})) for t in TABLES]
         changed: List[TableChange] = [c for c in table_changes if not c.empty()]
+        self._commits += len(changed)  # iptables-nft-restore commits each table's block on its own
         for c in changed:  # kube-proxy's sync_proxy_rules_iptables_last{table}, both families summed
             self._rules_written[c.table] = self._rules_written.get(c.table, 0) + c.rule_count()
         if changed:

@@ -133,6 +133,12 @@ class FakeWatch:
         self.rebases += 1
         self.dirty = False
 
+    def pause(self) -> None:
+        return None
+
+    def resume(self, commits: int) -> None:
+        return None
+
     def close(self) -> None:
         return None
 
