@@ -110,3 +110,21 @@ def test_a_tool_that_gave_up_on_the_lock_is_reported_like_our_own_timeout(path: 
     assert path in str(err) and "--iptables-lock-timeout=5s" in str(err)
     other = tools._refused(["iptables-restore"], 1, "line 2 failed", "*nat\n-A X\nCOMMIT\n")
     assert other.line == "-A X"
+
+
+def test_the_flag_reaches_both_writers_and_defaults_to_kube_proxys_5s() -> None:
+    from netproxy.backends.iptables import IptablesBackend
+    from netproxy.cli import _config, build_parser
+
+    args = build_parser().parse_args(["sync", "--source", "x", "--iptables-lock-timeout", "2s"])
+    config = _config(args, "iptables", "legacy")
+    assert config.iptables_lock_timeout == 2.0
+    restore_backend = IptablesBackend(config)
+    assert restore_backend.writer.tools.lock is restore_backend.lock  # type: ignore[attr-defined]
+    assert restore_backend.lock.timeout == 2.0
+    default = _config(build_parser().parse_args(["sync", "--source", "x"]), "iptables", "legacy")
+    assert default.iptables_lock_timeout == 5.0
+    from netproxy.config import ProxyConfig
+
+    libiptc = IptablesBackend(ProxyConfig(iptables_writer="libiptc", iptables_lock_timeout=3.0, hostname="n"))
+    assert libiptc.writer.lock is libiptc.lock and libiptc.lock.timeout == 3.0  # type: ignore[attr-defined]
