@@ -40,10 +40,11 @@ def _faults(combo: Combo) -> List[Tuple[str, str]]:
         ("iptables -F", f"{ipt} -F"),
         ("iptables -t nat -F", f"{ipt} -t nat -F"),
         ("one chain emptied (iptables -t nat -F KUBE-SERVICES)", f"{ipt} -t nat -F KUBE-SERVICES"),
-        # What firewalld's reload does to iptables: every table flushed and its chains deleted.
-        ("firewalld-like reload (-F, -X in every table)",
-         " && ".join(f"{tool} -t {t} -F && {tool} -t {t} -X" for tool in (ipt, f"ip6tables-{combo.flavour}")
-                     for t in ("nat", "filter", "mangle"))),
+        # What firewalld's reload does to iptables: its own ruleset restored without --noflush, which
+        # empties every table it names and deletes every chain in them (one table at a time).
+        ("firewalld-like reload (iptables-restore of empty tables)",
+         " && ".join(f"printf '*nat\\nCOMMIT\\n*filter\\nCOMMIT\\n*mangle\\nCOMMIT\\n' | {tool}-restore -w"
+                     for tool in (ipt, f"ip6tables-{combo.flavour}"))),
     ]
     if combo.flavour == "nft":
         faults.append(("nft delete table ip nat", "nft delete table ip nat"))
