@@ -311,7 +311,17 @@ class IptablesBackend:
         """Whether netproxy's rules were changed by someone else since its last write (and why): the
         runner asks between syncs; a reason means the next sync re-reads the kernel and rewrites all."""
         watch = self._watch
-        if watch is None or self._need_full or not self._written or not watch.suspect():
+        if watch is None or self._need_full or not self._written:
+            return None
+        try:
+            suspect = watch.suspect()
+        except OSError as exc:  # the notification socket broke: stop looking rather than fail every look
+            log.warning("cannot watch the iptables tables any more (%s): changes behind netproxy's back wait "
+                        "for the next full sync", exc)
+            watch.close()
+            self._watch = None
+            return None
+        if not suspect:
             return None
         watch.rebase()  # first: what changes while the tables are read below shows at the next look
         reason = self._verify()
