@@ -1,4 +1,5 @@
-"""The xtables lock, on a private lock file (never the host's /run/xtables.lock)."""
+"""The xtables lock, on a private lock file (never the host's /run/xtables.lock), and reading a table
+another program is writing."""
 
 from __future__ import annotations
 
@@ -128,3 +129,49 @@ def test_the_flag_reaches_both_writers_and_defaults_to_kube_proxys_5s() -> None:
 
     libiptc = IptablesBackend(ProxyConfig(iptables_writer="libiptc", iptables_lock_timeout=3.0, hostname="n"))
     assert libiptc.writer.lock is libiptc.lock and libiptc.lock.timeout == 3.0  # type: ignore[attr-defined]
+
+
+class _NoSocket:
+    """Stands in for the raw socket stamp._blob opens (unit tests never reach the kernel)."""
+
+    def __init__(self, *args: object) -> None:
+        return None
+
+    def __enter__(self) -> _NoSocket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def fileno(self) -> int:
+        return -1
+
+
+def test_a_table_blob_changed_between_its_two_reads_is_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another program writing between GET_INFO and GET_ENTRIES: the kernel says EAGAIN (or hands
+    back another size); the reader tries again instead of failing the sync."""
+    import errno
+
+    from netproxy.backends.iptables import stamp
+
+    answers = [OSError(errno.EAGAIN, "changed"), 0, None]  # EAGAIN, then a short read, then a good one
+    calls: List[int] = []
+
+    def fake_getsockopt(fd: int, level: int, option: int, buf: bytearray) -> int:
+        calls.append(option)
+        if option == stamp.SO_GET_INFO:
+            struct_size = 8
+            buf[-4:] = struct_size.to_bytes(4, sys.byteorder)
+            return len(buf)
+        answer = answers.pop(0)
+        if isinstance(answer, OSError):
+            raise answer
+        return len(buf) if answer is None else answer
+
+    monkeypatch.setattr(stamp.socket, "socket", _NoSocket)
+    monkeypatch.setattr(stamp, "_getsockopt", fake_getsockopt)
+    head, buf = stamp._blob(4, "nat")
+    assert calls.count(stamp.SO_GET_ENTRIES) == 3 and len(buf) == 40 + 8
+    answers[:] = [OSError(errno.EPERM, "no")]
+    with pytest.raises(OSError):
+        stamp._blob(4, "nat")  # any other error is not retried
