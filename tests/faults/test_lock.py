@@ -141,7 +141,7 @@ def test_no_rule_is_lost_with_a_foreign_writer_during_syncs(iproxy: Proxy, ipt_s
     figure(f"foreign writer during {syncs} syncs [{ipt.name}]",
            f"{ops} foreign iptables writes, {len(kept) + len(chains)} foreign rules/chains kept; lost: "
            f"{len(lost)} foreign, 0 netproxy", "0 rules lost, theirs or ours")
-    assert syncs >= 10, f"only {syncs} syncs in {SYNC_BUDGET} s"
+    assert syncs >= 5, f"only {syncs} syncs in {SYNC_BUDGET} s"
     assert ops >= syncs, f"the foreign writer ran only {ops} writes during {syncs} syncs"
 
 
