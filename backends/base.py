@@ -125,3 +125,8 @@ class Backend(Protocol):
 
     def cleanup(self) -> None:
         """Remove everything this backend (or the seed's proxier) created, and nothing else."""
+
+    def tampered(self) -> Optional[str]:
+        """Between syncs, cheaply: whether someone else changed or removed the rules this backend
+        wrote since its last write, as a short reason (``netproxy_sync_proxy_rules_repairs_total``'s
+        label), or None.  A reason also makes the next sync re-read the kernel and rewrite all."""

@@ -26,6 +26,9 @@ class FakeBackend:
         self.syncs: List[Changes] = []
         self.fail_next: Optional[str] = None
         self.cleaned = False
+        self.tamper: Optional[str] = None
+        """What the next :meth:`tampered` reports (unit tests play "someone flushed the rules")."""
+        self.looks = 0
 
     def probe(self) -> None:
         return None
@@ -56,3 +59,8 @@ class FakeBackend:
     def cleanup(self) -> None:
         self.state = {}
         self.cleaned = True
+
+    def tampered(self) -> Optional[str]:
+        self.looks += 1
+        reason, self.tamper = self.tamper, None
+        return reason

@@ -194,6 +194,9 @@ def _add_proxy(p: argparse.ArgumentParser) -> None:
     p.add_argument("--service-cluster-ip-range", type=cidr_list, default=(), action=_Store,
                    help="service CIDRs, comma-separated (with the API source's ServiceCIDR objects): traffic "
                         "to an address inside them that no service owns is dropped")
+    p.add_argument("--iptables-lock-timeout", type=duration, default=5.0, action=_Store,
+                   help="legacy iptables: wait at most this long for the xtables lock (/run/xtables.lock) "
+                   "another program holds, then fail the sync naming the holder and retry (5s, kube-proxy's -w 5)")
     _add_conntrack(p)
 
 
@@ -329,6 +332,7 @@ def _config(args: argparse.Namespace, backend: str, flavour: str, node: Optional
         service_cidrs=tuple(getattr(args, "service_cluster_ip_range", ())),
         one_shot=getattr(args, "one_shot", False),
         **local_detection(args, node),
+        iptables_lock_timeout=getattr(args, "iptables_lock_timeout", 5.0),
     )
 
 
@@ -553,8 +557,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     # ETP/ITP Local need the node name from the start
     tracker = ChangeTracker(NodeInfo(name=config.hostname), service_cidrs=config.service_cidrs)
     proxier = Proxier(tracker, backend, config)
-    runner = BoundedFrequencyRunner(proxier.sync, config.min_sync_period, config.sync_period)
+    runner = BoundedFrequencyRunner(proxier.sync, config.min_sync_period, config.sync_period,
+                                    idle=proxier.check_tampering)
     proxier.retry = runner.retry_after
+    proxier.request = runner.request
     tracker.on_change = lambda: _queued(tracker, proxier, runner.request)
     _add_post_sync_steps(proxier, config, args)
     stop = threading.Event()
@@ -580,6 +586,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _stop)
     metrics.set_families(metrics.families())  # the IPv4 series exist before the first sync
     metrics.serve(args.metrics_bind_address)
+    if hasattr(backend, "on_lock_wait"):  # the iptables backend: its waits for the xtables lock
+        backend.on_lock_wait = metrics.IPTABLES_LOCK_WAIT.observe
     metrics.BACKEND.labels(backend.name, config.nftables_writer if backend.name == "nftables"
                            else config.iptables_writer if backend.name == "iptables" else "").set(1)
     source.start(tracker)

@@ -46,6 +46,8 @@ class ProxyConfig:
     service_cidrs: Tuple[IPNetwork, ...] = ()
     """--service-cluster-ip-range: service CIDRs known without the API's ServiceCIDR objects (the
     tracker joins both into ``Snapshot.service_cidrs``, which is what the backends read)."""
+    iptables_lock_timeout: float = 5.0
+    """Seconds to wait for the xtables lock held by another program (legacy iptables)."""
     one_shot: bool = False
     """Set by ``netproxy sync``: this process writes once and ends, so nothing kept for the next
     sync (the iptables backend's table fingerprint) is worth its cost."""

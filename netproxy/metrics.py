@@ -79,6 +79,13 @@ LAST_DURATION = Gauge("netproxy_sync_proxy_rules_last_duration_seconds",
                       "How long the last successful sync took (`netproxy status`)")
 SERVICES = Gauge("netproxy_service_ports", "Service ports in the last synced snapshot")
 BACKEND = Gauge("netproxy_backend_info", "The dataplane in use (value 1)", ["backend", "writer"])
+IPTABLES_LOCK_WAIT = Histogram("netproxy_iptables_lock_wait_seconds",
+                               "Seconds each legacy iptables write waited for the xtables lock held by another "
+                               "program (a wait that hit --iptables-lock-timeout included)",
+                               buckets=(0.001, 0.01, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30))
+REPAIRS = Counter("netproxy_sync_proxy_rules_repairs",
+                  "Full syncs forced because netproxy's rules were changed behind its back, by what was found",
+                  ["reason"])
 
 
 IPV4, IPV6 = "IPv4", "IPv6"

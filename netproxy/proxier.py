@@ -38,6 +38,8 @@ class Proxier:
         self.last_error: Optional[BackendError] = None
         self.last_result: Optional[SyncResult] = None
         self.retry: Callable[[float], None] = lambda delay: None
+        self.request: Callable[[], None] = lambda: None
+        """Asks the runner for a sync soon (set by ``netproxy run``): a repair."""
         self.after_sync: List[AfterSync] = []
         """Called with (previous, current) snapshot after each successful sync: conntrack cleanup,
         health-check servers.  A failing hook is logged and does not fail the sync."""
@@ -92,6 +94,21 @@ class Proxier:
             except Exception:  # noqa: BLE001 - a hook must never stop the proxy from syncing
                 log.exception("post-sync step %r failed", hook)
         self._previous = snapshot
+
+    def check_tampering(self) -> Optional[str]:
+        """Between syncs: ask the backend whether its rules were changed behind its back (a flush,
+        a deleted table, an emptied chain); if so, count the repair and ask for a full sync now
+        rather than at the next --sync-period.  Returns the reason, or None."""
+        if self._need_full or self._last_full is None:
+            return None  # nothing written yet, or a full sync is already due
+        reason: Optional[str] = self.backend.tampered()
+        if reason is None:
+            return None
+        metrics.REPAIRS.labels(reason).inc()
+        log.warning("netproxy's rules were changed behind its back (%s): repairing with a full sync", reason)
+        self._need_full = True
+        self.request()
+        return reason
 
     @staticmethod
     def _record(snapshot: Snapshot, full: bool, elapsed: float) -> None:

@@ -8,14 +8,18 @@ without sleeping; :meth:`BoundedFrequencyRunner.loop` is the real thread body.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable, Optional
 
+log = logging.getLogger(__name__)
+
 
 class BoundedFrequencyRunner:
     def __init__(self, fn: Callable[[], None], min_interval: float, max_interval: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, idle: Optional[Callable[[], object]] = None,
+                 idle_interval: float = 0.5) -> None:
         if min_interval < 0 or max_interval <= 0 or min_interval > max_interval:
             raise ValueError(f"need 0 <= min_interval ({min_interval}) <= max_interval ({max_interval})")
         self.fn = fn
@@ -28,6 +32,11 @@ class BoundedFrequencyRunner:
         self._retry_at: Optional[float] = None
         self._last_run: Optional[float] = None
         self.runs = 0
+        self.idle = idle
+        """Called between runs, every ``idle_interval`` seconds, in the loop's own thread (so never
+        during ``fn``): the check for rules changed behind the proxy's back, which may request a run."""
+        self.idle_interval = idle_interval
+        self._last_idle: Optional[float] = None
 
     def request(self) -> None:
         """Something changed: run soon (but not sooner than min_interval after the last run)."""
@@ -67,13 +76,28 @@ class BoundedFrequencyRunner:
         self.fn()
         return True
 
+    def idle_step(self, now: Optional[float] = None) -> float:
+        """Call ``idle`` if its interval has passed at ``now``; seconds until it is due again."""
+        if self.idle is None:
+            return float("inf")
+        now = self.clock() if now is None else now
+        if self._last_idle is not None and now - self._last_idle < self.idle_interval:
+            return self._last_idle + self.idle_interval - now
+        self._last_idle = now
+        try:
+            self.idle()
+        except Exception:  # noqa: BLE001 - a failed look must not stop the proxy from syncing
+            log.exception("idle step %r failed", self.idle)
+        return self.idle_interval
+
     def loop(self, stop: threading.Event) -> None:
         """Run until ``stop`` is set, sleeping between runs (woken early by request/retry/stop)."""
         while not stop.is_set():
             if self.step():
                 continue
             self._wake.clear()
-            delay = self.due_in(self.clock())
+            idle_in = self.idle_step()
+            delay = min(self.due_in(self.clock()), idle_in)
             if delay > 0:
                 self._wake.wait(delay)
 

@@ -12,10 +12,11 @@ import contextlib
 import gc
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from netproxy.backends.base import BackendError, BackendUnavailable, Outcome, Packet, SyncResult
 from netproxy.backends.iptables import cleanup as cleanup_mod
+from netproxy.backends.iptables import guard, save
 from netproxy.backends.iptables.assemble import JUMPS, TABLES, Memo, assemble
 from netproxy.backends.iptables.diff import KernelTable, TableChange, Writer, full_change, partial_change
 from netproxy.backends.iptables.ipset import Ipsets, KernelIpsets
@@ -24,6 +25,7 @@ from netproxy.backends.iptables.render import Chains, FamilyRuleset, Rule, Servi
 from netproxy.backends.iptables.restore import RestoreTools, RestoreWriter, supports_random_fully
 from netproxy.backends.iptables.sets import SetKeeper
 from netproxy.backends.iptables.stamp import Stamp
+from netproxy.backends.iptables.xtlock import XtablesLock
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
 
@@ -54,7 +56,10 @@ class IptablesBackend:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.writer = self._make_writer(config)
+        self.on_lock_wait: Callable[[float], None] = lambda seconds: None
+        """Told every wait for the xtables lock (``netproxy run`` points it at its histogram)."""
+        self.lock = XtablesLock(config.iptables_lock_timeout, waits=lambda seconds: self.on_lock_wait(seconds))
+        self.writer = self._make_writer(config, self.lock)
         self._cache: Dict[ServicePortName, _Rendered] = {}
         self._written: Dict[int, Dict[str, Chains]] = {}
         self._need_full = True
@@ -69,14 +74,17 @@ class IptablesBackend:
         """The kernel's ipsets (hairpin and affinity sets); unit tests put a FakeIpsets here."""
         self._sets = SetKeeper()
         self._memo = {f: Memo() for f in FAMILIES}
+        self._watch: Optional[guard.Watch] = None
+        self._commits = 0
+        """Notices writes by others between syncs (``netproxy run`` only): see :meth:`tampered`."""
 
     @staticmethod
-    def _make_writer(config: ProxyConfig) -> Writer:
+    def _make_writer(config: ProxyConfig, lock: XtablesLock) -> Writer:
         if config.iptables_writer == "libiptc":
             from netproxy.backends.iptables.libiptc import LibiptcWriter
 
-            return LibiptcWriter(config.iptables_flavour)
-        return RestoreWriter(config.iptables_flavour, keep_text=not config.one_shot)
+            return LibiptcWriter(config.iptables_flavour, lock)
+        return RestoreWriter(config.iptables_flavour, keep_text=not config.one_shot, lock=lock)
 
     # -- rendering -------------------------------------------------------------------------------
 
@@ -171,6 +179,23 @@ class IptablesBackend:
             gc.enable()
 
     def _sync(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
+        if self._watch is None and not self.config.one_shot:
+            self._watch = self._open_watch()  # before the first write, so that it sees every later one
+        watch = self._watch
+        full = changes.full or self._need_full
+        self._commits = 0
+        if watch is not None and full:
+            watch.pause()
+        try:
+            result = self._sync_tables(snapshot, changes)
+        finally:
+            if watch is not None and full:
+                watch.resume(self._commits)
+        if watch is not None:
+            watch.rebase()  # the tables as just written (or found untouched) are the reference
+        return result
+
+    def _sync_tables(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
         full = changes.full or self._need_full
         # A first (or after-failure) full sync always writes: read the kernel before rendering, so
         # that its table blob (30 MB at 10k services) is gone before the render's objects arrive.
@@ -244,6 +269,7 @@ class IptablesBackend:
             written = self._written[family]
             table_changes = [partial_change(t, ruleset.chains(t), written.get(t, {})) for t in TABLES]
         changed: List[TableChange] = [c for c in table_changes if not c.empty()]
+        self._commits += len(changed)  # iptables-nft-restore commits each table's block on its own
         for c in changed:  # kube-proxy's sync_proxy_rules_iptables_last{ip_family,table}
             key = (_ip_family(family), c.table)
             self._rules_written[key] = self._rules_written.get(key, 0) + c.rule_count()
@@ -269,11 +295,73 @@ class IptablesBackend:
             self._stamps[family] = self.writer.stamp((family,), expect)
         return size
 
+    # -- rules changed behind our back ---------------------------------------------------------
+
+    def _open_watch(self) -> Optional[guard.Watch]:
+        if self.config.iptables_flavour == "legacy":
+            return guard.LegacyWatch()
+        tools = getattr(self.writer, "tools", None)
+        try:
+            return guard.NftWatch(lambda: set(tools.children) if tools is not None else set())
+        except OSError as exc:
+            log.info("no nftables change notifications (%s): changes behind netproxy's back wait for the "
+                     "next full sync", exc)
+            return None
+
+    def tampered(self) -> Optional[str]:
+        """Whether netproxy's rules were changed by someone else since its last write (and why): the
+        runner asks between syncs; a reason means the next sync re-reads the kernel and rewrites all."""
+        watch = self._watch
+        if watch is None or self._need_full or not self._written:
+            return None
+        try:
+            suspect = watch.suspect()
+        except OSError as exc:  # the notification socket broke: stop looking rather than fail every look
+            log.warning("cannot watch the iptables tables any more (%s): changes behind netproxy's back wait "
+                        "for the next full sync", exc)
+            watch.close()
+            self._watch = None
+            return None
+        if not suspect:
+            return None
+        watch.rebase()  # first: what changes while the tables are read below shows at the next look
+        reason = self._verify()
+        if reason is not None:
+            self._need_full = True
+            self._stamps.clear()
+        return reason
+
+    def _verify(self) -> Optional[str]:
+        """The kernel's tables against what we last wrote into them (guard.compare)."""
+        for family, tables in sorted(self._written.items()):
+            for table in TABLES:
+                try:
+                    counts, jumps = self._read_counts(family, table)
+                except (OSError, ValueError, BackendError) as exc:
+                    log.warning("cannot read the IPv%d %s table back (%s): rewriting it", family, table, exc)
+                    return "unreadable"
+                if counts is None:
+                    return "table-deleted"
+                reason: Optional[str] = guard.compare(table, tables.get(table, {}), counts, jumps)
+                if reason is not None:
+                    return reason
+        return None
+
+    def _read_counts(self, family: int, table: str) -> Tuple[Optional[Dict[str, int]], Set[Tuple[str, str]]]:
+        if self.config.iptables_flavour == "legacy":
+            counts, jumps = guard.legacy_counts(family, table)
+            return dict(counts), set(jumps)
+        parsed = save.parse(RestoreTools(self.config.iptables_flavour, self.lock).save(family, table))
+        if table not in parsed:
+            return None, set()
+        saved = parsed[table]
+        return {c.name: len(c.rules) for c in saved.chains.values()}, set(saved.kernel_table().jumps)
+
     def cleanup(self) -> None:
         flavour = self.config.iptables_flavour
         if self.config.iptables_writer == "libiptc" and flavour == "nft":
             raise BackendUnavailable("libiptc cannot reach nf_tables; use the restore writer on this node")
-        cleanup_mod.cleanup(RestoreTools(flavour))
+        cleanup_mod.cleanup(RestoreTools(flavour, self.lock))
         self._sets.destroy_all(self.ipsets)
         self._stamps.clear()
         self._written.clear()

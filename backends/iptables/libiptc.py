@@ -43,6 +43,7 @@ from netproxy.backends.iptables.assemble import TABLES
 from netproxy.backends.iptables.diff import KernelTable, TableChange
 from netproxy.backends.iptables.payload import rule_line
 from netproxy.backends.iptables.stamp import Expected, Stamp, chains_and_jumps, fingerprint
+from netproxy.backends.iptables.xtlock import XtablesLock
 
 log = logging.getLogger(__name__)
 
@@ -390,9 +391,10 @@ class LibiptcWriter:
 
     name = "libiptc"
 
-    def __init__(self, flavour: str) -> None:
+    def __init__(self, flavour: str, lock: Optional[XtablesLock] = None) -> None:
         self.flavour = flavour
         self._builders: Dict[int, RuleBuilder] = {}
+        self.lock = lock if lock is not None else XtablesLock(5.0)
 
     def _refuse_nft(self) -> None:
         if self.flavour == "nft":
@@ -435,7 +437,14 @@ class LibiptcWriter:
     def _apply_table(self, family: int, builder: RuleBuilder, change: TableChange,
                      before_commit: Optional[Callable[[], None]] = None) -> int:
         # A fresh handle per write: libiptc commits the copy it read, so an old copy would undo other
-        # programs' changes made since.
+        # programs' changes made since.  For the same reason the xtables lock is held from the copy
+        # to the commit, as iptables holds it: without it a rule another program adds in between is
+        # silently dropped by our commit (or ours by theirs).
+        with self.lock.hold():
+            return self._apply_locked(family, builder, change, before_commit)
+
+    def _apply_locked(self, family: int, builder: RuleBuilder, change: TableChange,
+                      before_commit: Optional[Callable[[], None]]) -> int:
         call, handle = _open(family, change.table)
         total = 0
         current = ""

@@ -1,4 +1,4 @@
-"""Writer 1: ``iptables-save`` to read, one ``iptables-restore --noflush --counters --wait`` to write.
+"""Writer 1: ``iptables-save`` to read, one ``iptables-restore --noflush --counters -w S -W U`` to write.
 
 The payload for one family covers every table that changes; each table's block applies atomically
 (the legacy kernel API swaps whole tables), so a refused line leaves that table as it was.
@@ -6,6 +6,7 @@ The payload for one family covers every table that changes; each table's block a
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import re
@@ -14,7 +15,7 @@ import signal
 import subprocess
 import tempfile
 import threading
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Deque, Dict, Iterable, List, Optional, Sequence
 
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.iptables import save
@@ -22,6 +23,7 @@ from netproxy.backends.iptables.assemble import TABLES
 from netproxy.backends.iptables.diff import KernelTable, TableChange
 from netproxy.backends.iptables.payload import ChainTextCache, restore_chunks
 from netproxy.backends.iptables.stamp import Expected, Stamp, chains_and_jumps, fingerprint
+from netproxy.backends.iptables.xtlock import EXIT_RESOURCE, XtablesLock, timeout_error
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +88,34 @@ def _run(cmd: List[str], payload: Optional[str] = None) -> subprocess.CompletedP
         raise SyncError(f"cannot run {cmd[0]}: {err.strerror}", payload=payload) from None
 
 
+LOCK_TIMEOUT = 5.0
+"""kube-proxy's iptables-restore ``-w 5``: the default of ``--iptables-lock-timeout``."""
+
+
 class RestoreTools:
     """The save/restore binaries for one iptables flavour ("legacy" or "nft")."""
 
-    def __init__(self, flavour: str) -> None:
+    def __init__(self, flavour: str, lock: Optional[XtablesLock] = None) -> None:
         self.flavour = flavour
+        self.lock = lock if lock is not None else XtablesLock(LOCK_TIMEOUT)
+        self.children: Deque[int] = collections.deque(maxlen=32)
+        """Pids of the latest restore processes: their nf_tables commits are ours (``guard.NftWatch``)."""
+
+    def _wait_flags(self) -> List[str]:
+        """``-w <secs> -W <usecs>`` for iptables-restore.  On legacy tables the lock is waited for here
+        first, so that the wait is measured (the tool does not say how long it waited), and the tool
+        gets what is left of the timeout; iptables-nft takes no lock and ignores the flags."""
+        left = self.lock.timeout if self.flavour != "legacy" else self.lock.wait_free()
+        flags: List[str] = self.lock.tool_flags(left)
+        return flags
+
+    def _refused(self, cmd: List[str], code: int, stderr: str, payload: str) -> SyncError:
+        if code == EXIT_RESOURCE and self.lock.gave_up(stderr):
+            # Taken again by someone else between our wait and the tool's: the same error as ours.
+            return timeout_error(self.lock.path, self.lock.timeout)
+        line = failing_line(stderr, payload)
+        log.error("%s failed: %s; failing line: %s", cmd[0], stderr, line)
+        return SyncError(f"{cmd[0]} refused the payload", line=line, detail=stderr, payload=payload)
 
     def probe(self) -> None:
         for verb in ("save", "restore"):
@@ -110,10 +135,11 @@ class RestoreTools:
         tool commits each table at its COMMIT line.  ``chunks()`` makes the pieces; it is called a
         second time only to name the failing line of a refused payload (the text is not kept: 50 MB
         at the mixed 10k cluster).  Returns the bytes written."""
-        cmd = [tool(family, self.flavour, "restore"), "--noflush", "--counters", "--wait"]
+        cmd = [tool(family, self.flavour, "restore"), "--noflush", "--counters", *self._wait_flags()]
         sent = 0
         with tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
+            self.children.append(proc.pid)
             assert proc.stdin is not None
             try:
                 for chunk in chunks():
@@ -143,20 +169,14 @@ class RestoreTools:
             err.seek(0)
             stderr = err.read().decode(errors="replace").strip()
         if code != 0:
-            payload = "".join(chunks())
-            line = failing_line(stderr, payload)
-            log.error("%s failed: %s; failing line: %s", cmd[0], stderr, line)
-            raise SyncError(f"{cmd[0]} refused the payload", line=line, detail=stderr, payload=payload)
+            raise self._refused(cmd, code, stderr, "".join(chunks()))
         return sent
 
     def restore(self, family: int, payload: str, extra: Sequence[str] = ()) -> None:
-        cmd = [tool(family, self.flavour, "restore"), "--noflush", "--counters", "--wait", *extra]
+        cmd = [tool(family, self.flavour, "restore"), "--noflush", "--counters", *self._wait_flags(), *extra]
         proc = _run(cmd, payload)
         if proc.returncode != 0:
-            stderr = proc.stderr.strip()
-            line = failing_line(stderr, payload)
-            log.error("%s failed: %s; failing line: %s", cmd[0], stderr, line)
-            raise SyncError(f"{cmd[0]} refused the payload", line=line, detail=stderr, payload=payload)
+            raise self._refused(cmd, proc.returncode, proc.stderr.strip(), payload)
 
 
 class RestoreWriter:
@@ -164,8 +184,8 @@ class RestoreWriter:
 
     name = "restore"
 
-    def __init__(self, flavour: str, keep_text: bool = True) -> None:
-        self.tools = RestoreTools(flavour)
+    def __init__(self, flavour: str, keep_text: bool = True, lock: Optional[XtablesLock] = None) -> None:
+        self.tools = RestoreTools(flavour, lock)
         self._texts: Dict[int, ChainTextCache] = {}
         self._keep_text = keep_text
         """Keep each chain's text for the next write (a long-running proxy); not for one sync."""

@@ -122,20 +122,33 @@ class Table:
     chains: Dict[str, int]
 
 
+BLOB_TRIES = 20
+"""Reads of a table that another program keeps changing between its two ``getsockopt`` calls."""
+
+
 def _blob(family: int, table: str) -> Tuple[Tuple[object, ...], bytearray]:
-    """(``ipt_getinfo`` fields, the ``ipt_get_entries`` buffer) of one legacy table."""
+    """(``ipt_getinfo`` fields, the ``ipt_get_entries`` buffer) of one legacy table.
+
+    The two calls are not atomic: a write by someone else in between changes the table's size and
+    the kernel answers ``EAGAIN``.  iptables-save does not take the xtables lock, nor does this; it
+    reads again (measured under a foreign ``iptables -A``/``-D`` loop: tests/faults/test_lock.py)."""
     layout = LAYOUTS[family]
     with socket.socket(layout.domain, socket.SOCK_RAW, socket.IPPROTO_RAW) as sock:
-        info = bytearray(_GETINFO.pack(table.encode(), *([0] * 13)))
-        _getsockopt(sock.fileno(), layout.level, SO_GET_INFO, info)
-        head = _GETINFO.unpack(bytes(info))
-        size = head[-1]
-        buf = bytearray(_ENTRIES_HEADER + size)
-        struct.pack_into(f"={TABLE_NAME_LEN}sI", buf, 0, table.encode(), size)
-        if _getsockopt(sock.fileno(), layout.level, SO_GET_ENTRIES, buf) != len(buf):
-            # The table changed size between the two calls (someone is writing): no stable answer.
-            raise OSError(errno.EAGAIN, "table changed while being read")
-    return head, buf
+        for attempt in range(BLOB_TRIES):
+            info = bytearray(_GETINFO.pack(table.encode(), *([0] * 13)))
+            _getsockopt(sock.fileno(), layout.level, SO_GET_INFO, info)
+            head = _GETINFO.unpack(bytes(info))
+            size = head[-1]
+            buf = bytearray(_ENTRIES_HEADER + size)
+            struct.pack_into(f"={TABLE_NAME_LEN}sI", buf, 0, table.encode(), size)
+            try:
+                if _getsockopt(sock.fileno(), layout.level, SO_GET_ENTRIES, buf) == len(buf):
+                    return head, buf
+            except OSError as exc:
+                if exc.errno != errno.EAGAIN or attempt == BLOB_TRIES - 1:
+                    raise
+    # The table changed size between the two calls every time (someone keeps writing).
+    raise OSError(errno.EAGAIN, "table changed while being read")
 
 
 HOOKS = ("PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING")

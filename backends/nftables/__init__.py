@@ -91,6 +91,31 @@ class NftablesBackend:
         outcomes: List[Outcome] = Tracer(kernel, packet.family).trace(packet)
         return outcomes
 
+    def tampered(self) -> Optional[str]:
+        """Whether someone else changed netproxy's tables since its last write (and how): asked by the
+        runner between syncs.  The ruleset generation says whether anyone committed anything (one
+        netlink request); only then do the change notifications say whether it touched our tables.
+        A reason drops the record, so the next sync rewrites the tables whole."""
+        state = self._state
+        if state is None or state.generation is None:
+            return None  # no trusted record: the next full sync rewrites anyway
+        gen = self.runner.generation()
+        if gen is None or gen == state.generation:
+            return None
+        touched = self.runner.others_touched(state.own)
+        state.own.clear()
+        if touched is False:
+            state.generation = gen  # others wrote elsewhere: the record holds (as _full_sync decides)
+            return None
+        missing = state.tables - self.runner.existing_tables()
+        self._state = None
+        if missing:
+            log.warning("nftables: table %s netproxy deleted by someone else", ", ".join(sorted(missing)))
+            return "table-deleted"
+        log.warning("nftables: netproxy's tables changed by someone else%s",
+                    "" if touched else " (or change notifications were lost)")
+        return "rules-changed" if touched else "unknown"
+
     def cleanup(self) -> None:
         gone = self.runner.delete_tables()
         log.info("deleted nftables tables: %s", ", ".join(gone) or "none")

@@ -173,7 +173,10 @@ class Proxy:
         self.source = os.path.join(workdir, "cluster.yaml")
         self.run_log = ""
         self._runs: List[subprocess.Popen] = []  # type: ignore[type-arg]
-        self.base_flags = ["--hostname-override", NODE_NAME]
+        # /run/xtables.lock is one file for every namespace of the machine: other test runs' legacy
+        # writes (a 10k-rule bench) may hold it for longer than the 5 s default, which would fail a
+        # one-shot sync here for a reason outside the test.  tests/faults/test_lock.py tests the default.
+        self.base_flags = ["--hostname-override", NODE_NAME, "--iptables-lock-timeout", "60s"]
 
     def command(self, verb: str, *extra: str, combo_flags: bool = True) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
         args = [verb, *extra, *(self.combo.flags if combo_flags else [])]
