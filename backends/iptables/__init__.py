@@ -12,7 +12,7 @@ import contextlib
 import gc
 import logging
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from netproxy.backends.base import BackendError, BackendUnavailable, Outcome, Packet, SyncResult
 from netproxy.backends.iptables import cleanup as cleanup_mod
@@ -267,6 +267,11 @@ class IptablesBackend:
             expect = {(family, t): {c: len(r) for c, r in ruleset.chains(t).items()} for t in TABLES}
             self._stamps[family] = self.writer.stamp((family,), expect)
         return size
+
+    def written_chains(self) -> Dict[int, Dict[str, FrozenSet[str]]]:
+        """Per family and table, the chains the kernel holds from our writes (``netproxy migrate``
+        checks them against a fresh read of the kernel before it removes the old ruleset)."""
+        return {f: {t: frozenset(chains) for t, chains in tables.items()} for f, tables in self._written.items()}
 
     def cleanup(self) -> None:
         flavour = self.config.iptables_flavour
