@@ -126,6 +126,46 @@ def iptables_full(svcs: Sequence[Svc]) -> str:
     return "\n".join(head + body + ["COMMIT", ""])
 
 
+_NODE_CHAINS = """*mangle
+:KUBE-PROXY-CANARY - [0:0]
+COMMIT
+*filter
+:KUBE-PROXY-CANARY - [0:0]
+:KUBE-EXTERNAL-SERVICES - [0:0]
+:KUBE-FORWARD - [0:0]
+:KUBE-NODEPORTS - [0:0]
+:KUBE-PROXY-FIREWALL - [0:0]
+:KUBE-SERVICES - [0:0]
+-A INPUT -m conntrack --ctstate NEW -m comment --comment "kubernetes load balancer firewall" -j KUBE-PROXY-FIREWALL
+-A INPUT -m comment --comment "kubernetes health check service ports" -j KUBE-NODEPORTS
+-A INPUT -m conntrack --ctstate NEW -m comment --comment "kubernetes externally-visible service portals" \
+-j KUBE-EXTERNAL-SERVICES
+-A FORWARD -m conntrack --ctstate NEW -m comment --comment "kubernetes load balancer firewall" -j KUBE-PROXY-FIREWALL
+-A FORWARD -m comment --comment "kubernetes forwarding rules" -j KUBE-FORWARD
+-A FORWARD -m conntrack --ctstate NEW -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A FORWARD -m conntrack --ctstate NEW -m comment --comment "kubernetes externally-visible service portals" \
+-j KUBE-EXTERNAL-SERVICES
+-A OUTPUT -m conntrack --ctstate NEW -m comment --comment "kubernetes load balancer firewall" -j KUBE-PROXY-FIREWALL
+-A OUTPUT -m conntrack --ctstate NEW -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP
+-A KUBE-FORWARD -m comment --comment "kubernetes forwarding rules" -m mark --mark {mark}/{mark} -j ACCEPT
+-A KUBE-FORWARD -m comment --comment "kubernetes forwarding conntrack rule" -m conntrack --ctstate RELATED,ESTABLISHED \
+-j ACCEPT
+COMMIT
+*nat
+:KUBE-PROXY-CANARY - [0:0]
+COMMIT
+"""
+
+
+def iptables_node_chains() -> str:
+    """What kube-proxy adds beside the nat service chains on every node (its canaries in mangle, nat
+    and filter; filter's forwarding, firewall and external-service entry points), for
+    ``iptables-restore --noflush`` after :func:`iptables_full`: a node as kube-proxy leaves it
+    (``netproxy migrate --from-kube-proxy`` must remove all of it, and nothing else)."""
+    return _NODE_CHAINS.replace("\\\n", "").format(mark=MASQ_MARK)
+
+
 def iptables_change(svcs: Sequence[Svc], old: Svc, new: Svc) -> str:
     """kube-proxy's minimal partial restore (``--noflush``) after ``old`` became ``new``.
 
