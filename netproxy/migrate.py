@@ -104,10 +104,13 @@ def plan(held: Holdings, target: Ruleset, from_kube_proxy: bool) -> Plan:
     """Which rulesets go once ``target`` is programmed.  MigrateError when the switch would not be
     clean: kube-proxy's iptables rules in the target's flavour without ``--from-kube-proxy`` (the
     target's sync would rewrite them without saying so)."""
-    owner = "kube-proxy" if from_kube_proxy else "netproxy"
-    remove = tuple(r for r in held.find(owner) if (r.dataplane, r.flavour) != (target.dataplane, target.flavour))
     same = [r for r in held.find("kube-proxy", "iptables") if target.dataplane == "iptables"
             and r.flavour == target.flavour]
+    # netproxy's own in another dataplane always go; kube-proxy's when asked (those in the target's
+    # own chains are taken over by its sync, and their leftovers removed after).
+    remove = tuple(r for r in held.find("netproxy") if (r.dataplane, r.flavour) != (target.dataplane, target.flavour))
+    if from_kube_proxy:
+        remove = tuple(r for r in held.find("kube-proxy") if r not in same) + remove
     kept: Tuple[Ruleset, ...] = ()
     if not from_kube_proxy:
         if same:
