@@ -66,7 +66,8 @@ def _kube_proxy(ns: str, objects: Sequence[gen.Obj], workdir: str, timeout: floa
             fh.write(payload)
         proc = netns.run_in_timeout(ns, ["sh", "-c", 'iptables-legacy-restore --noflush < "$0"', path], timeout)
         if proc.returncode != 0:
-            return proc.stderr.decode(errors="replace").strip()[-500:]
+            why: str = proc.stderr.decode(errors="replace").strip()[-500:]
+            return why
     return None
 
 
@@ -103,6 +104,17 @@ def describe(steps: Dict[str, Step]) -> List[str]:
         else:
             lines.append(f"{name}: {json.dumps(cell)[:300]}")
     return lines
+
+
+def figures(results: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The report's lines (references: the issue sets no number), at the largest N measured."""
+    measured = results.get("migrate", {})
+    if not measured:
+        return []
+    n = max(measured, key=int)
+    return [{"name": f"netproxy migrate {name}, N={int(n):,}", "target": "", "met": None, "reference": True,
+             "figure": line.split(": ", 1)[1]}
+            for name, line in zip(measured[n], describe(measured[n]))]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

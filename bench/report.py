@@ -284,7 +284,7 @@ def floor_table(results: Results) -> List[str]:
 
 
 TARGET_GROUPS = {"bench.targets_nft": "Issue 14: nftables at scale", "bench.targets_ipt": "Issue 15: iptables at scale",
-                 "bench.targets": "Earlier targets"}
+                 "bench.targets": "Earlier targets", "bench.migratestep": "Issue 20: live migration"}
 
 
 def target_lines(results: Results) -> List[str]:

@@ -103,14 +103,15 @@ def classify_iptables(flavour: str, saved: Saved) -> Optional[Ruleset]:
 
 
 def nft_marks(table: str, families: Sequence[str]) -> FrozenSet[str]:
-    """The marks a table's rules OR into the packet mark, read with ``nft list table`` (empty without nft)."""
+    """The marks a table's rules OR into the packet mark, read with ``nft --terse list table`` (rules
+    without set elements: seconds less at 10k services; empty without nft)."""
     nft = shutil.which("nft")
     if nft is None:
         return frozenset()
     found: Set[str] = set()
     for fam in families:
-        proc = subprocess.run([nft, "list", "table", fam, table], capture_output=True, text=True, timeout=120,
-                              check=False)
+        proc = subprocess.run([nft, "--terse", "list", "table", fam, table], capture_output=True, text=True,
+                              timeout=120, check=False)
         found.update(hex(int(m, 16)) for m in _NFT_MARK.findall(proc.stdout))
     return frozenset(found)
 
