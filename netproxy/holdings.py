@@ -67,14 +67,37 @@ class Holdings:
         return [r for r in self.rulesets if r.owner == owner and dataplane in (None, r.dataplane)]
 
 
+def existing_tables(flavour: str, family: int) -> FrozenSet[str]:
+    """The tables of one flavour and family that exist now, found without creating any: listing a
+    legacy table that does not exist would make the kernel create it (an empty one, but a change to
+    a node that only reads), so legacy tables come from ``/proc/net/ip*_tables_names`` and
+    iptables-nft's from the nf_tables table list."""
+    if flavour == "legacy":
+        path = f"/proc/net/ip{'6' if family == 6 else ''}_tables_names"
+        try:
+            with open(path, encoding="ascii") as f:
+                return frozenset(f.read().split())
+        except OSError:
+            return frozenset()  # no legacy tables module loaded: no legacy table
+    fam = "ip6" if family == 6 else "ip"
+    return frozenset(t for t in kubeproxy.TABLES if fam in nft_tables(t))
+
+
 def read_iptables(flavour: str, tables: Sequence[str] = kubeproxy.TABLES) -> Saved:
-    """One flavour's tables of both families; a family or table that cannot be listed is left out
-    (an IPv4-only node, a table never loaded).  BackendError when the flavour's tools are missing."""
+    """One flavour's existing tables of both families (none is created by reading it); a table that
+    cannot be listed is left out.  BackendError when the flavour's tools are missing."""
     tools = RestoreTools(flavour)
     tool(4, flavour, "save")
     out: Saved = {}
     for family in (4, 6):
+        try:
+            present = existing_tables(flavour, family)
+        except (BackendError, OSError) as exc:
+            log.debug("iptables-%s IPv%d: cannot list the tables: %s", flavour, family, exc)
+            continue
         for table in tables:
+            if table not in present:
+                continue
             try:
                 parsed = save.parse(tools.save(family, table))
             except (BackendError, save.SaveParseError) as exc:
