@@ -73,7 +73,10 @@ def removal_payload(saved: save.SavedTable, keep: AbstractSet[str] = frozenset()
     lines = [f"*{saved.name}"]
     lines.extend(f":{c} - [0:0]" for c in sorted(remove))
     lines.extend(f"-D {quote(chain)} {rule}" for chain, rule in unjump)
-    lines.extend(f"-X {c}" for c in sorted(remove))
+    # Deleted in reverse name order: libiptc rebuilds its chain index when a deleted chain starts an
+    # index bucket, which forward order hits again and again (kube-proxy's 110k chains at 10k
+    # services: 4.8 s of iptables-legacy-restore CPU forward, 1.6 s reversed).
+    lines.extend(f"-X {c}" for c in sorted(remove, reverse=True))
     lines.append("COMMIT")
     return lines
 
