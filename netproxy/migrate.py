@@ -229,6 +229,8 @@ def migrate(backend: Backend, config: ProxyConfig, snapshot: Snapshot, *, from_k
     held = held if held is not None else survey()
     target = target_ruleset(backend, config)
     p = plan(held, target, from_kube_proxy)
+    if from_kube_proxy and not held.find("kube-proxy"):
+        log.warning("--from-kube-proxy: this node holds none of kube-proxy's rules (stopped and cleaned up already?)")
     check_marks(p, config)
     report = Report(target.label, takeover=p.takeover is not None)
     found = ", ".join(str(r) for r in held.rulesets) or "no proxy rules"
