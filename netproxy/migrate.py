@@ -8,7 +8,9 @@ While both are installed, the first of them in the kernel's NAT hook order decid
 connection: iptables' nat table and netproxy's (and kube-proxy's) nftables nat chains all sit at
 priority -100 (dstnat) of the same hooks, and the kernel's NAT core consults its chains in order
 and stops at the first that binds the connection (``nf_nat_inet_fn``); chains of equal priority run
-newest-registered first, so a freshly created nftables table takes new connections at once.  NAT is
+newest-registered first, so a freshly created table takes new connections at once, and a legacy
+iptables nat table registered long ago runs after an nftables chain (from nftables to legacy
+iptables, the old tables DNAT until they are deleted).  Both are complete either way.  NAT is
 decided on a connection's first packet only and kept in its conntrack entry: an established
 connection (TCP, or a UDP flow) keeps the binding it got, whichever ruleset gave it, through the
 switch and after the old ruleset is gone — it is never NAT-ed a second time.  Masquerade works the
