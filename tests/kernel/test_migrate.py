@@ -10,8 +10,9 @@ after another, and runs ``netproxy migrate`` in the middle of that loop.  Then:
   sees the same source address and port as before (the conntrack NAT binding kept, not redone);
 - the loop (2,400 connections across the switch) has no failure;
 - new connections are DNAT-ed by the new ruleset: the new iptables ruleset's DNAT rule counters
-  grow by exactly the connections sent after the switch; for a new nftables ruleset (whose rules
-  carry no counters) the old ruleset is gone from every table, so nothing else can DNAT them;
+  grow by exactly the connections sent after the switch; a new nftables ruleset's rules carry no
+  counters, so the kernel's nftables trace names the rule that DNAT-ed each of them (a rule of
+  ``table ip netproxy``), and the old ruleset is gone from every table;
 - another program's iptables chains and rules and its nft table are byte-identical before and after.
 """
 
@@ -27,7 +28,7 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 import pytest
 from harness import Manifest, endpoint_slice, port, require, service, write_manifests
 
-from netproxy.sandbox import EXT4, NODE_EXT4, NODE_NAME, Pod, Sandbox, Session, has_iptables
+from netproxy.sandbox import EXT4, NODE_EXT4, NODE_NAME, ConnectResult, Pod, Sandbox, Session, has_iptables
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench import kubeproxy_layout  # noqa: E402  (the repository root, for the benchmark's generator)
@@ -228,12 +229,47 @@ def switch(sb: Sandbox, source: str, to: str, flavour: str, *extra: str) -> str:
     assert res.errors == {} and res.answered == LOOP, f"loop across the switch: {res.errors}, {res.answered}/{LOOP}"
     assert sorted(res.counts) == ["pod-0", "pod-1", "pod-2"], res.counts
     old_gone(sb, to, flavour)
-    before = dnat_count(sb, flavour) if to == "iptables" else 0
-    after = sb.connect(WEB_IP, 80, count=AFTER)
-    assert after.errors == {} and after.answered == AFTER, after.errors
     if to == "iptables":
+        before = dnat_count(sb, flavour)
+        after = sb.connect(WEB_IP, 80, count=AFTER)
         assert dnat_count(sb, flavour) - before == AFTER, "new connections not DNAT-ed by the new iptables rules"
+    else:
+        after, traced = traced_connects(sb)
+        assert traced == AFTER, f"{traced} of {AFTER} new connections DNAT-ed by table ip netproxy"
+    assert after.errors == {} and after.answered == AFTER, after.errors
     return out
+
+
+OBSERVER = f"""table ip np-observe {{
+  chain pre {{
+    type filter hook prerouting priority -150;
+    ip daddr {WEB_IP} tcp dport 80 ct state new meta nftrace set 1
+  }}
+}}
+"""
+_NETPROXY_DNAT = re.compile(r"^trace id (\S+) ip netproxy \S+ rule .*\bdnat\b.*\(verdict accept\)")
+
+
+def traced_connects(sb: Sandbox) -> Tuple[ConnectResult, int]:
+    """``AFTER`` new connections, with the kernel's nftables trace on for them (after conntrack,
+    before NAT: priority -150); how many of them a rule of ``table ip netproxy`` DNAT-ed.  nftables'
+    own account of who DNAT-ed, since netproxy's nftables rules carry no counters."""
+    sb.exec(sb.node, ["nft", "-f", "-"], input=OBSERVER, check=True)
+    path = Path(sb.workdir) / "trace.txt"
+    try:
+        with open(path, "w") as sink:
+            monitor = sb.popen(sb.node, ["nft", "monitor", "trace"], stdout=sink)
+            try:
+                time.sleep(0.5)  # subscribed before the first packet
+                res = sb.connect(WEB_IP, 80, count=AFTER)
+                time.sleep(0.5)
+            finally:
+                monitor.terminate()
+                monitor.wait(timeout=5)
+    finally:
+        sb.exec(sb.node, ["nft", "delete", "table", "ip", "np-observe"], check=True)
+    ids = {m.group(1) for m in map(_NETPROXY_DNAT.match, path.read_text().splitlines()) if m}
+    return res, len(ids)
 
 
 # ---- the tests ---------------------------------------------------------------------------------
