@@ -68,19 +68,18 @@ def _svc(name: str, ip: str, number: int, target: int, pods: Sequence[Pod], prot
     return [service(name, ip, [p], **spec), endpoint_slice(name, pods, [port(target, name="p", protocol=protocol)])]
 
 
-def cluster(sb: Sandbox, *, kube_proxy_layout: bool = False) -> List[Manifest]:
-    """ClusterIP web (the loop), hold (long-lived TCP) and dns (UDP); unless the kube-proxy layout
-    (ClusterIPs only) must express it: NodePorts (cluster policy) and Local NodePorts, TCP and UDP."""
+def cluster(sb: Sandbox) -> List[Manifest]:
+    """ClusterIP web (the loop), hold (long-lived TCP) and dns (UDP); NodePorts (cluster policy) and
+    Local NodePorts, TCP and UDP.  One port each: the kube-proxy layout lays out one port per service."""
     local, everywhere = sb.pods[:3], sb.pods
     out = [*_svc("web", WEB_IP, 80, 8080, local), *_svc("hold", HOLD_IP, 70, HOLD_PORT, local),
            *_svc("dns", DNS_IP, 53, 8080, local, protocol="UDP")]
-    if not kube_proxy_layout:
-        out += [*_svc("np-tcp", "10.96.0.20", 70, HOLD_PORT, local, type="NodePort", node_port=NP_TCP),
-                *_svc("np-udp", "10.96.0.21", 53, 8080, local, protocol="UDP", type="NodePort", node_port=NP_UDP),
-                *_svc("local-tcp", "10.96.0.30", 70, HOLD_PORT, everywhere, type="NodePort", node_port=LOCAL_TCP,
-                      externalTrafficPolicy="Local"),
-                *_svc("local-udp", "10.96.0.31", 53, 8080, everywhere, protocol="UDP", type="NodePort",
-                      node_port=LOCAL_UDP, externalTrafficPolicy="Local")]
+    out += [*_svc("np-tcp", "10.96.0.20", 70, HOLD_PORT, local, type="NodePort", node_port=NP_TCP),
+            *_svc("np-udp", "10.96.0.21", 53, 8080, local, protocol="UDP", type="NodePort", node_port=NP_UDP),
+            *_svc("local-tcp", "10.96.0.30", 70, HOLD_PORT, everywhere, type="NodePort", node_port=LOCAL_TCP,
+                  externalTrafficPolicy="Local"),
+            *_svc("local-udp", "10.96.0.31", 53, 8080, everywhere, protocol="UDP", type="NodePort",
+                  node_port=LOCAL_UDP, externalTrafficPolicy="Local")]
     return out
 
 
@@ -137,7 +136,7 @@ def netproxy_sync(sb: Sandbox, source: str, backend: str, flavour: str = "legacy
 
 
 def kube_proxy_rules(sb: Sandbox, objects: List[Manifest], mode: str, flavour: str = "legacy") -> None:
-    svcs = kubeproxy_layout.services(o for o in objects if o["kind"] in ("Service", "EndpointSlice"))
+    svcs = kubeproxy_layout.services((o for o in objects if o["kind"] in ("Service", "EndpointSlice")), NODE_NAME)
     if mode == "nftables":
         sb.exec(sb.node, ["nft", "-f", "-"], input=kubeproxy_layout.nft_full(svcs), check=True)
         return
@@ -261,8 +260,9 @@ def traced_connects(sb: Sandbox) -> Tuple[ConnectResult, int]:
             monitor = sb.popen(sb.node, ["nft", "monitor", "trace"], stdout=sink)
             try:
                 time.sleep(0.5)  # subscribed before the first packet
-                res = sb.connect(WEB_IP, 80, count=AFTER)
-                time.sleep(0.5)
+                # Paced: a burst of traced packets overflows the monitor's netlink socket (events lost).
+                res = sb.connect(WEB_IP, 80, count=AFTER, interval=0.005)
+                time.sleep(1.0)
             finally:
                 monitor.terminate()
                 monitor.wait(timeout=5)
@@ -301,7 +301,7 @@ def test_iptables_to_nftables_and_back(node: Sandbox, tmp_path: Path, flavour: s
 def test_from_kube_proxy(node: Sandbox, tmp_path: Path, mode: str, to: str) -> None:
     require(has_iptables("legacy"), "iptables-legacy is not installed")
     source = str(tmp_path / "cluster.yaml")
-    objects = cluster(node, kube_proxy_layout=True)
+    objects = cluster(node)
     write_manifests(source, objects)
     original = add_foreign(node)
     kube_proxy_rules(node, objects, mode)
@@ -311,7 +311,7 @@ def test_from_kube_proxy(node: Sandbox, tmp_path: Path, mode: str, to: str) -> N
     if mode == "iptables" and to == "iptables":
         # The same chain names: without --from-kube-proxy that would be a silent takeover.
         assert refused.returncode == 1 and "--from-kube-proxy" in refused.stderr, refused.stderr
-    sessions = open_sessions(node, with_nodeports=False)
+    sessions = open_sessions(node, with_nodeports=True)
     try:
         out = switch(node, source, to, "legacy", "--from-kube-proxy")
         assert f"remove: kube-proxy's {mode}" in out, out
