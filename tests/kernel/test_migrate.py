@@ -296,25 +296,34 @@ def test_iptables_to_nftables_and_back(node: Sandbox, tmp_path: Path, flavour: s
     assert foreign(node) == original
 
 
-@pytest.mark.parametrize("mode,to", [("iptables", "nftables"), ("iptables", "iptables"),
-                                     ("nftables", "nftables"), ("nftables", "iptables")])
-def test_from_kube_proxy(node: Sandbox, tmp_path: Path, mode: str, to: str) -> None:
-    require(has_iptables("legacy"), "iptables-legacy is not installed")
+@pytest.mark.parametrize("mode,flavour,to", [
+    ("iptables", "legacy", "nftables"), ("iptables", "legacy", "iptables"), ("iptables", "nft", "nftables"),
+    ("iptables", "nft", "iptables"), ("nftables", "legacy", "nftables"), ("nftables", "legacy", "iptables"),
+], ids=["iptables-legacy-to-nftables", "iptables-legacy-takeover", "iptables-nft-to-nftables",
+        "iptables-nft-takeover", "nftables-to-nftables", "nftables-to-iptables-legacy"])
+def test_from_kube_proxy(node: Sandbox, tmp_path: Path, mode: str, flavour: str, to: str) -> None:
+    """kube-proxy's rules (``flavour``: its iptables', or the target's for its nftables mode) to netproxy's."""
+    require(has_iptables(flavour), f"iptables-{flavour} is not installed")
     source = str(tmp_path / "cluster.yaml")
     objects = cluster(node)
     write_manifests(source, objects)
     original = add_foreign(node)
-    kube_proxy_rules(node, objects, mode)
+    kube_proxy_rules(node, objects, mode, flavour)
     assert node.connect(WEB_IP, 80, count=30).answered == 30, "the kube-proxy layout does not serve"
-    refused = node.netproxy(["migrate", "--to", to, "--source", source, "--hostname-override", NODE_NAME,
-                             "--iptables-flavour", "legacy"], flavour="nft")
     if mode == "iptables" and to == "iptables":
-        # The same chain names: without --from-kube-proxy that would be a silent takeover.
+        # The same chain names: without --from-kube-proxy that would be a silent takeover; refused, untouched.
+        before = node.exec(node.node, [f"iptables-{flavour}-save", "-t", "nat"], check=True).stdout
+        refused = node.netproxy(["migrate", "--to", to, "--source", source, "--hostname-override", NODE_NAME,
+                                 "--iptables-flavour", flavour], flavour="nft")
         assert refused.returncode == 1 and "--from-kube-proxy" in refused.stderr, refused.stderr
+        after = node.exec(node.node, [f"iptables-{flavour}-save", "-t", "nat"], check=True).stdout
+        assert [ln for ln in after.splitlines() if not ln.startswith("#")] == \
+            [ln for ln in before.splitlines() if not ln.startswith("#")]
     sessions = open_sessions(node, with_nodeports=True)
     try:
-        out = switch(node, source, to, "legacy", "--from-kube-proxy")
-        assert f"remove: kube-proxy's {mode}" in out, out
+        out = switch(node, source, to, flavour, "--from-kube-proxy")
+        held = f"{mode}-{flavour}" if mode == "iptables" else mode
+        assert f"remove: kube-proxy's {held}" in out, out
         check_sessions(sessions, "after")
     finally:
         close_sessions(sessions)
