@@ -40,6 +40,7 @@ HOLD_PORT = 7000
 NP_TCP, NP_UDP, LOCAL_TCP, LOCAL_UDP = 30080, 30081, 30090, 30091
 LOOP = 2400
 AFTER = 200
+_COUNTERS = re.compile(r"\[\d+:\d+\]")
 _COUNTED = re.compile(r"^\[(\d+):\d+\] -A \S+ .*-j DNAT ")
 
 
@@ -193,6 +194,11 @@ def close_sessions(sessions: Dict[str, Tuple[Session, str]]) -> None:
         s.close()
 
 
+def rules(saved: str) -> List[str]:
+    """``iptables-save`` output without its comment lines and the built-in chains' counters (traffic)."""
+    return [_COUNTERS.sub("", ln) for ln in saved.splitlines() if not ln.startswith("#")]
+
+
 def dnat_count(sb: Sandbox, flavour: str) -> int:
     """Packets that the iptables ruleset's DNAT rules took (one per new connection)."""
     text = sb.exec(sb.node, [f"iptables-{flavour}-save", "-c", "-t", "nat"], check=True).stdout
@@ -317,8 +323,7 @@ def test_from_kube_proxy(node: Sandbox, tmp_path: Path, mode: str, flavour: str,
                                  "--iptables-flavour", flavour], flavour="nft")
         assert refused.returncode == 1 and "--from-kube-proxy" in refused.stderr, refused.stderr
         after = node.exec(node.node, [f"iptables-{flavour}-save", "-t", "nat"], check=True).stdout
-        assert [ln for ln in after.splitlines() if not ln.startswith("#")] == \
-            [ln for ln in before.splitlines() if not ln.startswith("#")]
+        assert rules(after) == rules(before)
     sessions = open_sessions(node, with_nodeports=True)
     try:
         out = switch(node, source, to, flavour, "--from-kube-proxy")
@@ -340,5 +345,28 @@ def test_refuses_a_different_masquerade_bit(node: Sandbox, tmp_path: Path) -> No
                           "--masquerade-bit", "15"], flavour="nft")
     assert proc.returncode == 1 and "--masquerade-bit 14" in proc.stderr, proc.stderr
     assert "netproxy" not in node.exec(node.node, ["nft", "list", "tables"], check=True).stdout
-    assert node.exec(node.node, ["iptables-legacy-save", "-t", "nat"], check=True).stdout.splitlines()[1:-1] == \
-        before.splitlines()[1:-1]
+    assert rules(node.exec(node.node, ["iptables-legacy-save", "-t", "nat"], check=True).stdout) == rules(before)
+
+
+def test_a_refused_write_leaves_the_old_ruleset_working(node: Sandbox, tmp_path: Path) -> None:
+    """The kernel refuses the new iptables write (a stale netproxy-named chain that another program's
+    rule still jumps to cannot be deleted): exit 1 naming the step, the nftables rules still serve."""
+    require(has_iptables("legacy"), "iptables-legacy is not installed")
+    source = str(tmp_path / "cluster.yaml")
+    write_manifests(source, cluster(node))
+    netproxy_sync(node, source, "nftables")
+    blocker = "\n".join(["*nat", ":KUBE-SVC-AAAAAAAAAAAAAAAA - [0:0]", ":FOREIGN-HOLD - [0:0]",
+                         "-A FOREIGN-HOLD -j KUBE-SVC-AAAAAAAAAAAAAAAA", "COMMIT", ""])
+    node.exec(node.node, ["iptables-legacy-restore", "--noflush"], input=blocker, check=True)
+    before = node.exec(node.node, ["iptables-legacy-save", "-t", "nat"], check=True).stdout
+    loop = node.start_connect(WEB_IP, 80, count=600, interval=0.002, timeout=2.0)
+    proc = node.netproxy(["migrate", "--to", "iptables", "--iptables-flavour", "legacy", "--source", source,
+                          "--hostname-override", NODE_NAME, "--cluster-cidr", "10.244.0.0/16"], flavour="nft")
+    res = loop.result()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "netproxy migrate: program:" in proc.stderr and "old rules are untouched" in proc.stderr, proc.stderr
+    assert res.errors == {} and res.answered == 600, res.errors
+    assert "netproxy" in node.exec(node.node, ["nft", "list", "tables"], check=True).stdout
+    after = node.exec(node.node, ["iptables-legacy-save", "-t", "nat"], check=True).stdout
+    assert rules(after) == rules(before)
+    assert node.connect(DNS_IP, 53, proto="udp", count=20).answered == 20
