@@ -530,9 +530,26 @@ def _add_post_sync_steps(proxier: Proxier, config: ProxyConfig, args: argparse.N
         cleaner.clean(stale_udp(prev, cur))
 
     proxier.after_sync.append(clean_conntrack)
+    proxier.after_sync.append(_leftovers_once(proxier))
     proxier.after_sync.append(lambda prev, cur: services.update(cur))
     proxier.after_sync.append(lambda prev, cur: health.synced())
     proxier.after_sync.append(lambda prev, cur: health.sync_node(cur.node))
+
+
+def _leftovers_once(proxier: Proxier) -> Callable[[Optional[Snapshot], Snapshot], None]:
+    """After the first successful sync (a full one: the new ruleset is complete), remove netproxy's
+    rules of the other dataplane left by an earlier run — ``netproxy migrate``'s order, at start-up."""
+    done = [False]
+
+    def step(prev: Optional[Snapshot], cur: Snapshot) -> None:
+        if done[0] or proxier.backend.name not in ("iptables", "nftables"):
+            return
+        done[0] = True
+        from netproxy import migrate
+
+        migrate.remove_leftovers(proxier.backend, proxier.config)
+
+    return step
 
 
 def _make_source(args: argparse.Namespace, config: ProxyConfig) -> Source:

@@ -290,3 +290,32 @@ def _roll_back(backend: Backend, keep: bool) -> None:
         backend.cleanup()
     except BackendError as exc:
         log.error("could not remove the partly written %s rules: %s", backend.name, exc)
+
+
+def remove_leftovers(backend: Backend, config: ProxyConfig) -> List[str]:
+    """At start-up, after ``netproxy run``'s first full sync: netproxy's own rules of the dataplane it
+    no longer runs (left by a run with the other backend) go, as ``migrate`` would remove them — the
+    new ruleset is complete in the kernel by then.  kube-proxy's rules are never touched here (that
+    takes ``netproxy migrate --from-kube-proxy``), only named.  What was removed, for the log."""
+    held = survey(marks=False)
+    target = target_ruleset(backend, config)
+    kube_proxy = held.find("kube-proxy")
+    if kube_proxy:
+        log.warning("this node also holds %s: stop kube-proxy and run `netproxy migrate --to %s "
+                    "--from-kube-proxy` to remove them", ", ".join(map(str, kube_proxy)), backend.name)
+    try:
+        p = plan(held, target, from_kube_proxy=False)
+    except MigrateError as err:
+        log.warning("leftover rules not removed: %s", err)
+        return []
+    remove = default_remover(config, backend)
+    done = []
+    for old in p.remove:
+        try:
+            remove(old)
+        except BackendError as err:
+            log.warning("could not remove %s left from an earlier run: %s", old, err)
+            continue
+        log.info("removed %s left from an earlier run: this node now runs %s", old, target.label)
+        done.append(str(old))
+    return done

@@ -370,3 +370,35 @@ def test_a_refused_write_leaves_the_old_ruleset_working(node: Sandbox, tmp_path:
     after = node.exec(node.node, ["iptables-legacy-save", "-t", "nat"], check=True).stdout
     assert rules(after) == rules(before)
     assert node.connect(DNS_IP, 53, proto="udp", count=20).answered == 20
+
+
+def test_run_with_the_other_backend_removes_the_old_rules_after_its_first_sync(node: Sandbox, tmp_path: Path) -> None:
+    """`netproxy run` started with nftables on a node holding netproxy's iptables rules: programs
+    nftables in full first, then removes the iptables rules; a loop across it sees no failure."""
+    require(has_iptables("legacy"), "iptables-legacy is not installed")
+    source = str(tmp_path / "cluster.yaml")
+    write_manifests(source, cluster(node))
+    original = add_foreign(node)
+    netproxy_sync(node, source, "iptables")
+    sessions = open_sessions(node, with_nodeports=True)
+    loop = node.start_connect(WEB_IP, 80, count=LOOP, interval=0.002, timeout=2.0)
+    log = tmp_path / "run.log"
+    proc = node.start_netproxy(["run", "--source", source, "--backend", "nftables", "--hostname-override", NODE_NAME,
+                                "--cluster-cidr", "10.244.0.0/16", "--metrics-bind-address", "",
+                                "--healthz-bind-address", ""], flavour="nft", log_path=str(log))
+    try:
+        res = loop.result()
+        assert res.errors == {} and res.answered == LOOP, f"loop across the start: {res.errors}\n{log.read_text()}"
+        deadline = time.monotonic() + 20
+        while "left from an earlier run" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "removed netproxy's iptables-legacy rules (IPv4, IPv6) left from an earlier run" in log.read_text()
+        old_gone(node, "nftables", "legacy")
+        check_sessions(sessions, "after-run")
+        after, traced = traced_connects(node)
+        assert after.answered == AFTER and traced == AFTER
+    finally:
+        close_sessions(sessions)
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert foreign(node) == original
