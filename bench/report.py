@@ -286,7 +286,8 @@ def floor_table(results: Results) -> List[str]:
 
 
 TARGET_GROUPS = {"bench.targets_nft": "Issue 14: nftables at scale", "bench.targets_ipt": "Issue 15: iptables at scale",
-                 "bench.targets": "Earlier targets", "bench.conntrack": "Issue 18: the conntrack reconciler"}
+                 "bench.targets": "Earlier targets", "bench.conntrack": "Issue 18: the conntrack reconciler",
+                 "bench.migratestep": "Issue 20: live migration"}
 
 
 def target_lines(results: Results) -> List[str]:

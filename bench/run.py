@@ -69,7 +69,7 @@ class Bench:
         self.changes = 3 if smoke else latency.CHANGES
         self.results: Dict[str, Any] = {
             "meta": {}, "control": {}, "reference": {}, "dataplane": {}, "dataplane_pairs": {}, "latency": {},
-            "rss": {}, "unavailable": {}, "errors": [], "targets": []}
+            "rss": {}, "migrate": {}, "unavailable": {}, "errors": [], "targets": []}
 
     # -- bookkeeping ------------------------------------------------------------------------------
 
@@ -327,6 +327,7 @@ class Bench:
             for combo in late:
                 self.phase_control(combo, big)
             self.phase_mixed()
+            self.phase_migrate(big)
             if big > 1000:
                 # The slow reference (kube-proxy's nft layout at 10k, 85 s) after issue 15's mixed
                 # iptables figures, which are targets.
@@ -351,6 +352,22 @@ class Bench:
             self.results["conntrack"] = {"error": repr(err)}
         if "error" in self.results["conntrack"]:
             self.results["errors"].append(f"conntrack reconciler: {self.results['conntrack']['error']}")
+
+    def phase_migrate(self, n: int) -> None:
+        """Issue 20: ``netproxy migrate`` both ways at the largest N (bench/migratestep.py)."""
+        from bench import migratestep
+
+        keys = {c.key for c in self.available()}
+        if self.smoke or not {"nftables", "iptables-legacy/restore"} <= keys:
+            return
+        if self._out_of_time(120.0):
+            self.results["migrate"][str(n)] = {"all": {"skipped": "out of time"}}
+            return
+        steps = migratestep.measure(n, self.workdir, self.budget.timeout(600.0))
+        self.results["migrate"][str(n)] = steps
+        self._note_errors(f"migrate N={n}", steps)
+        for line in migratestep.describe(steps):
+            self.progress(f"migrate N={n:,}: {line}")
 
     def phase_references(self, upto: Optional[int] = None, only: Optional[int] = None,
                          refs: Optional[Sequence[str]] = None) -> None:

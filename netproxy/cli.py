@@ -4,7 +4,8 @@
     netproxy run     --source PATH | --kubeconfig PATH                   the long-running proxy
     netproxy plan    --source PATH [--backend B] [--diff]                print the ruleset (or its diff with the kernel)
     netproxy status  [--metrics-address A] [-o json]                    what a running `run` has programmed
-    netproxy detect                                                      print the version check's choice
+    netproxy detect                                                      the version check's choice, what the node holds
+    netproxy migrate --to nftables|iptables [--from-kube-proxy] --source PATH   switch the live dataplane
     netproxy cleanup [--backend B|all]                                   remove what netproxy created
 
 Exit codes: 0 all applied; 1 the kernel write failed (previous ruleset kept) or nothing could be
@@ -313,6 +314,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("detect", help="print the backend the version check picks and the evidence")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="log lines as text or JSON")
+    p = sub.add_parser("migrate", help="switch this node's dataplane live: program the new one in full, check it, "
+                       "then remove the old one (0 ok, 1 a step failed, 2 rejected objects)")
+    p.add_argument("--to", required=True, choices=["nftables", "iptables"], help="the dataplane to switch to")
+    p.add_argument("--from-kube-proxy", action="store_true",
+                   help="take over from kube-proxy: remove its rules (KUBE-* chains, kube-proxy tables), only those")
+    p.add_argument("--source", required=True, help="manifest file or directory")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"], help="log lines as text or JSON")
+    p.add_argument("--iptables-writer", default="restore", choices=list(IPTABLES_WRITERS),
+                   help="iptables target: atomic iptables-restore (default) or in-process libiptc")
+    p.add_argument("--iptables-flavour", default="auto", choices=["auto", "legacy", "nft"],
+                   help="iptables target: which iptables (auto: ask `iptables --version`)")
+    p.add_argument("--nftables-writer", default="netlink", choices=list(NFTABLES_WRITERS),
+                   help="nftables target: its own netlink batches (default) or libnftables")
+    _add_proxy(p)
     p = sub.add_parser("cleanup", help="remove every rule, chain and table netproxy created, nothing else")
     _add_common(p, BACKENDS + ("all",))
     p.set_defaults(backend="all")
@@ -518,7 +534,55 @@ def cmd_detect(args: argparse.Namespace) -> int:
     print(f"reason: {decision.reason}")
     for line in decision.evidence:
         print(f"evidence: {line}")
+    _print_holdings(decision.backend)
     return EXIT_OK
+
+
+def _print_holdings(chosen: str) -> None:
+    """What the node holds now and what ``netproxy migrate`` would do about it (detect's second half)."""
+    from netproxy import holdings, migrate
+
+    held = holdings.survey()
+    for ruleset in held.rulesets:
+        marks = f", masquerade mark {', '.join(sorted(ruleset.marks))}" if ruleset.marks else ""
+        print(f"holds: {ruleset}{marks}")
+    if not held.rulesets:
+        print("holds: no netproxy or kube-proxy rules")
+    for why in held.unread:
+        print(f"holds: unreadable: {why}")
+    flavour = detect_mod.iptables_flavour() if chosen == "iptables" else ""
+    target = holdings.Ruleset("netproxy", chosen, flavour)
+    from_kube_proxy = bool(held.find("kube-proxy"))
+    command = f"netproxy migrate --to {chosen}" + (" --from-kube-proxy" if from_kube_proxy else "")
+    try:
+        steps = migrate.plan(held, target, from_kube_proxy).describe()
+    except migrate.MigrateError as err:
+        print(f"migrate: `{command}` would refuse: {err}")
+        return
+    print(f"migrate: `{command}` would " + "; ".join(steps))
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    """0 switched; 1 a step failed (named; up to the check the old rules are untouched); 2 switched,
+    with some objects rejected (each named)."""
+    from netproxy import migrate
+
+    args.backend = args.to  # --to wins over --config's mode
+    args.one_shot = True
+    loaded = _load(args)
+    backend, config = make_backend(args, loaded.node)
+    snapshot, errors = _snapshot(loaded, config)
+    backend.probe()
+    ensure_localhost_nodeports(backend.name, config)
+    _report_rejections(errors)
+    try:
+        report = migrate.migrate(backend, config, snapshot, from_kube_proxy=args.from_kube_proxy)
+    except migrate.MigrateError as err:
+        print(f"netproxy migrate: {err.step}: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    for line in report.lines():
+        print(f"migrate: {line}")
+    return EXIT_REJECTED if errors else EXIT_OK
 
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
@@ -645,9 +709,26 @@ def _add_post_sync_steps(proxier: Proxier, config: ProxyConfig, args: argparse.N
 
     if _kernel(proxier.backend):
         proxier.after_sync.append(reconciler.after_sync)
+    proxier.after_sync.append(_leftovers_once(proxier))
     proxier.after_sync.append(lambda prev, cur: services.update(cur))
     proxier.after_sync.append(lambda prev, cur: health.synced())
     proxier.after_sync.append(lambda prev, cur: health.sync_node(cur.node))
+
+
+def _leftovers_once(proxier: Proxier) -> Callable[[Optional[Snapshot], Snapshot], None]:
+    """After the first successful sync (a full one: the new ruleset is complete), remove netproxy's
+    rules of the other dataplane left by an earlier run — ``netproxy migrate``'s order, at start-up."""
+    done = [False]
+
+    def step(prev: Optional[Snapshot], cur: Snapshot) -> None:
+        if done[0] or proxier.backend.name not in ("iptables", "nftables"):
+            return
+        done[0] = True
+        from netproxy import migrate
+
+        migrate.remove_leftovers(proxier.backend, proxier.config)
+
+    return step
 
 
 def _make_source(args: argparse.Namespace, hostname: str) -> Source:
@@ -665,7 +746,7 @@ def _make_source(args: argparse.Namespace, hostname: str) -> Source:
 
 
 COMMANDS = {"sync": cmd_sync, "run": cmd_run, "plan": cmd_plan, "trace": cmd_trace, "status": cmd_status,
-            "detect": cmd_detect,
+            "detect": cmd_detect, "migrate": cmd_migrate,
             "cleanup": cmd_cleanup}
 
 

@@ -5,7 +5,11 @@
 2. runs ``netproxy run`` in the node with the backend the version check picks (or ``--backend``);
 3. sends traffic to every service address and prints which pods answered, and how often;
 4. edits the example (scales one service down, another up), waits for the proxy to pick it up,
-   shows the new distribution; then tears everything down.
+   shows the new distribution;
+5. ``netproxy migrate``: stops the proxy, puts kube-proxy's rules for the example in the node
+   (the benchmark's kube-proxy layout), takes over from them with ``--from-kube-proxy`` and then
+   switches to the other dataplane, each time while a client opens connections in a loop, and shows
+   that none failed; then tears everything down.
 
 Exit status 1 if any expected traffic went wrong, so the demo doubles as a smoke test.
 """
@@ -16,6 +20,7 @@ import argparse
 import copy
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -233,11 +238,81 @@ def _demo(box: Sandbox, backend: str, objects: List[Dict[str, Any]], names: Dict
     if proxy.poll() is not None:
         print(f"{RED}netproxy exited with {proxy.returncode}{RESET}")
         failures += 1
+    proxy.terminate()
+    proxy.wait(timeout=10)
+    failures += _migrate_demo(box, backend, source, names)
     if failures:
         _show_log(box)
     print(f"\n{GREEN if not failures else RED}{'demo passed' if not failures else f'{failures} checks failed'}"
           f"{RESET}; tearing the sandbox down")
     return 1 if failures else 0
+
+
+LOOP = 1500
+
+
+def _kube_proxy_rules(box: Sandbox, source: str) -> Optional[str]:
+    """kube-proxy's iptables (legacy) or nftables rules for the example, from the benchmark's layout;
+    the mode written, or None when the layout cannot be loaded here (not run from the repository)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    try:
+        from bench import kubeproxy_layout
+    except ImportError:
+        return None
+    finally:
+        sys.path.remove(root)
+    objects = [dict(o) for o in flatten(read_documents(source)) if o.get("kind") in ("Service", "EndpointSlice")
+               and o.get("spec", {}).get("clusterIP", "") != "None"]
+    svcs = kubeproxy_layout.services(objects)
+    box.reset_netfilter()
+    if shutil.which("iptables-legacy-restore"):
+        for payload in (kubeproxy_layout.iptables_full(svcs), kubeproxy_layout.iptables_node_chains()):
+            box.exec(box.node, ["iptables-legacy-restore", "--noflush"], input=payload, check=True)
+        return "iptables"
+    box.exec(box.node, ["nft", "-f", "-"], input=kubeproxy_layout.nft_full(svcs), check=True)
+    return "nftables"
+
+
+def _switch(box: Sandbox, probe: Probe, args: List[str]) -> int:
+    """``netproxy migrate ARGS`` while the client opens ``LOOP`` connections to ``probe``; failures."""
+    loop = box.start_connect(probe.address, probe.port, count=LOOP, interval=0.002, timeout=2.0)
+    time.sleep(0.5)
+    proc = box.netproxy(["migrate", *args, "--hostname-override", "np-node"])
+    res = loop.result()
+    shown = args[:args.index("--source")] if "--source" in args else args
+    print(f"  $ netproxy migrate {' '.join(shown)} --source cluster.yaml")
+    for line in (proc.stdout + proc.stderr).splitlines():
+        print(f"    {line}")
+    ok = proc.returncode == 0 and res.failed == 0 and res.answered == LOOP
+    print(f"  {GREEN if ok else RED}{res.answered} of {LOOP} connections to {probe.service} "
+          f"({probe.address}:{probe.port}) opened across the switch answered, {res.failed} failed{RESET}")
+    return 0 if ok else 1
+
+
+def _migrate_demo(box: Sandbox, backend: str, source: str, names: Dict[str, str]) -> int:
+    probes = probes_for(source, names)
+    loop_probe = next(p for p in probes if p.origin == "client" and p.proto == "tcp")
+    mode = _kube_proxy_rules(box, source)
+    failures = 0
+    if mode is None:
+        print(f"\n{DIM}(kube-proxy's layout is not importable here: the takeover step is skipped){RESET}")
+    else:
+        print(f"\n{BOLD}taking over from kube-proxy:{RESET} the node now holds kube-proxy's {mode} rules "
+              "(ClusterIPs of the example)")
+        for line in box.netproxy(["detect"]).stdout.splitlines():
+            if line.startswith(("holds:", "migrate:")):
+                print(f"  {line}")
+        failures += _switch(box, loop_probe, ["--to", backend, "--from-kube-proxy", "--source", source])
+    other = "iptables" if backend == "nftables" else "nftables"
+    print(f"\n{BOLD}switching dataplanes live:{RESET} {backend} → {other}")
+    if mode is None:
+        box.netproxy(["sync", "--source", source, "--backend", backend, "--hostname-override", "np-node"])
+    failures += _switch(box, loop_probe, ["--to", other, "--source", source])
+    rows = [(p, *run_probe(box, p)) for p in probes]
+    failures += sum(1 for r in rows if not r[2])
+    print_table(f"traffic with the {other} backend, after the switch", rows)
+    return failures
 
 
 def _show_log(box: Sandbox) -> None:

@@ -6,7 +6,9 @@ Every TCP connection and every UDP datagram is answered with one line::
 
 so a test knows which endpoint a connection reached *and* which source address that endpoint saw
 (masquerade versus source preservation is then asserted, not assumed).  TCP connections are closed
-right after the answer.
+right after the answer, except on the ``--hold`` ports: there a connection stays open and every
+line the client sends is answered with that line (a long-lived connection across a dataplane
+switch, ``netproxy migrate``).
 
 Deliberately stdlib only and importable as a plain file (``python3 podserver.py ...``): it runs
 inside namespaces of VMs where netproxy itself may not be installed.  One thread and a selector,
@@ -65,12 +67,14 @@ def answer(name: str, peer: Tuple[str, int]) -> bytes:
     return f"{name} {_plain(peer[0])} {peer[1]}\n".encode()
 
 
-def serve(name: str, tcp_ports: Sequence[int], udp_ports: Sequence[int]) -> None:
+def serve(name: str, tcp_ports: Sequence[int], udp_ports: Sequence[int], hold_ports: Sequence[int] = ()) -> None:
     """Answer forever on the given ports; returns only when interrupted."""
     ipv6 = _has_ipv6()
     sel = selectors.DefaultSelector()
     for port in tcp_ports:
         sel.register(_bind(socket.SOCK_STREAM, port, ipv6), selectors.EVENT_READ, "tcp")
+    for port in hold_ports:
+        sel.register(_bind(socket.SOCK_STREAM, port, ipv6), selectors.EVENT_READ, "hold")
     for port in udp_ports:
         sel.register(_bind(socket.SOCK_DGRAM, port, ipv6), selectors.EVENT_READ, "udp")
     sys.stdout.write("ready\n")
@@ -81,8 +85,51 @@ def serve(name: str, tcp_ports: Sequence[int], udp_ports: Sequence[int]) -> None
             assert isinstance(sock, socket.socket)
             if key.data == "tcp":
                 _accept_all(sock, name)
-            else:
+            elif key.data == "hold":
+                _accept_held(sel, sock)
+            elif key.data == "udp":
                 _answer_datagrams(sock, name)
+            else:
+                _answer_held(sel, sock, name, key.data)
+
+
+class _Held:
+    """A held connection's peer (as accepted) and its unanswered partial line."""
+
+    def __init__(self, peer: Tuple[str, int]) -> None:
+        self.peer = peer
+        self.buf = b""
+
+
+def _accept_held(sel: selectors.BaseSelector, listener: socket.socket) -> None:
+    while True:
+        try:
+            conn, peer = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            return
+        conn.setblocking(False)
+        sel.register(conn, selectors.EVENT_READ, _Held(peer))
+
+
+def _answer_held(sel: selectors.BaseSelector, conn: socket.socket, name: str, held: _Held) -> None:
+    """Each complete line: ``<pod> <source address> <source port> <the line>``; EOF closes."""
+    try:
+        chunk = conn.recv(4096)
+    except (BlockingIOError, InterruptedError):
+        return
+    except OSError:
+        chunk = b""
+    if not chunk:
+        sel.unregister(conn)
+        conn.close()
+        return
+    held.buf += chunk
+    while b"\n" in held.buf:
+        line, held.buf = held.buf.split(b"\n", 1)
+        with contextlib.suppress(OSError):
+            conn.sendall(answer(name, held.peer)[:-1] + b" " + line + b"\n")
 
 
 def _accept_all(listener: socket.socket, name: str) -> None:
@@ -121,11 +168,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--name", required=True, help="the pod name to answer with")
     parser.add_argument("--tcp", default="", help="comma-separated TCP ports")
     parser.add_argument("--udp", default="", help="comma-separated UDP ports")
+    parser.add_argument("--hold", default="", help="comma-separated TCP ports whose connections stay open")
     args = parser.parse_args(argv)
     # SIGTERM from the harness should end the process quietly, without a traceback on stderr.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     with contextlib.suppress(KeyboardInterrupt):
-        serve(args.name, _ports(args.tcp), _ports(args.udp))
+        serve(args.name, _ports(args.tcp), _ports(args.udp), _ports(args.hold))
     return 0
 
 

@@ -154,6 +154,44 @@ class PendingConnect:
                              sequence=data["sequence"], elapsed=data["elapsed"])
 
 
+class Session:
+    """A :meth:`Sandbox.open_session` connection: :meth:`exchange` sends a line, returns the answer."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
+        self.proc = proc
+        self.opened = self._read()
+        if "ready" not in self.opened:
+            raise SandboxError(f"session did not open: {self.opened}")
+
+    def _read(self) -> Dict[str, object]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        got: Dict[str, object] = json.loads(line) if line else {"error": "client exited"}
+        return got
+
+    def exchange(self, text: str) -> str:
+        """Send ``text`` and return the pod's answer line; SandboxError naming the failure."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(text + "\n")
+            self.proc.stdin.flush()
+        except OSError as err:
+            raise SandboxError(f"session closed: {err}") from None
+        got = self._read()
+        if "answer" not in got:
+            raise SandboxError(f"session failed: {got.get('error')}")
+        return str(got["answer"])
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def has_iptables(flavour: str) -> bool:
     """Whether every ``iptables-<flavour>*`` tool that :meth:`Sandbox.iptables_bindir` links is installed."""
     return all(shutil.which(_flavoured(tool, flavour)) for tool in IPTABLES_TOOLS)
@@ -186,7 +224,7 @@ class Sandbox:
 
     def __init__(self, pods: int = 3, *, tcp_ports: Sequence[int] = DEFAULT_PORTS,
                  udp_ports: Sequence[int] = DEFAULT_PORTS, remote_pods: int = 0, ipv6: bool = True,
-                 shortid: Optional[str] = None) -> None:
+                 shortid: Optional[str] = None, hold_ports: Sequence[int] = ()) -> None:
         self.id = shortid or secrets.token_hex(3)
         self.node = f"np-node-{self.id}"
         self.client = f"np-client-{self.id}"
@@ -196,6 +234,8 @@ class Sandbox:
         """The node's own IPv4 addresses (where NodePorts answer): its ext-side one first."""
         self.tcp_ports = tuple(tcp_ports)
         self.udp_ports = tuple(udp_ports)
+        self.hold_ports = tuple(hold_ports)
+        """TCP ports whose connections the pods keep open (:meth:`open_session`)."""
         self.ipv6 = ipv6
         self.pods: List[Pod] = []
         self._want_pods = pods
@@ -370,6 +410,8 @@ class Sandbox:
         self.stop_server(pod)
         argv = [sys.executable, PODSERVER, "--name", pod.name,
                 "--tcp", ",".join(map(str, self.tcp_ports)), "--udp", ",".join(map(str, self.udp_ports))]
+        if self.hold_ports:
+            argv += ["--hold", ",".join(map(str, self.hold_ports))]
         self._servers[pod.name] = self.popen(pod.netns, argv, track=False, stdout=subprocess.PIPE)
         if wait:
             self._wait_servers_ready([pod.name])
@@ -433,6 +475,15 @@ class Sandbox:
             argv += ["--sources", ",".join(sources)]
         proc = self.popen(source or self.client, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         return PendingConnect(proc, budget=10.0 + count * (interval + timeout), on_done=self._untrack)
+
+    def open_session(self, address: str, port: int, *, proto: str = "tcp", source: Optional[str] = None,
+                     bind: Optional[str] = None, timeout: float = 2.0) -> Session:
+        """One long-lived connection (TCP to a ``hold_ports`` port, or a UDP flow) from ``source``."""
+        argv = [sys.executable, CLIENT, address, str(port), "--proto", proto, "--session", "--timeout", str(timeout)]
+        if bind:
+            argv += ["--bind", bind]
+        proc = self.popen(source or self.client, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        return Session(proc)
 
     def _untrack(self, proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
         if proc in self._procs:

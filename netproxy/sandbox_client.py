@@ -13,6 +13,11 @@ Output (one JSON object on stdout)::
      "sequence": ["pod-0", "!timeout", ...],    # every attempt in start order
      "elapsed": 0.21}
 
+``--session`` instead keeps one connection (TCP, or a UDP flow from one source port) open: each
+line read on stdin is sent on it and the answer printed as one JSON line (``{"answer": "pod-1
+10.244.1.2 40000 ping"}`` or ``{"error": "reset"}``), so a test holds a long-lived connection open
+across a dataplane switch and exchanges data over it both ways (``netproxy migrate``).
+
 Stdlib only and runnable as a plain file, like :mod:`netproxy.podserver`.
 """
 
@@ -196,6 +201,48 @@ class Batch:
         self.result.record(attempt.index, outcome, attempt.data)
 
 
+def session(proto: str, address: str, port: int, timeout: float, bind: Optional[Tuple[str, int]]) -> int:
+    """One connection kept open; a line on stdin → sent; the answer line → stdout (see the module)."""
+
+    def emit(**what: object) -> None:
+        sys.stdout.write(json.dumps(what) + "\n")
+        sys.stdout.flush()
+
+    kind = socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM
+    sock = socket.socket(_family(address), kind)
+    sock.settimeout(timeout)
+    try:
+        if bind is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(bind)
+        sock.connect((address, port))
+    except OSError as err:
+        emit(error=error_kind(err))
+        return 1
+    emit(ready=True, local=list(sock.getsockname()[:2]))
+    pending = b""
+    for line in sys.stdin:
+        data = line.strip().encode() + b"\n"
+        try:
+            if proto == "tcp":
+                sock.sendall(data)
+                while b"\n" not in pending:
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        raise ConnectionResetError(errno.ECONNRESET, "closed by the peer")
+                    pending += chunk
+                answer, pending = pending.split(b"\n", 1)
+            else:
+                sock.send(data)
+                answer = sock.recv(4096).rstrip(b"\n")
+        except OSError as err:
+            emit(error=error_kind(err))
+            return 1
+        emit(answer=answer.decode(errors="replace"))
+    sock.close()
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="connect N times and count answers per pod")
     parser.add_argument("address")
@@ -207,12 +254,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--interval", type=float, default=0.0, help="seconds between attempt starts (serialises)")
     parser.add_argument("--bind", default=None, help="source ADDRESS:PORT (or :PORT) for every attempt")
     parser.add_argument("--sources", default="", help="comma-separated source addresses, used round-robin")
+    parser.add_argument("--session", action="store_true", help="one connection kept open: stdin lines out, "
+                        "answers in (see the module)")
     args = parser.parse_args(argv)
     bind: Optional[Tuple[str, int]] = None
     if args.bind:
         host, _, port = args.bind.rpartition(":")
         host = host.strip("[]") or ("::" if ":" in args.address else "0.0.0.0")
         bind = (host, int(port))
+    if args.session:
+        return session(args.proto, args.address, args.port, args.timeout, bind)
     batch = Batch(args.proto, args.address, args.port, count=args.count, timeout=args.timeout,
                   concurrency=args.concurrency, interval=args.interval, bind=bind,
                   sources=[a for a in args.sources.split(",") if a])

@@ -12,7 +12,7 @@ import contextlib
 import gc
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from netproxy.backends.base import BackendError, BackendUnavailable, Outcome, Packet, SyncResult
 from netproxy.backends.iptables import cleanup as cleanup_mod
@@ -356,6 +356,11 @@ class IptablesBackend:
             return None, set()
         saved = parsed[table]
         return {c.name: len(c.rules) for c in saved.chains.values()}, set(saved.kernel_table().jumps)
+
+    def written_chains(self) -> Dict[int, Dict[str, FrozenSet[str]]]:
+        """Per family and table, the chains the kernel holds from our writes (``netproxy migrate``
+        checks them against a fresh read of the kernel before it removes the old ruleset)."""
+        return {f: {t: frozenset(chains) for t, chains in tables.items()} for f, tables in self._written.items()}
 
     def cleanup(self) -> None:
         flavour = self.config.iptables_flavour

@@ -116,6 +116,11 @@ class NftablesBackend:
                     "" if touched else " (or change notifications were lost)")
         return "rules-changed" if touched else "unknown"
 
+    def written_tables(self) -> FrozenSet[str]:
+        """The families (``ip``, ``ip6``) whose netproxy table our last full sync wrote (empty before
+        one succeeded); ``netproxy migrate`` checks them against the kernel."""
+        return self._state.tables if self._state is not None else frozenset()
+
     def cleanup(self) -> None:
         gone = self.runner.delete_tables()
         log.info("deleted nftables tables: %s", ", ".join(gone) or "none")

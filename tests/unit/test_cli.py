@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 import netproxy.backends as backends
-from netproxy import cli
+from netproxy import cli, holdings
 from netproxy import detect as detect_mod
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.fake import FakeBackend
@@ -63,6 +63,8 @@ def no_real_probes(monkeypatch: pytest.MonkeyPatch) -> None:
     """No test here runs the node's iptables binary: the version check sees a fixed answer."""
     monkeypatch.setattr(detect_mod, "detect", _detect_with("iptables v1.8.9 (legacy)", False))
     monkeypatch.setattr(detect_mod, "iptables_flavour", lambda: _REAL_FLAVOUR(lambda: "iptables v1.8.9 (legacy)"))
+    # `detect` also surveys the node's rules (iptables-save, nf_tables): not the machine running the tests.
+    monkeypatch.setattr(holdings, "survey", lambda: holdings.Holdings())
 
 
 def service(name: str, cluster_ip: str, port: Any = 80) -> Dict[str, Any]:
@@ -323,3 +325,34 @@ def test_json_logs_are_one_object_per_line() -> None:
     assert got["level"] == "warning" and got["logger"] == "netproxy.test" and got["msg"] == "rejected Service a/b"
     assert "\n" not in logs.JsonFormatter().format(record)
     assert cli.build_parser().parse_args(["detect", "--log-format", "json"]).log_format == "json"
+
+
+def test_detect_says_what_the_node_holds_and_what_migrate_would_do(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    kube_proxy = holdings.Ruleset("kube-proxy", "iptables", "legacy", (4,), frozenset({"0x4000"}))
+    monkeypatch.setattr(holdings, "survey", lambda: holdings.Holdings([kube_proxy]))
+    monkeypatch.setattr(detect_mod, "detect", _detect_with("iptables v1.8.9 (nf_tables)", True))
+    assert cli.main(["detect"]) == 0
+    out = capsys.readouterr().out
+    assert "holds: kube-proxy's iptables-legacy rules (IPv4), masquerade mark 0x4000" in out
+    assert "`netproxy migrate --to nftables --from-kube-proxy` would program nftables" in out
+    assert "then remove kube-proxy's iptables-legacy rules" in out
+
+
+def test_migrate_failure_exits_1_naming_the_step(made: Made, clean: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from netproxy import migrate
+
+    def fail(*_a: Any, **_k: Any) -> Any:
+        raise migrate.MigrateError("verify", "the kernel does not hold the new nftables rules")
+
+    monkeypatch.setattr(migrate, "migrate", fail)
+    monkeypatch.setattr(cli, "make_backend", lambda args, node=None: (FakeBackend(), ProxyConfig(hostname="node-a")))
+    assert cli.main(["migrate", "--to", "nftables", "--source", str(clean), "--hostname-override", "node-a"]) == 1
+    assert "netproxy migrate: verify: the kernel does not hold" in capsys.readouterr().err
+
+
+def test_migrate_requires_to(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["migrate", "--source", "x.yaml"])
+    assert exited.value.code == 1 and "--to" in capsys.readouterr().err

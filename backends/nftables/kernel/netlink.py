@@ -140,16 +140,19 @@ class NetlinkRunner:
             return None
         return _set_from_attrs(attrs)
 
-    def delete_tables(self) -> List[str]:
-        self._sets.clear()
-        ours = sorted(self.existing_tables())
+    def delete_tables(self, table: str = names.TABLE) -> List[str]:
+        """Delete the tables named ``table`` (netproxy's by default; ``netproxy migrate`` deletes
+        kube-proxy's) of every family, in one batch: all or none."""
+        if table == names.TABLE:
+            self._sets.clear()
+        ours = sorted(self.existing_tables(table))
         if ours:
-            msgs = [(wire.DELTABLE, 0, encode.FAMILIES[f], wire.string(wire.TABLE_NAME, names.TABLE)) for f in ours]
+            msgs = [(wire.DELTABLE, 0, encode.FAMILIES[f], wire.string(wire.TABLE_NAME, table)) for f in ours]
             try:
                 self._sock.send_batch(msgs)
             except OSError as exc:
-                raise SyncError("cannot delete netproxy's tables", detail=str(exc)) from exc
-        return [f"{fam} {names.TABLE}" for fam in ours]
+                raise SyncError(f"cannot delete the {table} tables", detail=str(exc)) from exc
+        return [f"{fam} {table}" for fam in ours]
 
     # --- reads -----------------------------------------------------------------------------------
 
@@ -157,12 +160,13 @@ class NetlinkRunner:
         if self.generation() is None:
             raise BackendUnavailable("cannot read the nftables generation over netlink (no nf_tables?)")
 
-    def existing_tables(self) -> FrozenSet[str]:
+    def existing_tables(self, table: str = names.TABLE) -> FrozenSet[str]:
+        """The families that have a table named ``table`` (netproxy's by default)."""
         found = set()
         for family, number in encode.FAMILIES.items():
             try:
                 for attrs in self._sock.dump(wire.GETTABLE, number):
-                    if wire.text(attrs.get(wire.TABLE_NAME, b"")) == names.TABLE:
+                    if wire.text(attrs.get(wire.TABLE_NAME, b"")) == table:
                         found.add(family)
             except NetlinkError as exc:
                 raise SyncError("cannot list nftables tables", detail=str(exc)) from exc
