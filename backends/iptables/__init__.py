@@ -161,9 +161,7 @@ class IptablesBackend:
 
         desired, _ = self._render(snapshot)
         family = 6 if packet.family == "ip6" else 4
-        traced = TracedPacket(packet.saddr, packet.daddr, packet.dport, packet.proto,
-                              from_node=packet.hook == "output", iif=packet.iif)
-        outcomes: List[Outcome] = Tracer(desired[family], packet.local).outcomes(traced)
+        outcomes: List[Outcome] = Tracer(desired[family], packet.local).outcomes(TracedPacket.of(packet))
         return outcomes
 
     def sync(self, snapshot: Snapshot, changes: Changes) -> SyncResult:

@@ -73,8 +73,7 @@ class IptablesListing:
         from netproxy.backends.iptables.trace import Tracer
 
         family = 6 if packet.family == "ip6" else 4
-        traced = TracedPacket(packet.saddr, packet.daddr, packet.dport, packet.proto,
-                              from_node=packet.hook == "output")
+        traced = TracedPacket.of(packet)
         ruleset = kernel_ruleset(self.kernel(), family)
         sets = KernelIpsets()
         present = sets.sets()

@@ -35,6 +35,13 @@ class Packet:
     iif: str = ""
     """The interface it arrived on (``-i``); none for the node's own packets."""
 
+    @classmethod
+    def of(cls, packet: base.Packet) -> Packet:
+        """The shared packet (``netproxy trace``) as this tracer reads it: one conversion for the
+        rendered and the kernel trace, so neither can drop a field (the kernel trace once lost ``iif``)."""
+        return cls(packet.saddr, packet.daddr, packet.dport, packet.proto, from_node=packet.hook == "output",
+                   iif=packet.iif)
+
 
 @dataclass(frozen=True)
 class Outcome:

@@ -43,12 +43,10 @@ LB_IP = "198.51.100.10"
 
 
 @pytest.fixture(autouse=True)
-def trace_equals_traffic(proxy: Proxy, sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch,
-                         request: pytest.FixtureRequest) -> None:
+def trace_equals_traffic(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 17: every batch below is traced with ``netproxy trace --kernel`` in the node (here and in
     the VM matrix, which runs this module), and the trace must predict what it saw (traced.py)."""
-    if request.node.get_closest_marker("untraced") is None:
-        traced.install(proxy, sandbox, monkeypatch)
+    traced.install(request, monkeypatch)
 
 
 def web(pods: Sequence[Pod], **spec: object) -> List[Manifest]:

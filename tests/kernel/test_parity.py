@@ -74,10 +74,10 @@ def sandbox(kernel_env: None, combo: Any) -> Any:
 
 
 @pytest.fixture(autouse=True)
-def trace_equals_traffic(proxy: Proxy, sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch) -> Any:
+def trace_equals_traffic(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
     """Issue 17: each batch of connections below is traced with ``netproxy trace --kernel`` in the
     node, and the trace must predict what the batch saw (tests/kernel/traced.py)."""
-    traced.install(proxy, sandbox, monkeypatch)
+    traced.install(request, monkeypatch)
     before = traced.traced_count()
     yield
     log.info("%d batches traced", traced.traced_count() - before)

@@ -35,6 +35,7 @@ from test_parity import (  # the shared body's helpers and its five-pod sandbox 
     sandbox,
     slice_of,
     sources_of,
+    trace_equals_traffic,  # noqa: F401  (autouse: every batch traced with trace --kernel, issue 17)
     web,
 )
 
