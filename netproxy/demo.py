@@ -181,7 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if os.geteuid() != 0:
         print("make demo needs root: it creates network namespaces", file=sys.stderr)
         return 1
-    objects = [dict(o) for f in [args.source] for o in flatten(read_documents(f))]
+    objects = [dict(o) for f in [args.source] for o in flatten(read_documents(f)) if isinstance(o, Mapping)]
     names = pods_of(objects)
     names["10.244.2.43"] = "frontend-3"  # the pod the edit scales frontend up to
     ports = sorted({int(p["port"]) for o in objects if o.get("kind") == "EndpointSlice" for p in o["ports"]})
