@@ -100,7 +100,7 @@ def check_port(value: object, field_path: str, allow_zero: bool = False) -> int:
         raise FieldError(field_path, f"{shown(value)} is not an integer port")
     low = 0 if allow_zero else 1
     if not low <= value <= 65535:
-        raise FieldError(field_path, f"{value} is outside {low}..65535")
+        raise FieldError(field_path, f"{shown(value)} is outside {low}..65535")
     return value
 
 
@@ -139,7 +139,7 @@ def _parse_ip(value: str) -> Optional[IPAddress]:
         packed = socket.inet_pton(socket.AF_INET, value)
         if socket.inet_ntop(socket.AF_INET, packed) == value:
             return ipaddress.IPv4Address(packed)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: an embedded NUL ("10.0.0.1\0..."), found by the fault suite
         pass
     try:
         return ipaddress.ip_address(value)
