@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+import sys
+from typing import Any, Iterator
 
 import pytest
 
@@ -15,3 +16,10 @@ from netproxy.backends.iptables.ipset import FakeIpsets
 def _fake_ipsets(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(iptables_backend, "KernelIpsets", FakeIpsets)
     yield
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The fault suite's figures measured by unit tests (tests/faults/figures.py prints each once)."""
+    figures = sys.modules.get("figures")
+    if figures is not None:
+        figures.pytest_terminal_summary(terminalreporter)
