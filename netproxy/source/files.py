@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
@@ -280,10 +281,12 @@ class FileSource:
     and needs no inotify binding; it catches editors that replace the file as well as in-place writes.
     """
 
-    def __init__(self, path: str, node_name: str = "", poll_interval: float = 0.02) -> None:
+    def __init__(self, path: str, node_name: str = "", poll_interval: float = 0.02, max_settle: float = 1.0) -> None:
         self.path = path
         self.node_name = node_name
         self.poll_interval = poll_interval
+        self.max_settle = max_settle
+        """Longest a change waits for the file to hold still before it is loaded anyway."""
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._signature: Optional[Tuple[Tuple[str, FileSig], ...]] = None
@@ -329,13 +332,23 @@ class FileSource:
             self._thread.join(timeout=2)
 
     def _watch(self, tracker: Any) -> None:
+        changing_since: Optional[float] = None
         while not self._stop.wait(self.poll_interval):
             seen = self._current_signature()
             if seen == self._signature:
+                changing_since = None
                 continue
+            now = time.monotonic()
+            changing_since = now if changing_since is None else changing_since
             # Debounce: a writer that truncates and rewrites in place (`kubectl ... > file`) shows an
             # empty or half-written file first; load only once the file held still for one interval.
-            if self._stop.wait(self.poll_interval) or self._current_signature() != seen:
+            # But not forever: a file rewritten more often than that (an update storm) would never be
+            # loaded, so after max_settle it is loaded as it is (a half-written file that does not
+            # parse keeps the last good state).
+            if self._stop.wait(self.poll_interval):
+                return
+            if self._current_signature() != seen and now - changing_since < self.max_settle:
                 continue
+            changing_since = None
             log.info("source %s changed, reloading", self.path)
             self.load_into(tracker)
