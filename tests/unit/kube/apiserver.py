@@ -532,6 +532,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--listen", default="127.0.0.1:0")
     parser.add_argument("--port-file", help="write the bound port here once listening")
     parser.add_argument("--load", help="a JSON file: {plural: [objects]} to create at start")
+    parser.add_argument("--storm", metavar="RATE:SECONDS", help="after start, replace RATE endpoint slices a "
+                        "second for SECONDS (each a random non-empty subset of the addresses the slices hold)")
+    parser.add_argument("--storm-start-file", help="begin the storm once this file exists (default: at once)")
+    parser.add_argument("--storm-final", help="write the objects as they are after the storm here, as a List "
+                        "with a 'changes' count (written last, atomically: its presence says the storm ended)")
     args = parser.parse_args(argv)
     host, port = args.listen.rsplit(":", 1)
     server = ApiServer(host, int(port))
@@ -543,7 +548,43 @@ def main(argv: Optional[List[str]] = None) -> None:
         with open(args.port_file + ".tmp", "w") as f:
             f.write(str(server.httpd.server_address[1]))
         os.replace(args.port_file + ".tmp", args.port_file)
+    if args.storm:
+        rate, seconds = (float(x) for x in args.storm.split(":"))
+        threading.Thread(target=storm, args=(server.store, rate, seconds, args.storm_start_file, args.storm_final),
+                         name="storm", daemon=True).start()
     server.httpd.serve_forever(poll_interval=0.2)
+
+
+def storm(store: Store, rate: float, seconds: float, start_file: Optional[str], final: Optional[str]) -> None:
+    """An update storm made inside the server (a client making 1,000 requests a second would measure
+    the client): ``rate`` slice replacements a second, at a steady pace, for ``seconds``."""
+    import random
+
+    rng = random.Random(7)
+    while start_file and not os.path.exists(start_file):
+        time.sleep(0.05)
+    with store.cond:
+        keys = sorted(store.objects["endpointslices"])
+        addresses = sorted({a for s in store.objects["endpointslices"].values()
+                            for e in s.get("endpoints") or [] for a in e.get("addresses") or []})
+    changes, start = 0, time.monotonic()
+    while time.monotonic() - start < seconds:
+        due = int((time.monotonic() - start) * rate)
+        while changes < due:
+            with store.cond:
+                obj = copy.deepcopy(store.objects["endpointslices"][rng.choice(keys)])
+            obj["endpoints"] = [{"addresses": [a], "conditions": {"ready": True}}
+                                for a in rng.sample(addresses, rng.randint(1, len(addresses)))]
+            store.replace("endpointslices", obj)
+            changes += 1
+        time.sleep(0.002)
+    if final:
+        with store.cond:
+            items = [o for plural in ("services", "endpointslices") for o in store.objects[plural].values()]
+            body = json.dumps({"apiVersion": "v1", "kind": "List", "items": items, "changes": changes})
+        with open(final + ".tmp", "w") as f:
+            f.write(body)
+        os.replace(final + ".tmp", final)
 
 
 if __name__ == "__main__":
