@@ -129,6 +129,21 @@ class Store:
         self.faults: List[Tuple[int, Optional[str], bool, int]] = []  # (status, path part, watch only, count)
         self.requests: List[Tuple[str, str, Dict[str, str]]] = []
         self.closed = False
+        self.down_until = 0.0  # monotonic: until then every request is cut without an answer
+        self.slow_until = 0.0
+        self.slow_delay = 0.0  # seconds added before each answer until slow_until
+        self.refused = 0  # requests cut while down (the client's reconnect attempts)
+
+    def go_down(self, seconds: float) -> None:
+        """An outage: every open watch is cut, and every request for ``seconds`` is closed unanswered."""
+        with self.cond:
+            self.down_until = time.monotonic() + seconds
+        self.drop_watches()
+
+    def go_slow(self, seconds: float, delay: float) -> None:
+        with self.cond:
+            self.slow_until = time.monotonic() + seconds
+            self.slow_delay = delay
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -305,9 +320,41 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(404, "NotFound", f"the server could not find the requested resource ({url.path})")
         return RESOURCES[rest[0]], namespace, (rest[1] if len(rest) == 2 else None), query
 
+    def _outage(self, method: str) -> bool:
+        """Test control (``POST /_fault/down?seconds=S``, ``/_fault/slow?seconds=S&delay=D``,
+        ``/_fault/drop``, ``/_fault/expire``) and the outage itself; True when the request is done."""
+        store = self.server.store
+        url = urlsplit(self.path)
+        if url.path.startswith("/_fault/") and method == "POST":
+            query = {k: float(v[-1]) for k, v in parse_qs(url.query).items()}
+            verb = url.path[len("/_fault/"):]
+            if verb == "down":
+                store.go_down(query["seconds"])
+            elif verb == "slow":
+                store.go_slow(query["seconds"], query["delay"])
+            elif verb == "drop":
+                store.drop_watches()
+            elif verb == "expire":
+                store.expire_watches()
+            else:
+                raise ApiError(404, "NotFound", f"no fault {verb!r}")
+            self._send_json(200, {"fault": verb, "refused": store.refused})
+            return True
+        now = time.monotonic()
+        if now < store.down_until:
+            with store.cond:
+                store.refused += 1
+            self.close_connection = True  # no status line at all: the client sees the connection drop
+            return True
+        if now < store.slow_until:
+            time.sleep(store.slow_delay)
+        return False
+
     def _handle(self, method: str) -> None:
         store = self.server.store
         try:
+            if self._outage(method):
+                return
             res, namespace, name, query = self._route()
             is_watch = query.get("watch") in ("true", "1")
             with store.cond:
