@@ -3,6 +3,7 @@ a file storm writer, sync counting from a run's log, and a process's resident me
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import random
@@ -15,16 +16,18 @@ Obj = Dict[str, Any]
 SYNCED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO netproxy\.proxier: synced (full|partial)", re.M)
 
 
-def cluster(count: int, pods: Sequence[str], ip_base: str = "10.96.3.", rng: Optional[random.Random] = None,
+def cluster(count: int, pods: Sequence[str], first_ip: str = "10.96.3.1", rng: Optional[random.Random] = None,
             prefix: str = "s") -> List[Obj]:
-    """``count`` one-port services and their slices, each with a random non-empty subset of ``pods``."""
+    """``count`` one-port services and their slices, each with a random non-empty subset of ``pods``;
+    cluster IPs count up from ``first_ip``."""
     rng = rng or random.Random(0)
+    base = ipaddress.IPv4Address(first_ip)
     out: List[Obj] = []
     for i in range(count):
         name = f"{prefix}-{i}"
         out.append({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "default"},
-                    "spec": {"clusterIP": f"{ip_base}{i + 1}", "ports": [{"name": "http", "port": 80,
-                                                                           "targetPort": 8080}]}})
+                    "spec": {"clusterIP": str(base + i), "ports": [{"name": "http", "port": 80,
+                                                                    "targetPort": 8080}]}})
         out.append(slice_of(name, rng.sample(list(pods), rng.randint(1, len(pods)))))
     return out
 
