@@ -27,7 +27,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, List, NoReturn, Optional, Protocol, Sequence, Tuple, Union
 
 from netproxy import detect as detect_mod
-from netproxy import logs
+from netproxy import logs, skew
 from netproxy.backends import BackendError, create
 from netproxy.backends.base import Backend, Packet
 from netproxy.config import BACKENDS, IPTABLES_WRITERS, NFTABLES_WRITERS, ProxyConfig, parse_cidrs
@@ -256,6 +256,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
     backend, config = make_backend(args)
     snapshot, errors = _snapshot(args, config)
     backend.probe()
+    skew.settle(backend.name, config)  # leftovers of the other mode, rules a newer iptables-nft wrote
     _report_rejections(errors)  # before the write, so that they are named even when it fails
     result = backend.sync(snapshot, Changes(full=True))
     log.info("synced %d service ports with the %s backend", result.services_written, backend.name)
@@ -395,6 +396,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     backend, config = make_backend(args)
     backend.probe()
+    skew.settle(backend.name, config)
     tracker = ChangeTracker(NodeInfo(name=config.hostname))  # ETP/ITP Local need the node name from the start
     proxier = Proxier(tracker, backend, config)
     runner = BoundedFrequencyRunner(proxier.sync, config.min_sync_period, config.sync_period)
