@@ -94,20 +94,20 @@ def findings(backend: str, config: ProxyConfig, run: Run = _run) -> List[Finding
                 f"leftovers: iptables-{flavour} holds {len(chains)} KUBE-* nat chains (kube-proxy's iptables mode, "
                 f"or netproxy's iptables backend) that would still route service traffic: removing them",
                 _cleanup("iptables", cfg)))
+    tables = _nft_tables(run)
     if backend == "iptables":
-        tables = _nft_tables(run)
         ours = [t for t in tables if t.endswith(" netproxy")]
         if ours:
             found.append(Finding(f"leftovers: nftables table(s) {', '.join(ours)} of netproxy's nftables backend "
                                  "would still route service traffic: removing them",
                                  _cleanup("nftables", replace(config, backend="nftables"))))
-        theirs = [t for t in tables if t.endswith(" kube-proxy")]
-        if theirs:
-            def drop() -> None:
-                for table in theirs:
-                    run(["nft", "delete", "table", *table.split()])
-            found.append(Finding(f"leftovers: nftables table(s) {', '.join(theirs)} of kube-proxy's nftables mode "
-                                 "would still route service traffic: removing them", drop))
+    theirs = [t for t in tables if t.endswith(" kube-proxy")]
+    if theirs:
+        def drop() -> None:
+            for table in theirs:
+                run(["nft", "delete", "table", *table.split()])
+        found.append(Finding(f"leftovers: nftables table(s) {', '.join(theirs)} of kube-proxy's nftables mode "
+                             "would still route service traffic: removing them", drop))
     return found
 
 

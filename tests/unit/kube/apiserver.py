@@ -133,6 +133,7 @@ class Store:
         self.slow_until = 0.0
         self.slow_delay = 0.0  # seconds added before each answer until slow_until
         self.refused = 0  # requests cut while down (the client's reconnect attempts)
+        self.authorizations: List[str] = []  # distinct Authorization headers seen (a test checks tokens are sent)
 
     def go_down(self, seconds: float) -> None:
         """An outage: every open watch is cut, and every request for ``seconds`` is closed unanswered."""
@@ -359,6 +360,9 @@ class Handler(BaseHTTPRequestHandler):
             is_watch = query.get("watch") in ("true", "1")
             with store.cond:
                 store.requests.append((method, urlsplit(self.path).path, query))
+                auth = self.headers.get("Authorization")
+                if auth and auth not in store.authorizations:
+                    store.authorizations.append(auth)
             status = store.take_fault(self.path, is_watch)
             if status is not None:
                 raise ApiError(status, "InternalError" if status >= 500 else "Injected", f"injected {status}")
