@@ -47,6 +47,7 @@ test: setup
 
 bench: setup
 	$(PY) -m bench
+	$(PY) -m bench.storm
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -27,7 +27,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, List, NoReturn, Optional, Protocol, Sequence, Tuple, Union
 
-from netproxy import ctsysctl, logs
+from netproxy import ctsysctl, logs, skew
 from netproxy import detect as detect_mod
 from netproxy.backends import BackendError, create
 from netproxy.backends.base import Backend, Packet
@@ -419,6 +419,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
     backend.probe()
     ensure_localhost_nodeports(backend.name, config)
     _set_conntrack_sysctls(args, backend)
+    skew.settle(backend.name, config)  # rules a newer iptables-nft wrote: refused before any write
     _report_rejections(errors)  # before the write, so that they are named even when it fails
     result = backend.sync(snapshot, Changes(full=True))
     log.info("synced %d service ports with the %s backend", result.services_written, backend.name)
@@ -428,6 +429,11 @@ def cmd_sync(args: argparse.Namespace) -> int:
         from netproxy.conntrack import Reconciler, desired_state
 
         Reconciler().reconcile(desired_state(snapshot))
+    if backend.name in ("iptables", "nftables"):
+        from netproxy import migrate
+
+        # The other dataplane's rules (netproxy's or kube-proxy's) go now that the new ruleset is whole.
+        migrate.remove_leftovers(backend, config, skip_written=True)
     return EXIT_REJECTED if errors else EXIT_OK
 
 
@@ -618,6 +624,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     backend.probe()
     ensure_localhost_nodeports(backend.name, config)
     _set_conntrack_sysctls(args, backend)
+    skew.settle(backend.name, config)
     # ETP/ITP Local need the node name from the start
     tracker = ChangeTracker(NodeInfo(name=config.hostname), service_cidrs=config.service_cidrs)
     proxier = Proxier(tracker, backend, config)
@@ -716,8 +723,9 @@ def _add_post_sync_steps(proxier: Proxier, config: ProxyConfig, args: argparse.N
 
 
 def _leftovers_once(proxier: Proxier) -> Callable[[Optional[Snapshot], Snapshot], None]:
-    """After the first successful sync (a full one: the new ruleset is complete), remove netproxy's
-    rules of the other dataplane left by an earlier run — ``netproxy migrate``'s order, at start-up."""
+    """After the first successful sync (a full one: the new ruleset is complete), remove the rules of
+    the other dataplane left by an earlier run (netproxy's or kube-proxy's) — ``netproxy migrate``'s
+    order, at start-up."""
     done = [False]
 
     def step(prev: Optional[Snapshot], cur: Snapshot) -> None:

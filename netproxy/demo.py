@@ -186,7 +186,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if os.geteuid() != 0:
         print("make demo needs root: it creates network namespaces", file=sys.stderr)
         return 1
-    objects = [dict(o) for f in [args.source] for o in flatten(read_documents(f))]
+    objects = [dict(o) for f in [args.source] for o in flatten(read_documents(f)) if isinstance(o, Mapping)]
     names = pods_of(objects)
     names["10.244.2.43"] = "frontend-3"  # the pod the edit scales frontend up to
     ports = sorted({int(p["port"]) for o in objects if o.get("kind") == "EndpointSlice" for p in o["ports"]})
@@ -262,7 +262,8 @@ def _kube_proxy_rules(box: Sandbox, source: str) -> Optional[str]:
         return None
     finally:
         sys.path.remove(root)
-    objects = [dict(o) for o in flatten(read_documents(source)) if o.get("kind") in ("Service", "EndpointSlice")
+    docs = [o for o in flatten(read_documents(source)) if isinstance(o, Mapping)]  # rejected ones are left out
+    objects = [dict(o) for o in docs if o.get("kind") in ("Service", "EndpointSlice")
                and o.get("spec", {}).get("clusterIP", "") != "None"]
     svcs = kubeproxy_layout.services(objects)
     box.reset_netfilter()

@@ -40,7 +40,7 @@ from netproxy.backends.iptables import kubeproxy
 from netproxy.backends.iptables.assemble import JUMPS
 from netproxy.backends.iptables.restore import RestoreTools
 from netproxy.config import ProxyConfig
-from netproxy.holdings import KUBE_PROXY_TABLE, Holdings, Ruleset, read_iptables, survey
+from netproxy.holdings import FLAVOURS, KUBE_PROXY_TABLE, Holdings, Ruleset, read_iptables, survey
 from netproxy.model import Changes, Snapshot
 
 log = logging.getLogger(__name__)
@@ -292,19 +292,26 @@ def _roll_back(backend: Backend, keep: bool) -> None:
         log.error("could not remove the partly written %s rules: %s", backend.name, exc)
 
 
-def remove_leftovers(backend: Backend, config: ProxyConfig) -> List[str]:
-    """At start-up, after ``netproxy run``'s first full sync: netproxy's own rules of the dataplane it
-    no longer runs (left by a run with the other backend) go, as ``migrate`` would remove them — the
-    new ruleset is complete in the kernel by then.  kube-proxy's rules are never touched here (that
-    takes ``netproxy migrate --from-kube-proxy``), only named.  What was removed, for the log."""
-    held = survey(marks=False)
+def remove_leftovers(backend: Backend, config: ProxyConfig, skip_written: bool = False) -> List[str]:
+    """After the first full write of ``netproxy sync`` or ``run``: the rules of the dataplane this node
+    no longer runs — netproxy's own (a run with the other backend or flavour) and kube-proxy's (an
+    earlier kube-proxy, as kube-proxy itself removes the other modes' rules when it starts) — go as
+    ``migrate --from-kube-proxy`` would remove them: the new ruleset is complete in the kernel by then,
+    so no connection meets neither (issue 16 item 7, issue 20).  One line each; what was removed.
+
+    ``skip_written``: the iptables flavour just written is not read back (a one-shot ``sync`` at 10k
+    services would pay a whole ``iptables-save`` for it; its kube-proxy chains were taken over by the
+    full write itself)."""
+    flavours = tuple(f for f in FLAVOURS if not (skip_written and backend.name == "iptables"
+                                                 and f == config.iptables_flavour))
+    held = survey(flavours, marks=False)
     target = target_ruleset(backend, config)
     kube_proxy = held.find("kube-proxy")
     if kube_proxy:
-        log.warning("this node also holds %s: stop kube-proxy and run `netproxy migrate --to %s "
-                    "--from-kube-proxy` to remove them", ", ".join(map(str, kube_proxy)), backend.name)
+        log.warning("this node also holds %s: removing them now that netproxy's rules are in place (stop "
+                    "kube-proxy first, or its next sync puts them back)", ", ".join(map(str, kube_proxy)))
     try:
-        p = plan(held, target, from_kube_proxy=False)
+        p = plan(held, target, from_kube_proxy=bool(kube_proxy))
     except MigrateError as err:
         log.warning("leftover rules not removed: %s", err)
         return []

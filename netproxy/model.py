@@ -35,6 +35,7 @@ MAX_AFFINITY_TIMEOUT = 86400
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
 _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
 _NODE_NAME = _DNS1123_SUBDOMAIN
+_MAX_IP_TEXT = len("ffff:ffff:ffff:ffff:ffff:ffff:255.255.255.255")
 _ZONE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?\Z")
 
 
@@ -58,11 +59,31 @@ class FieldError(ValueError):
         super().__init__(f"{field_path}: {message}")
 
 
+def shown(value: object, limit: int = 60) -> str:
+    """``value`` for an error message, bounded: hostile input can be a 50 MB string or a YAML alias
+    bomb whose repr never ends, and messages are printed and logged.  Strings are repr'd, so a newline
+    or control character in a name cannot forge a log line."""
+    if isinstance(value, str):
+        text = repr(value[:limit])
+        return text if len(value) <= limit else f"{text[:-1]}...{text[-1]} ({len(value)} characters)"
+    if value is None or isinstance(value, (bool, int, float)):
+        try:
+            text = repr(value)
+        except ValueError:  # an int past Python's digit limit for str()
+            return "a very large integer"
+        return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} digits)"
+    if isinstance(value, Mapping):
+        return f"a mapping of {len(value)} keys"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)} items"
+    return f"a {type(value).__name__}"
+
+
 def check_label(value: object, field_path: str, max_len: int = 63) -> str:
     if not isinstance(value, str) or not value:
         raise FieldError(field_path, "must be a non-empty string")
     if len(value) > max_len or not _DNS1123_LABEL.match(value):
-        raise FieldError(field_path, f"{value!r} is not a DNS-1123 label (a-z, 0-9, '-', at most {max_len})")
+        raise FieldError(field_path, f"{shown(value)} is not a DNS-1123 label (a-z, 0-9, '-', at most {max_len})")
     return value
 
 
@@ -70,35 +91,36 @@ def check_subdomain(value: object, field_path: str) -> str:
     if not isinstance(value, str) or not value:
         raise FieldError(field_path, "must be a non-empty string")
     if len(value) > 253 or not _DNS1123_SUBDOMAIN.match(value):
-        raise FieldError(field_path, f"{value!r} is not a DNS-1123 subdomain")
+        raise FieldError(field_path, f"{shown(value)} is not a DNS-1123 subdomain")
     return value
 
 
 def check_port(value: object, field_path: str, allow_zero: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise FieldError(field_path, f"{value!r} is not an integer port")
+        raise FieldError(field_path, f"{shown(value)} is not an integer port")
     low = 0 if allow_zero else 1
     if not low <= value <= 65535:
-        raise FieldError(field_path, f"{value} is outside {low}..65535")
+        raise FieldError(field_path, f"{shown(value)} is outside {low}..65535")
     return value
 
 
 def check_protocol(value: object, field_path: str) -> str:
     proto = "TCP" if value is None else value
     if proto not in PROTOCOLS:
-        raise FieldError(field_path, f"{value!r} is not one of {', '.join(PROTOCOLS)}")
+        raise FieldError(field_path, f"{shown(value)} is not one of {', '.join(PROTOCOLS)}")
     return str(proto)
 
 
 def check_ip(value: object, field_path: str) -> IPAddress:
-    if not isinstance(value, str):
-        raise FieldError(field_path, f"{value!r} is not an IP address")
+    if not isinstance(value, str) or len(value) > _MAX_IP_TEXT:
+        # Length first: the parse cache below must not keep a hostile 50 MB string as a key.
+        raise FieldError(field_path, f"{shown(value)} is not an IP address")
     ip = _parse_ip(value)
     if ip is None:
-        raise FieldError(field_path, f"{value!r} is not an IP address")
+        raise FieldError(field_path, f"{shown(value)} is not an IP address")
     if getattr(ip, "scope_id", None) is not None:
         # Python >= 3.9 accepts "fe80::1%<anything>" and keeps the text in str(ip); Kubernetes has no zones.
-        raise FieldError(field_path, f"{value!r} is not an IP address (no %zone allowed)")
+        raise FieldError(field_path, f"{shown(value)} is not an IP address (no %zone allowed)")
     return ip
 
 
@@ -117,7 +139,7 @@ def _parse_ip(value: str) -> Optional[IPAddress]:
         packed = socket.inet_pton(socket.AF_INET, value)
         if socket.inet_ntop(socket.AF_INET, packed) == value:
             return ipaddress.IPv4Address(packed)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: an embedded NUL ("10.0.0.1\0..."), found by the fault suite
         pass
     try:
         return ipaddress.ip_address(value)
@@ -127,20 +149,20 @@ def _parse_ip(value: str) -> Optional[IPAddress]:
 
 def check_cidr(value: object, field_path: str) -> IPNetwork:
     if not isinstance(value, str):
-        raise FieldError(field_path, f"{value!r} is not a CIDR")
+        raise FieldError(field_path, f"{shown(value)} is not a CIDR")
     try:
         net = ipaddress.ip_network(value.strip(), strict=False)
     except ValueError:
-        raise FieldError(field_path, f"{value!r} is not a CIDR") from None
+        raise FieldError(field_path, f"{shown(value)} is not a CIDR") from None
     if getattr(net.network_address, "scope_id", None) is not None:
-        raise FieldError(field_path, f"{value!r} is not a CIDR (no %zone allowed)")
+        raise FieldError(field_path, f"{shown(value)} is not a CIDR (no %zone allowed)")
     return net
 
 
 def check_choice(value: object, field_path: str, choices: Tuple[str, ...], default: str) -> str:
     chosen = default if value is None or value == "" else value
     if chosen not in choices:
-        raise FieldError(field_path, f"{value!r} is not one of {', '.join(choices)}")
+        raise FieldError(field_path, f"{shown(value)} is not one of {', '.join(choices)}")
     return str(chosen)
 
 
@@ -148,7 +170,7 @@ def check_zone(value: object, field_path: str) -> Optional[str]:
     if value is None:
         return None
     if not isinstance(value, str) or len(value) > 63 or not _ZONE.match(value):
-        raise FieldError(field_path, f"{value!r} is not a valid zone label value")
+        raise FieldError(field_path, f"{shown(value)} is not a valid zone label value")
     return value
 
 

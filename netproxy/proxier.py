@@ -58,6 +58,11 @@ class Proxier:
         full = self._need_full or self._last_full is None or now - self._last_full >= self.config.sync_period
         snapshot, changes = self.tracker.take()
         if not full and not changes.full and not changes.services:
+            # The queued events changed nothing (a node update without news, a slice re-sent as is):
+            # they are handled, so /healthz must not keep counting them as waiting.  Without this a
+            # no-op event left healthz "pending" until the next full sync (503 if the timeout is shorter).
+            if self.health is not None:
+                self.health.synced()
             return
         full = full or changes.full
         start = time.perf_counter()

@@ -8,6 +8,7 @@ object's kind, namespace/name and the failing field.
 from __future__ import annotations
 
 import datetime
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
@@ -33,6 +34,7 @@ from netproxy.model import (
     check_protocol,
     check_subdomain,
     check_zone,
+    shown,
 )
 
 T = TypeVar("T")
@@ -84,19 +86,40 @@ class EndpointSet:
 
 def object_ref(obj: Mapping[str, Any]) -> Tuple[str, str, str]:
     """(kind, namespace, name) of an object, validated, for keys and error messages."""
-    kind = str(obj.get("kind") or "?")
+    if not isinstance(obj, Mapping):
+        raise ValidationError("object", "?", "(root)", f"{shown(obj)} is not a Kubernetes object")
+    raw_kind = obj.get("kind")
+    kind = raw_kind if isinstance(raw_kind, str) and raw_kind.isidentifier() and len(raw_kind) <= 63 else "?"
     meta = obj.get("metadata") or {}
     if not isinstance(meta, Mapping):
         raise ValidationError(kind, "?", "metadata", "must be a mapping")
     raw_ns = meta.get("namespace") or "default"
     raw_name = meta.get("name")
-    ref = f"{raw_ns}/{raw_name}"
+    ref = f"{ref_part(raw_ns)}/{ref_part(raw_name)}"
     try:
         ns = check_label(raw_ns, "metadata.namespace")
         name = (check_subdomain if kind == "EndpointSlice" else check_label)(raw_name, "metadata.name")
     except FieldError as err:
         raise ValidationError(kind, ref, err.field_path, err.message) from None
     return kind, ns, name
+
+
+def loose_ref(obj: Mapping[str, Any]) -> str:
+    """namespace/name of an object for a message, whatever its metadata holds (nothing is checked)."""
+    meta = obj.get("metadata")
+    meta = meta if isinstance(meta, Mapping) else {}
+    return f"{ref_part(meta.get('namespace') or 'default')}/{ref_part(meta.get('name'))}"
+
+
+def ref_part(value: object) -> str:
+    """A namespace or name for an error message: as is when it is a plausible name, else quoted and
+    bounded (a name with a newline must not start a forged line in the log)."""
+    if isinstance(value, str) and len(value) <= 253 and _PLAIN_NAME.match(value):
+        return value
+    return shown(value)
+
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][-A-Za-z0-9._]*\Z")
 
 
 def _guard(kind: str, ref: str, fn: Callable[[], T]) -> T:
@@ -153,7 +176,7 @@ def _affinity(spec: Mapping[str, Any]) -> Tuple[str, int]:
     timeout = cfg.get("timeoutSeconds", DEFAULT_AFFINITY_TIMEOUT)
     path = "spec.sessionAffinityConfig.clientIP.timeoutSeconds"
     if isinstance(timeout, bool) or not isinstance(timeout, int) or not 1 <= timeout <= MAX_AFFINITY_TIMEOUT:
-        raise FieldError(path, f"{timeout!r} is outside 1..{MAX_AFFINITY_TIMEOUT}")
+        raise FieldError(path, f"{shown(timeout)} is outside 1..{MAX_AFFINITY_TIMEOUT}")
     return affinity, timeout
 
 
@@ -173,7 +196,7 @@ def _service_ports(ns: str, name: str, obj: Mapping[str, Any]) -> Tuple[ServiceP
     itp = check_choice(spec.get("internalTrafficPolicy"), "spec.internalTrafficPolicy", TRAFFIC_POLICIES, "Cluster")
     distribution = spec.get("trafficDistribution") or ""
     if distribution not in ("", "PreferClose", "PreferSameZone", "PreferSameNode"):
-        raise FieldError("spec.trafficDistribution", f"{distribution!r} is not PreferClose, PreferSameZone or "
+        raise FieldError("spec.trafficDistribution", f"{shown(distribution)} is not PreferClose, PreferSameZone or "
                          "PreferSameNode")
     hc_port = spec.get("healthCheckNodePort") or 0
     hc_port = check_port(hc_port, "spec.healthCheckNodePort", allow_zero=True)
@@ -192,13 +215,16 @@ def _service_ports(ns: str, name: str, obj: Mapping[str, Any]) -> Tuple[ServiceP
         elif len(raw_ports) > 1:
             raise FieldError(f"{path}.name", "is required when a service has more than one port")
         if port_name in seen:
-            raise FieldError(f"{path}.name", f"{port_name!r} is used by spec.ports[{seen[port_name]}] too")
+            raise FieldError(f"{path}.name", f"{shown(port_name)} is used by spec.ports[{seen[port_name]}] too")
         seen[port_name] = i
         port = check_port(p.get("port"), f"{path}.port")
         target = p.get("targetPort", port)
         # isascii: "²".isdigit() is true but int("²") raises ValueError, which no caller catches.
         if isinstance(target, str) and not (target.isascii() and target.isdigit()):
             target = check_label(target, f"{path}.targetPort", max_len=15)
+        elif isinstance(target, str) and len(target) > 5:
+            # int() of 5,000 digits raises ValueError (Python's digit limit), which no caller catches.
+            raise FieldError(f"{path}.targetPort", f"{shown(target)} is outside 1..65535")
         else:
             target = check_port(int(target) if isinstance(target, str) else target, f"{path}.targetPort")
         node_port = check_port(p.get("nodePort") or 0, f"{path}.nodePort", allow_zero=True)
@@ -272,7 +298,7 @@ def _bool(value: Any, default: bool, path: str) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise FieldError(path, f"{value!r} is not a boolean")
+        raise FieldError(path, f"{shown(value)} is not a boolean")
     return value
 
 
@@ -288,7 +314,7 @@ def parse_endpoint_slice(obj: Mapping[str, Any], families: Tuple[str, ...] = ("I
                               "metadata.labels[kubernetes.io/service-name]")
         addr_type = obj.get("addressType", "IPv4")
         if addr_type not in ("IPv4", "IPv6", "FQDN"):
-            raise FieldError("addressType", f"{addr_type!r} is not IPv4, IPv6 or FQDN")
+            raise FieldError("addressType", f"{shown(addr_type)} is not IPv4, IPv6 or FQDN")
         if addr_type not in families:
             return None
         ports = _slice_ports(obj.get("ports"), "ports")
@@ -334,7 +360,7 @@ def _slice_endpoint(raw: Any, addr_type: str, port: int, out: List[Endpoint]) ->
     for j, addr in enumerate(_list(e.get("addresses"), "addresses")):
         ip = check_ip(addr, f"addresses[{j}]")
         if ("IPv6" if ip.version == 6 else "IPv4") != addr_type:
-            raise FieldError(f"addresses[{j}]", f"{addr!r} is not of addressType {addr_type}")
+            raise FieldError(f"addresses[{j}]", f"{shown(addr)} is not of addressType {addr_type}")
         out.append(Endpoint(ip, port, ready, serving, terminating, node, zone, zone_hints, node_hints))
 
 
@@ -355,8 +381,10 @@ def parse_endpoints(obj: Mapping[str, Any]) -> EndpointSet:
         eps: List[Endpoint] = []
         subsets = _list(obj.get("subsets"), "subsets")
         if len(subsets) > 1:
-            # Subsets with different port sets cannot be flattened into one set faithfully.
-            port_sets = {repr(_map(s, "subsets").get("ports")) for s in subsets}
+            # Subsets with different port sets cannot be flattened into one set faithfully.  Compared
+            # parsed, not by repr: the repr of a YAML alias bomb never ends.
+            port_sets = {_slice_ports(_map(s, f"subsets[{i}]").get("ports"), f"subsets[{i}].ports")
+                         for i, s in enumerate(subsets)}
             if len(port_sets) > 1:
                 raise FieldError("subsets", "subsets with different ports are not supported; use EndpointSlices")
         for i, raw in enumerate(subsets):

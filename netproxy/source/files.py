@@ -15,15 +15,17 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import yaml
 
-from netproxy.model import IPNetwork, NodeInfo, ServicePort, ValidationError
-from netproxy.source import jsonstream
+from netproxy.model import IPNetwork, NodeInfo, ServicePort, ValidationError, shown
+from netproxy.source import jsonstream, yamldocs
 from netproxy.source.convert import (
     EndpointSet,
+    loose_ref,
     object_ref,
     parse_endpoint_slice,
     parse_endpoints,
@@ -36,8 +38,6 @@ log = logging.getLogger(__name__)
 
 Key = Tuple[str, str]
 MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
-# libyaml's safe loader is ~10x faster than the pure-Python one on a 10k-service dump.
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class SourceError(Exception):
@@ -76,18 +76,25 @@ def read_documents(path: str) -> List[Any]:
     except OSError as err:
         raise SourceError(f"{path}: {err.strerror}") from None
     try:
-        if path.endswith(".json"):
-            return [json.loads(text)]
-        return [d for d in yaml.load_all(text, Loader=_LOADER) if d is not None]
+        docs = [json.loads(text)] if path.endswith(".json") else yamldocs.read(text, path)
+    except RecursionError:  # json's decoder recurses per nesting level; libyaml stops at 1,000 itself
+        raise SourceError(f"{path}: not valid JSON: nested too deeply") from None
     except (ValueError, yaml.YAMLError) as err:
         raise SourceError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {err}") from None
+    if docs and all(yamldocs.not_an_object(d) or not isinstance(d, (Mapping, ValidationError)) for d in docs):
+        # Not a manifest at all (a stray file, a truncated write): reading it as "no services" would
+        # delete every rule, so it is an unreadable source, as a syntax error is.
+        raise SourceError(f"{path}: no document in it is a Kubernetes object (the first is {shown(docs[0])})"
+                          if not isinstance(docs[0], ValidationError) else
+                          f"{path}: no document in it is a Kubernetes object ({docs[0].message})")
+    return docs
 
 
-def read_objects(path: str) -> Iterator[Mapping[str, Any]]:
+def read_objects(path: str) -> Iterator[Union[Mapping[str, Any], ValidationError]]:
     """The Kubernetes objects of one file, one at a time.  A JSON ``List`` is streamed
     (:mod:`jsonstream`): its items are converted as they are decoded, never all held as dicts."""
     if not path.endswith(".json"):
-        yield from flatten(read_documents(path))
+        yield from flatten(read_documents(path), path)
         return
     try:
         with open(path, encoding="utf-8") as fh:
@@ -101,46 +108,63 @@ def read_objects(path: str) -> Iterator[Mapping[str, Any]]:
                 if isinstance(value, Mapping) and not value.get("kind"):
                     kindless.append(value)
                 else:
-                    yield from flatten([value])
+                    yield from flatten([value], path)
                 continue
             if kindless and isinstance(value, Mapping):
-                yield from flatten([{**value, "items": kindless}])
-            elif not (isinstance(value, Mapping) and str(value.get("kind") or "").endswith("List")):
-                yield from flatten([value])
+                yield from flatten([{**value, "items": kindless}], path)
+            elif not isinstance(value, Mapping):
+                raise SourceError(f"the document is {shown(value)}, not a Kubernetes object")
+            elif not str(value.get("kind") or "").endswith("List"):
+                yield from flatten([value], path)
     except ValueError as err:
         raise SourceError(f"{path}: not valid JSON: {err}") from None
+    except RecursionError:
+        raise SourceError(f"{path}: not valid JSON: nested too deeply") from None
     except SourceError as err:
         raise SourceError(f"{path}: {err}") from None
 
 
-def flatten(docs: Sequence[Any]) -> Iterator[Mapping[str, Any]]:
-    """Objects out of documents, unpacking ``List``/``ServiceList``/... as kubectl prints them."""
+def flatten(docs: Sequence[Any], source: str = "") -> Iterator[Union[Mapping[str, Any], ValidationError]]:
+    """Objects out of documents, unpacking ``List``/``ServiceList``/... as kubectl prints them.  A
+    document refused by the YAML reader, or one that is no object at all, comes out as the
+    :class:`ValidationError` that names it: the objects beside it are still used."""
     for doc in docs:
+        if isinstance(doc, ValidationError):
+            yield doc
+            continue
         if not isinstance(doc, Mapping):
-            raise SourceError(f"a document is a {type(doc).__name__}, not a Kubernetes object")
-        kind = str(doc.get("kind") or "")
+            yield ValidationError("object", f"? in {source}" if source else "?", "(root)",
+                                  f"is {shown(doc)}, not a Kubernetes object")
+            continue
+        kind = doc.get("kind")
+        kind = kind if isinstance(kind, str) else ""
         if kind.endswith("List") and isinstance(doc.get("items"), list):
             item_kind = kind[: -len("List")] or None
             for item in doc["items"]:
                 if isinstance(item, Mapping) and not item.get("kind") and item_kind:
                     item = {**item, "kind": item_kind}  # typed lists omit the items' kind
-                yield from flatten([item])
+                yield from flatten([item], source)
         else:
             yield doc
 
 
-def parse_objects(objects: Iterator[Mapping[str, Any]], node_name: str = "") -> Loaded:
+def parse_objects(objects: Iterator[Union[Mapping[str, Any], ValidationError]], node_name: str = "") -> Loaded:
     """Model objects from Kubernetes objects; each invalid one lands in ``errors``, the rest are used."""
     return merge([_parse_part(objects, node_name)])
 
 
-def _parse_part(objects: Iterator[Mapping[str, Any]], node_name: str) -> Loaded:
+def _parse_part(objects: Iterator[Union[Mapping[str, Any], ValidationError]], node_name: str) -> Loaded:
     """One file's objects, converted; duplicates and legacy Endpoints are settled by :func:`merge`."""
     out = Loaded()
     seen: Set[Key] = set()
     for obj in objects:
+        if isinstance(obj, ValidationError):
+            out.errors.append(obj)
+            continue
         kind = obj.get("kind")
         try:
+            if kind is not None and not isinstance(kind, str):
+                raise ValidationError("object", loose_ref(obj), "kind", f"{shown(kind)} is not a string")
             if kind == "Service":
                 _, ns, name = object_ref(obj)
                 if (ns, name) in seen:
@@ -165,7 +189,7 @@ def _parse_part(objects: Iterator[Mapping[str, Any]], node_name: str) -> Loaded:
                 if node is not None:
                     out.node = node
             else:
-                log.debug("ignoring object of kind %r", kind)
+                log.debug("ignoring object of kind %s", shown(kind))
         except ValidationError as err:
             out.errors.append(err)
     return out
@@ -267,10 +291,12 @@ class FileSource:
     and needs no inotify binding; it catches editors that replace the file as well as in-place writes.
     """
 
-    def __init__(self, path: str, node_name: str = "", poll_interval: float = 0.02) -> None:
+    def __init__(self, path: str, node_name: str = "", poll_interval: float = 0.02, max_settle: float = 1.0) -> None:
         self.path = path
         self.node_name = node_name
         self.poll_interval = poll_interval
+        self.max_settle = max_settle
+        """Longest a change waits for the file to hold still before it is loaded anyway."""
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._signature: Optional[Tuple[Tuple[str, FileSig], ...]] = None
@@ -322,13 +348,23 @@ class FileSource:
             self._thread.join(timeout=2)
 
     def _watch(self, tracker: Any) -> None:
+        changing_since: Optional[float] = None
         while not self._stop.wait(self.poll_interval):
             seen = self._current_signature()
             if seen == self._signature:
+                changing_since = None
                 continue
+            now = time.monotonic()
+            changing_since = now if changing_since is None else changing_since
             # Debounce: a writer that truncates and rewrites in place (`kubectl ... > file`) shows an
             # empty or half-written file first; load only once the file held still for one interval.
-            if self._stop.wait(self.poll_interval) or self._current_signature() != seen:
+            # But not forever: a file rewritten more often than that (an update storm) would never be
+            # loaded, so after max_settle it is loaded as it is (a half-written file that does not
+            # parse keeps the last good state).
+            if self._stop.wait(self.poll_interval):
+                return
+            if self._current_signature() != seen and now - changing_since < self.max_settle:
                 continue
+            changing_since = None
             log.info("source %s changed, reloading", self.path)
             self.load_into(tracker)

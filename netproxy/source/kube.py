@@ -39,10 +39,11 @@ Key = Tuple[str, str]
 
 def object_key(obj: Mapping[str, Any]) -> Optional[Key]:
     """(namespace, name) straight from metadata, unvalidated: a delete must find what an add stored."""
-    meta = obj.get("metadata")
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
     if not isinstance(meta, Mapping) or not isinstance(meta.get("name"), str):
         return None
-    return (str(meta.get("namespace") or "default"), meta["name"])
+    namespace = meta.get("namespace") or "default"
+    return (namespace, meta["name"]) if isinstance(namespace, str) else None
 
 
 class ServiceHandler:
@@ -156,7 +157,8 @@ class NodeHandler:
             self.tracker.set_node(info)
 
     def _mine(self, obj: Obj) -> bool:
-        return bool((obj.get("metadata") or {}).get("name") == self.node_name)
+        meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+        return isinstance(meta, Mapping) and meta.get("name") == self.node_name
 
     def replace(self, items: Iterator[Obj]) -> None:
         found: Optional[Obj] = None

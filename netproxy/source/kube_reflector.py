@@ -218,8 +218,9 @@ class Reflector:
             for item in items:
                 # Items of a list carry no kind (the list does); conversion needs it for messages and
                 # for name rules (an EndpointSlice name is a subdomain, a Service name a label).
-                item.setdefault("kind", item_kind)
-                yield item
+                if isinstance(item, dict):
+                    item.setdefault("kind", item_kind)
+                yield item  # a non-object item is the handler's to reject: the list must not fail for it
             del items
             cont = meta.get("continue") or None
             if not cont:

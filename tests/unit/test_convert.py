@@ -65,7 +65,8 @@ def test_object_ref_allows_subdomain_names_only_for_slices() -> None:
 def test_bad_names_rejected_with_object_and_field(bad: str) -> None:
     err = rejected(parse_service, service(name=bad))
     assert err.kind == "Service" and err.field_path == "metadata.name"
-    assert err.ref == f"shop/{bad}"
+    # A name that could forge a log line (newline, quote, space) is shown quoted, as Python's repr.
+    assert err.ref == (f"shop/{bad}" if bad.isalnum() else f"shop/{bad!r}")
     err = rejected(parse_service, service(namespace=bad))
     assert err.field_path == "metadata.namespace"
 

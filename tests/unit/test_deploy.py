@@ -85,13 +85,13 @@ def used_by_source(use_endpoints: bool) -> Set[Grant]:
             source.stop()
             api_client.close()
         out: Set[Grant] = set()
-        for method, path, _query in api.requests:
+        for method, path, query in api.requests:
             assert method == "GET", f"the source wrote: {method} {path}"
+            # Collections only (no name after the resource): a single-object get would need "get".
             m = re.fullmatch(r"/api/v1/(\w+)|/apis/([\w.]+)/v1/(\w+)", path)
             assert m, path
             group, resource = ("", m.group(1)) if m.group(1) else (m.group(2), m.group(3))
-            # The source lists and watches; get rides along (kube-proxy's role grants it too).
-            out |= {(group, resource, v) for v in ("get", "list", "watch")}
+            out.add((group, resource, "watch" if query.get("watch") in ("true", "1") else "list"))
         return out
 
 
@@ -101,7 +101,7 @@ def test_rbac_grants_exactly_what_the_source_uses() -> None:
 
 def test_legacy_endpoints_role_adds_exactly_endpoints() -> None:
     assert grants("rbac.yaml", "rbac-endpoints.yaml") >= used_by_source(use_endpoints=True)
-    assert grants("rbac-endpoints.yaml") == {("", "endpoints", v) for v in ("get", "list", "watch")}
+    assert grants("rbac-endpoints.yaml") == {("", "endpoints", v) for v in ("list", "watch")}
 
 
 def test_bindings_bind_the_daemonsets_service_account() -> None:

@@ -325,3 +325,35 @@ def test_load_into_counts_rejections(tmp_path: Path) -> None:
     snap, changes = tracker.take()
     assert set(snap.services) == {ServicePortName("default", "ok")}
     assert changes.services == {ServicePortName("default", "ok")}
+
+
+def test_a_file_that_never_holds_still_is_still_loaded(tmp_path: Path) -> None:
+    """An update storm rewrites the file faster than the debounce interval: it must be loaded at least
+    every max_settle anyway, not only once the storm ends (issue 16 item 5)."""
+    path = tmp_path / "c.yaml"
+    write_yaml(path, service_doc("s0", "10.96.0.1"))
+    tracker = ChangeTracker()
+    source = FileSource(str(path), poll_interval=0.02, max_settle=0.3)
+    source.start(tracker)
+    stop = threading.Event()
+
+    def storm() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            write_yaml(tmp_path / "next.yaml", service_doc(f"s{i}", "10.96.0.1"))
+            os.replace(tmp_path / "next.yaml", path)
+            time.sleep(0.004)
+
+    writer = threading.Thread(target=storm)
+    writer.start()
+    try:
+        time.sleep(0.2)  # the storm is on
+        first = {k for k in tracker.take()[0].services}
+        time.sleep(1.2)
+        later = {k for k in tracker.take()[0].services}
+        assert later and later != first, "the source did not reload during the storm"
+    finally:
+        stop.set()
+        writer.join()
+        source.stop()

@@ -130,6 +130,22 @@ class Store:
         self.faults: List[Tuple[int, Optional[str], bool, int]] = []  # (status, path part, watch only, count)
         self.requests: List[Tuple[str, str, Dict[str, str]]] = []
         self.closed = False
+        self.down_until = 0.0  # monotonic: until then every request is cut without an answer
+        self.slow_until = 0.0
+        self.slow_delay = 0.0  # seconds added before each answer until slow_until
+        self.refused = 0  # requests cut while down (the client's reconnect attempts)
+        self.authorizations: List[str] = []  # distinct Authorization headers seen (a test checks tokens are sent)
+
+    def go_down(self, seconds: float) -> None:
+        """An outage: every open watch is cut, and every request for ``seconds`` is closed unanswered."""
+        with self.cond:
+            self.down_until = time.monotonic() + seconds
+        self.drop_watches()
+
+    def go_slow(self, seconds: float, delay: float) -> None:
+        with self.cond:
+            self.slow_until = time.monotonic() + seconds
+            self.slow_delay = delay
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -306,13 +322,48 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(404, "NotFound", f"the server could not find the requested resource ({url.path})")
         return RESOURCES[rest[0]], namespace, (rest[1] if len(rest) == 2 else None), query
 
+    def _outage(self, method: str) -> bool:
+        """Test control (``POST /_fault/down?seconds=S``, ``/_fault/slow?seconds=S&delay=D``,
+        ``/_fault/drop``, ``/_fault/expire``) and the outage itself; True when the request is done."""
+        store = self.server.store
+        url = urlsplit(self.path)
+        if url.path.startswith("/_fault/") and method == "POST":
+            query = {k: float(v[-1]) for k, v in parse_qs(url.query).items()}
+            verb = url.path[len("/_fault/"):]
+            if verb == "down":
+                store.go_down(query["seconds"])
+            elif verb == "slow":
+                store.go_slow(query["seconds"], query["delay"])
+            elif verb == "drop":
+                store.drop_watches()
+            elif verb == "expire":
+                store.expire_watches()
+            else:
+                raise ApiError(404, "NotFound", f"no fault {verb!r}")
+            self._send_json(200, {"fault": verb, "refused": store.refused})
+            return True
+        now = time.monotonic()
+        if now < store.down_until:
+            with store.cond:
+                store.refused += 1
+            self.close_connection = True  # no status line at all: the client sees the connection drop
+            return True
+        if now < store.slow_until:
+            time.sleep(store.slow_delay)
+        return False
+
     def _handle(self, method: str) -> None:
         store = self.server.store
         try:
+            if self._outage(method):
+                return
             res, namespace, name, query = self._route()
             is_watch = query.get("watch") in ("true", "1")
             with store.cond:
                 store.requests.append((method, urlsplit(self.path).path, query))
+                auth = self.headers.get("Authorization")
+                if auth and auth not in store.authorizations:
+                    store.authorizations.append(auth)
             status = store.take_fault(self.path, is_watch)
             if status is not None:
                 raise ApiError(status, "InternalError" if status >= 500 else "Injected", f"injected {status}")
@@ -533,6 +584,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--listen", default="127.0.0.1:0")
     parser.add_argument("--port-file", help="write the bound port here once listening")
     parser.add_argument("--load", help="a JSON file: {plural: [objects]} to create at start")
+    parser.add_argument("--storm", metavar="RATE:SECONDS", help="after start, replace RATE endpoint slices a "
+                        "second for SECONDS (each a random non-empty subset of the addresses the slices hold)")
+    parser.add_argument("--storm-start-file", help="begin the storm once this file exists (default: at once)")
+    parser.add_argument("--storm-final", help="write the objects as they are after the storm here, as a List "
+                        "with a 'changes' count (written last, atomically: its presence says the storm ended)")
     args = parser.parse_args(argv)
     host, port = args.listen.rsplit(":", 1)
     server = ApiServer(host, int(port))
@@ -544,7 +600,43 @@ def main(argv: Optional[List[str]] = None) -> None:
         with open(args.port_file + ".tmp", "w") as f:
             f.write(str(server.httpd.server_address[1]))
         os.replace(args.port_file + ".tmp", args.port_file)
+    if args.storm:
+        rate, seconds = (float(x) for x in args.storm.split(":"))
+        threading.Thread(target=storm, args=(server.store, rate, seconds, args.storm_start_file, args.storm_final),
+                         name="storm", daemon=True).start()
     server.httpd.serve_forever(poll_interval=0.2)
+
+
+def storm(store: Store, rate: float, seconds: float, start_file: Optional[str], final: Optional[str]) -> None:
+    """An update storm made inside the server (a client making 1,000 requests a second would measure
+    the client): ``rate`` slice replacements a second, at a steady pace, for ``seconds``."""
+    import random
+
+    rng = random.Random(7)
+    while start_file and not os.path.exists(start_file):
+        time.sleep(0.05)
+    with store.cond:
+        keys = sorted(store.objects["endpointslices"])
+        addresses = sorted({a for s in store.objects["endpointslices"].values()
+                            for e in s.get("endpoints") or [] for a in e.get("addresses") or []})
+    changes, start = 0, time.monotonic()
+    while time.monotonic() - start < seconds:
+        due = int((time.monotonic() - start) * rate)
+        while changes < due:
+            with store.cond:
+                obj = copy.deepcopy(store.objects["endpointslices"][rng.choice(keys)])
+            obj["endpoints"] = [{"addresses": [a], "conditions": {"ready": True}}
+                                for a in rng.sample(addresses, rng.randint(1, len(addresses)))]
+            store.replace("endpointslices", obj)
+            changes += 1
+        time.sleep(0.002)
+    if final:
+        with store.cond:
+            items = [o for plural in ("services", "endpointslices") for o in store.objects[plural].values()]
+            body = json.dumps({"apiVersion": "v1", "kind": "List", "items": items, "changes": changes})
+        with open(final + ".tmp", "w") as f:
+            f.write(body)
+        os.replace(final + ".tmp", final)
 
 
 if __name__ == "__main__":

@@ -48,9 +48,11 @@ class StandInProcess:
     """
 
     def __init__(self, objects: Optional[Dict[str, List[Dict[str, Any]]]] = None,
-                 prefix: Sequence[str] = (), host: str = "127.0.0.1") -> None:
+                 prefix: Sequence[str] = (), host: str = "127.0.0.1", extra: Sequence[str] = ()) -> None:
         self.objects = objects or {}
         self.prefix = list(prefix)
+        self.extra = list(extra)
+        """More arguments for apiserver.py (e.g. ``--storm``)."""
         self.host = host
         self.proc: Optional[subprocess.Popen[bytes]] = None
         self.tmp = tempfile.TemporaryDirectory(prefix="netproxy-apiserver-")
@@ -63,7 +65,7 @@ class StandInProcess:
             json.dump(self.objects, f)
         self.proc = subprocess.Popen(self.prefix + [sys.executable, os.path.join(HERE, "apiserver.py"),
                                                     "--listen", f"{self.host}:0", "--port-file", port_file,
-                                                    "--load", load])
+                                                    "--load", load, *self.extra])
         deadline = time.monotonic() + 60
         while not os.path.exists(port_file):
             if self.proc.poll() is not None or time.monotonic() > deadline:
