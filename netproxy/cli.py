@@ -147,9 +147,22 @@ class _StoreTrue(argparse._StoreTrueAction):
         _note_given(namespace, self.dest)
 
 
-def _add_common(p: argparse.ArgumentParser, backends: Sequence[str] = BACKENDS) -> None:
+def _add_logging(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="log lines as text or JSON")
+
+
+def _add_writers(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--iptables-writer", default="restore", choices=list(IPTABLES_WRITERS),
+                   help="iptables backend: atomic iptables-restore (default) or in-process libiptc")
+    p.add_argument("--iptables-flavour", default="auto", choices=["auto", "legacy", "nft"],
+                   help="iptables backend: which iptables the node uses (auto: ask `iptables --version`)")
+    p.add_argument("--nftables-writer", default="netlink", choices=list(NFTABLES_WRITERS),
+                   help="nftables backend: its own netlink batches (default) or libnftables (nft text)")
+
+
+def _add_common(p: argparse.ArgumentParser, backends: Sequence[str] = BACKENDS) -> None:
+    _add_logging(p)
     shown = [b for b in backends if b != "fake"]  # the in-memory test backend: accepted, not advertised
 
     def backend_name(text: str) -> str:
@@ -159,12 +172,7 @@ def _add_common(p: argparse.ArgumentParser, backends: Sequence[str] = BACKENDS) 
 
     p.add_argument("--backend", default="auto", type=backend_name, action=_Store, metavar="{" + ",".join(shown) + "}",
                    help="dataplane; auto runs the iptables version check (see `netproxy detect`)")
-    p.add_argument("--iptables-writer", default="restore", choices=list(IPTABLES_WRITERS),
-                   help="iptables backend: atomic iptables-restore (default) or in-process libiptc")
-    p.add_argument("--iptables-flavour", default="auto", choices=["auto", "legacy", "nft"],
-                   help="iptables backend: which iptables the node uses (auto: ask `iptables --version`)")
-    p.add_argument("--nftables-writer", default="netlink", choices=list(NFTABLES_WRITERS),
-                   help="nftables backend: its own netlink batches (default) or libnftables (nft text)")
+    _add_writers(p)
 
 
 def _add_proxy(p: argparse.ArgumentParser) -> None:
@@ -320,14 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-kube-proxy", action="store_true",
                    help="take over from kube-proxy: remove its rules (KUBE-* chains, kube-proxy tables), only those")
     p.add_argument("--source", required=True, help="manifest file or directory")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--log-format", default="text", choices=["text", "json"], help="log lines as text or JSON")
-    p.add_argument("--iptables-writer", default="restore", choices=list(IPTABLES_WRITERS),
-                   help="iptables target: atomic iptables-restore (default) or in-process libiptc")
-    p.add_argument("--iptables-flavour", default="auto", choices=["auto", "legacy", "nft"],
-                   help="iptables target: which iptables (auto: ask `iptables --version`)")
-    p.add_argument("--nftables-writer", default="netlink", choices=list(NFTABLES_WRITERS),
-                   help="nftables target: its own netlink batches (default) or libnftables")
+    _add_logging(p)
+    _add_writers(p)
     _add_proxy(p)
     p = sub.add_parser("cleanup", help="remove every rule, chain and table netproxy created, nothing else")
     _add_common(p, BACKENDS + ("all",))

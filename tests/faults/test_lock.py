@@ -26,7 +26,18 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import pytest
 from figures import figure
-from harness import Combo, Proxy, endpoint_slice, port, require, selected_combos, service, wait_for, write_manifests
+from harness import (
+    Combo,
+    Proxy,
+    driven,
+    endpoint_slice,
+    port,
+    require,
+    selected_combos,
+    service,
+    wait_for,
+    write_manifests,
+)
 from test_parity import http_get
 
 from netproxy.sandbox import Pod, Sandbox
@@ -59,12 +70,7 @@ def ipt_sandbox(kernel_env: None, ipt: Combo) -> Iterator[Sandbox]:
 
 @pytest.fixture()
 def iproxy(ipt_sandbox: Sandbox, ipt: Combo, tmp_path: Any) -> Iterator[Proxy]:
-    driver = Proxy(ipt_sandbox, ipt, str(tmp_path))
-    ipt_sandbox.reset_netfilter()
-    try:
-        yield driver
-    finally:
-        driver.reset()
+    yield from driven(ipt_sandbox, ipt, str(tmp_path))
 
 
 def _cluster(pods: Sequence[Pod], services: int, variant: int) -> List[Dict[str, Any]]:

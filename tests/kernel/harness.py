@@ -334,14 +334,19 @@ def sandbox(kernel_env: None, combo: Combo) -> Iterator[Sandbox]:
         yield sb
 
 
-@pytest.fixture()
-def proxy(sandbox: Sandbox, combo: Combo, tmp_path: Any) -> Iterator[Proxy]:
-    driver = Proxy(sandbox, combo, str(tmp_path))
+def driven(sandbox: Sandbox, combo: Combo, workdir: str) -> Iterator[Proxy]:
+    """A :class:`Proxy` for one test on an emptied node; its runs stopped and the node reset after."""
+    driver = Proxy(sandbox, combo, workdir)
     sandbox.reset_netfilter()
     try:
         yield driver
     finally:
         driver.reset()
+
+
+@pytest.fixture()
+def proxy(sandbox: Sandbox, combo: Combo, tmp_path: Any) -> Iterator[Proxy]:
+    yield from driven(sandbox, combo, str(tmp_path))
 
 
 @pytest.fixture(scope="module")
