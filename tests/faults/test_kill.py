@@ -163,7 +163,7 @@ def test_kill_9_of_run_and_restart_keep_established_flows(proxy: Proxy, sandbox:
     run = proxy.start_run(_dns(pods))
     wait_for(lambda: None if "synced full" in proxy.run_output() else "no sync yet", timeout=60)
     before = _flows(sandbox)
-    assert len(set(before.values())) > 1 or len(FLOW_PORTS) < 3, f"no random choice at all: {before}"
+    # (All six on one pod happens (3 * 3^-6); a wipe would still re-balance them: 3^-6 to land there again.)
     run.kill()
     run.wait()
     ruleset = _listing(proxy)
