@@ -24,6 +24,7 @@ import pytest
 from figures import figure
 from harness import Combo, Proxy, endpoint_slice, port, service
 from storm import netproxy_pid, wait_until
+from test_kube_source import kubeconfig as _kubeconfig
 
 from netproxy.sandbox import NODE_NAME, Pod, Sandbox
 
@@ -79,13 +80,6 @@ def web_slice(pods: Sequence[Pod]) -> Dict[str, Any]:
     return _api(endpoint_slice("web", pods, [{"name": "http", "port": 8080, "protocol": "TCP"}]))
 
 
-def _kubeconfig(path: str, url: str) -> str:
-    doc = {"apiVersion": "v1", "kind": "Config", "current-context": "standin",
-           "clusters": [{"name": "standin", "cluster": {"server": url}}], "users": [{"name": "proxy", "user": {}}],
-           "contexts": [{"name": "standin", "context": {"cluster": "standin", "user": "proxy"}}]}
-    with open(path, "w") as f:
-        json.dump(doc, f)
-    return path
 
 
 class Api:

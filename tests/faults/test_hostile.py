@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Sequence
 import pytest
 from figures import figure
 from harness import Combo, Proxy, assert_only_and_all, endpoint_slice, port, service, wait_for
+from test_kube_source import kubeconfig as _kubeconfig
 
 from netproxy.sandbox import NODE_NAME, Sandbox
 
@@ -109,13 +110,6 @@ def _api_object(obj: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _kubeconfig(path: str, url: str) -> str:
-    doc = {"apiVersion": "v1", "kind": "Config", "current-context": "standin",
-           "clusters": [{"name": "standin", "cluster": {"server": url}}], "users": [{"name": "proxy", "user": {}}],
-           "contexts": [{"name": "standin", "context": {"cluster": "standin", "user": "proxy"}}]}
-    with open(path, "w") as f:
-        json.dump(doc, f)
-    return path
 
 
 METRICS = "127.0.0.1:10349"

@@ -24,6 +24,7 @@ import pytest
 from figures import figure
 from harness import Combo, Proxy, assert_only_and_all
 from storm import cluster, file_storm, netproxy_pid, rss_kb, slice_of, sync_times, wait_until, write_atomically
+from test_kube_source import kubeconfig as _kubeconfig
 
 from netproxy.sandbox import NODE_NAME, Pod, Sandbox
 
@@ -158,13 +159,6 @@ def _api(obj: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}
 
 
-def _kubeconfig(path: str, url: str) -> str:
-    doc = {"apiVersion": "v1", "kind": "Config", "current-context": "standin",
-           "clusters": [{"name": "standin", "cluster": {"server": url}}], "users": [{"name": "proxy", "user": {}}],
-           "contexts": [{"name": "standin", "context": {"cluster": "standin", "user": "proxy"}}]}
-    with open(path, "w") as f:
-        json.dump(doc, f)
-    return path
 
 
 def test_an_api_storm_coalesces_and_ends_exact(proxy: Proxy, sandbox: Sandbox, combo: Combo, tmp_path: Any) -> None:
