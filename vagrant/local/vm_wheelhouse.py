@@ -118,7 +118,7 @@ def target_args(python: str, pytag: str, glibc: str) -> List[str]:
 def build_wheelhouse(nodes: List[Node], timer: Timer) -> Path:
     """One flat directory of wheels for all guest Pythons (pure ones shared by all of them).
 
-    Also writes <tag>.requirements (what the guest installs); install_deps() later completes the
+    Also writes <tag>.requirements (what the guest installs); vm_guest.install_deps() later completes the
     set with the guest's own resolver and freezes <tag>.lock.
     """
     wh = CACHE / "wheelhouse"
