@@ -14,8 +14,8 @@ from typing import Dict, Iterable, List, Set, Tuple
 from netproxy.backends.base import Outcome, Packet
 from netproxy.backends.iptables import ipset
 from netproxy.backends.iptables.ipset import KernelIpsets
+from netproxy.backends.iptables.kernel.restore import tool
 from netproxy.backends.iptables.render import FamilyRuleset
-from netproxy.backends.iptables.restore import tool
 from netproxy.backends.listing import run
 from netproxy.config import ProxyConfig
 

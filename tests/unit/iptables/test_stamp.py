@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from netproxy.backends.iptables import stamp
+from netproxy.backends.iptables.kernel import stamp
 
 
 @pytest.mark.parametrize("family", [4, 6])
