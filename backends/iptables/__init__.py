@@ -158,12 +158,11 @@ class IptablesBackend:
     def trace(self, snapshot: Snapshot, packet: Packet) -> List[Outcome]:
         """Where ``packet`` goes in the rules this backend renders for ``snapshot`` (``netproxy trace``):
         the rendered rules interpreted as the kernel would; nothing is read or written."""
-        from netproxy.backends.iptables.trace import Packet as TracedPacket
         from netproxy.backends.iptables.trace import Tracer
 
         desired, _ = self._render(snapshot)
         family = 6 if packet.family == "ip6" else 4
-        outcomes: List[Outcome] = Tracer(desired[family], packet.local).outcomes(TracedPacket.of(packet))
+        outcomes: List[Outcome] = Tracer(desired[family], packet.local).outcomes(packet)
         return outcomes
 
     def sync(self, snapshot: Snapshot, changes: Changes) -> SyncResult:

@@ -98,8 +98,10 @@ class Tracer:
                 out.add(Outcome("accept", state.dnat, masq.pop()))
         return out
 
-    def outcomes(self, pkt: Packet) -> List[base.Outcome]:
-        """Every way ``pkt`` can go, with its chains and share (``netproxy trace``)."""
+    def outcomes(self, packet: base.Packet) -> List[base.Outcome]:
+        """Every way ``packet`` can go, with its chains and share: what ``netproxy trace`` prints, for
+        the rendered rules and the kernel's alike (the one place the shared packet is converted)."""
+        pkt = Packet.of(packet)
         out: List[base.Outcome] = []
         start = _State(chains=("nat/" + ("OUTPUT" if pkt.from_node else "PREROUTING"),))
         for state, _ in self._run("nat", names.SERVICES, pkt, pkt.dst, start, "NEW"):
