@@ -1,4 +1,4 @@
-"""The legacy-table fingerprint's entry walk (backends/iptables/stamp.py), without a kernel."""
+"""The legacy-table fingerprint's entry walk (backends/iptables/kernel/stamp.py), without a kernel."""
 
 from __future__ import annotations
 
