@@ -17,11 +17,11 @@ from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence,
 
 from netproxy.backends.base import BackendError, BackendUnavailable, Outcome, Packet, SyncResult
 from netproxy.backends.iptables import cleanup as cleanup_mod
-from netproxy.backends.iptables import guard, kernel
+from netproxy.backends.iptables import guard
 from netproxy.backends.iptables.assemble import JUMPS, TABLES, Memo, assemble
 from netproxy.backends.iptables.diff import KernelTable, TableChange, full_change, partial_change
 from netproxy.backends.iptables.ipset import Ipsets, KernelIpsets
-from netproxy.backends.iptables.kernel import Writer
+from netproxy.backends.iptables.kernel import Writer, create
 from netproxy.backends.iptables.kernel.restore import supports_random_fully
 from netproxy.backends.iptables.kernel.stamp import Stamp
 from netproxy.backends.iptables.payload import plan_text
@@ -84,8 +84,8 @@ class IptablesBackend:
     def kernel(self) -> Writer:
         """The configured writer (``--iptables-writer``), made when first needed."""
         if self._kernel is None:
-            self._kernel = kernel.create(self.config.iptables_writer, self.config.iptables_flavour, self.lock,
-                                         keep_text=not self.config.one_shot)
+            self._kernel = create(self.config.iptables_writer, self.config.iptables_flavour, self.lock,
+                                  keep_text=not self.config.one_shot)
         return self._kernel
 
     # -- rendering -------------------------------------------------------------------------------
