@@ -37,7 +37,7 @@ def raw_netlink(backend: Any, snapshot: Any, config: Any) -> Dict[str, Any]:
     if getattr(config, "nftables_writer", "") != "netlink" or config.backend != "nftables":
         return {"skipped": "the netlink writer's reference"}
     state = backend._build_state(snapshot, None)
-    backend.runner.watch(False)  # as netproxy's own rewrite does: no change notifications to deliver
+    backend.kernel.watch(False)  # as netproxy's own rewrite does: no change notifications to deliver
     runner = NetlinkRunner()
     runs: List[Dict[str, Any]] = []
     size = 0
