@@ -32,6 +32,7 @@ from netproxy.backends.nftables.transaction import (
     shared_changes,
     stale_affinity,
 )
+from netproxy.backends.skip import Action, SkipPolicy
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, ServicePortName, Snapshot
 
@@ -53,6 +54,9 @@ class NftablesBackend:
         self._state: Optional[State] = None
         """What netproxy last wrote; None until a full sync succeeded (and after any failure)."""
         self.last_transaction: Optional[Transaction] = None
+        self._policy = SkipPolicy()
+        """The generation has no race window (every commit moves it): no bound on full syncs that
+        write only the changes (backends/skip.py)."""
 
     @property
     def runner(self) -> Runner:
@@ -102,10 +106,8 @@ class NftablesBackend:
         gen = self.runner.generation()
         if gen is None or gen == state.generation:
             return None
-        touched = self.runner.others_touched(state.own)
-        state.own.clear()
-        if touched is False:
-            state.generation = gen  # others wrote elsewhere: the record holds (as _full_sync decides)
+        vouched = self._vouched(state, gen)
+        if vouched:
             return None
         missing = state.tables - self.runner.existing_tables()
         self._state = None
@@ -113,8 +115,8 @@ class NftablesBackend:
             log.warning("nftables: table %s netproxy deleted by someone else", ", ".join(sorted(missing)))
             return "table-deleted"
         log.warning("nftables: netproxy's tables changed by someone else%s",
-                    "" if touched else " (or change notifications were lost)")
-        return "rules-changed" if touched else "unknown"
+                    "" if vouched is False else " (or change notifications were lost)")
+        return "rules-changed" if vouched is False else "unknown"
 
     def written_tables(self) -> FrozenSet[str]:
         """The families (``ip``, ``ip6``) whose netproxy table our last full sync wrote (empty before
@@ -163,19 +165,28 @@ class NftablesBackend:
     def _full_sync(self, snapshot: Snapshot) -> SyncResult:
         before = self.runner.generation()
         state = self._state
-        if state is not None and before is not None and state.generation is not None:
-            # The kernel held exactly our record at state.generation.  If nobody committed since,
-            # or others did but (says the kernel's change notifications) not to our tables, the
-            # record still holds: "re-read and rewrite" reduces to writing what changed.
-            intact = before == state.generation or self.runner.others_touched(state.own) is False
-            state.own.clear()
-            if intact:
-                state.generation = before
-                changed = self._changed_names(snapshot)
-                log.debug("netproxy's tables unchanged by others at generation %d; %d service ports changed",
-                          before, len(changed))
-                return self._incremental(snapshot, changed)
+        if self._policy.decide(state is not None, lambda: self._vouched(state, before)) is Action.WRITE_CHANGES:
+            changed = self._changed_names(snapshot)
+            log.debug("netproxy's tables unchanged by others at generation %s; %d service ports changed",
+                      before, len(changed))
+            return self._incremental(snapshot, changed)
         return self._rewrite(snapshot, before)
+
+    def _vouched(self, state: Optional[State], now: Optional[int]) -> Optional[bool]:
+        """Whether the kernel vouches that it still holds ``state`` at generation ``now``: the kernel
+        held exactly the record at ``state.generation``; nobody committed since, or others did but
+        (say the change notifications) not to our tables — then the record moves to ``now``.  False:
+        someone touched our tables; None: cannot tell (no generation, notifications lost)."""
+        if state is None or now is None or state.generation is None:
+            return None
+        if now == state.generation:
+            return True  # nothing committed since: the notifications wait for the next look
+        touched = self.runner.others_touched(state.own)
+        state.own.clear()
+        if touched is False:
+            state.generation = now
+            return True
+        return None if touched is None else False
 
     def _rewrite(self, snapshot: Snapshot, before: Optional[int]) -> SyncResult:
         """Delete and recreate netproxy's tables with everything in ``snapshot``, in one transaction."""

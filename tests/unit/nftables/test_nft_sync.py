@@ -281,3 +281,17 @@ def test_lost_notifications_mean_rebuild() -> None:
     fake.watching = False  # as after an overflow: the monitor cannot vouch for our tables
     b.sync(_base(), Changes())
     assert any(op[0] == "delete" and type(op[2]).__name__ == "Table" for op in fake.transactions[-1])
+
+
+def test_a_skipped_full_sync_keeps_its_own_transactions_apart_from_foreign_ones() -> None:
+    b, fake = backend()
+    b.sync(_base(), Changes())
+    after = _base()
+    after.endpoints[API.name] = eps("10.1.1.4")  # type: ignore[index]
+    _incremental(b, after, API)  # our transaction's notification waits in the queue
+    b.sync(after, Changes())  # nobody else committed: nothing written, nothing drained
+    fake.foreign_write(ours=False)
+    assert b.tampered() is None, "our own incremental write is not someone else's change"
+    n = len(fake.transactions)
+    b.sync(after, Changes())
+    assert len(fake.transactions) == n
