@@ -391,8 +391,9 @@ def add_first_used(tx: Transaction, fam: str, used: Iterable[render.Shared], pen
 
 # --- ClientIP affinity as map elements (layout.AFFINITY_FAMILIES) ----------------------------------
 
-AffinityKey = Tuple[str, Optional[str], str]
-"""(protocol, service address or None for a nodePort, port) of a remembered client's service."""
+AffinityKey = Tuple[str, str]
+"""(protocol, ``address . port`` or, for a nodePort, ``port``) of a remembered client's service: the
+endpoint run's prefix, as render wrote it."""
 
 
 def affinity_index(objects: Iterable[render.ServiceObjects]) -> Dict[AffinityKey, FrozenSet[str]]:
@@ -401,23 +402,21 @@ def affinity_index(objects: Iterable[render.ServiceObjects]) -> Dict[AffinityKey
     found: Dict[AffinityKey, PySet[str]] = {}
     for objs in objects:
         for (_, key), run in objs.runs.items():
-            if "-sticky-" not in run.set:
-                continue
-            parts = key.split(" . ")
-            akey: AffinityKey = (parts[1], parts[0], parts[2]) if len(parts) == 3 else (parts[0], None, parts[1])
-            found.setdefault(akey, set()).update(run.values)
+            picks = [s for s in objs.uses.get(key, ()) if isinstance(s, render.Pick) and s.sticky]
+            if picks:
+                found.setdefault((picks[0].proto, run.prefix), set()).update(run.values)
     return {k: frozenset(v) for k, v in found.items()}
 
 
 def affinity_allowed(index: Mapping[AffinityKey, FrozenSet[str]], proto: str, element: Element) -> Optional[bool]:
-    """Whether a remembered client (an element of ``affinity-<proto>``) may stay: True / False, or
-    None when its service is not in ``index`` at all."""
-    parts = element.key.split(" . ")
-    if len(parts) != 3:
+    """Whether a remembered client (an element of ``affinity-<proto>``, keyed ``client . address .
+    port`` by the kernel) may stay: True / False, or None when its service is not in ``index``."""
+    service = element.key.partition(" . ")[2]  # address . port
+    if service.count(" . ") != 1:
         return False
-    allowed = index.get((proto, parts[1], parts[2]))
+    allowed = index.get((proto, service))
     if allowed is None:
-        allowed = index.get((proto, None, parts[2]))
+        allowed = index.get((proto, service.rpartition(" . ")[2]))  # a nodePort: any node address
     if allowed is None:
         return None
     return element.value in allowed
