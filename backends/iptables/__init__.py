@@ -28,6 +28,7 @@ from netproxy.backends.iptables.payload import plan_text
 from netproxy.backends.iptables.render import Chains, FamilyRuleset, Rule, ServiceRules, render_service
 from netproxy.backends.iptables.sets import SetKeeper
 from netproxy.backends.iptables.xtlock import XtablesLock
+from netproxy.backends.skip import Action, SkipPolicy
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
 
@@ -36,11 +37,11 @@ __all__ = ["IptablesBackend"]
 log = logging.getLogger(__name__)
 FAMILIES = (4, 6)
 MAX_SKIPS = 10
-LARGE_CLUSTER_ENDPOINTS = 1000
-"""kube-proxy's largeClusterEndpointsThreshold: above it, endpoint rules carry no comment."""
 """Periodic full syncs skipped in a row at most (untouched tables): every 11th writes anyway, so that a
 change the fingerprint could not see (made in the instant between a write and its fingerprint) lives
 at most that many sync periods (~5 min at the default 30 s)."""
+LARGE_CLUSTER_ENDPOINTS = 1000
+"""kube-proxy's largeClusterEndpointsThreshold: above it, endpoint rules carry no comment."""
 
 
 @dataclass
@@ -69,7 +70,9 @@ class IptablesBackend:
         self._order: List[ServicePortName] = []
         self._stamps: Dict[int, Optional[Stamp]] = {}
         """Per family: its tables' fingerprints right after our last full write (gone after any other write)."""
-        self._skips = 0
+        self._policy = SkipPolicy(bound=MAX_SKIPS, rewrite_changes=True)
+        """A write of changes alone drops the fingerprint (only a full write takes one): a full sync
+        that finds changes rewrites, and one that finds none skips (backends/skip.py)."""
         self._rules_written: Dict[Tuple[str, str], int] = {}
         self._comments = True
         self.ipsets: Ipsets = KernelIpsets()
@@ -206,10 +209,10 @@ class IptablesBackend:
                 except BackendError as exc:
                     read[family] = exc
         desired, rerendered = self._render(snapshot)
-        if full and not self._need_full and self._skips < MAX_SKIPS and self._untouched(desired):
-            # The periodic full sync of tables nobody touched since our last full write: writing them
-            # again would only pay the kernel's table swap (seconds at 10k services).
-            self._skips += 1
+        if full and self._policy.decide(not self._need_full, self._vouched,
+                                        lambda: self._changed(desired)) is Action.WRITE_CHANGES:
+            # The periodic full sync of tables nobody touched since our last full write, with nothing
+            # to change: writing them again would only pay the kernel's table swap (seconds at 10k).
             log.debug("iptables: tables as netproxy left them and nothing to change: full sync skipped")
             return SyncResult(full=True, services_written=0, bytes_written=0)
         total = 0
@@ -224,26 +227,33 @@ class IptablesBackend:
             self._stamps.clear()
             raise
         self._need_full = False
-        if full:
-            self._skips = 0
         return SyncResult(full=full, services_written=len(snapshot.services) if full else rerendered,
                           bytes_written=total, rules_owned=_rule_counts(self._written),
                           rules_written=tuple(sorted((f, t, n) for (f, t), n in self._rules_written.items())))
 
-    def _untouched(self, desired: Dict[int, FamilyRuleset]) -> bool:
-        """Whether a full sync would write exactly what the kernel holds from our last full write:
-        the same rules, and the tables' fingerprints unchanged (nobody else wrote them since)."""
+    def _changed(self, desired: Dict[int, FamilyRuleset]) -> bool:
+        """Whether a full sync would write other rules than those of our last write."""
         for family in FAMILIES:
             written = self._written.get(family)
             if written is None:
                 if self._has_family(family):
-                    return False  # a family skipped last time (no IPv6) that now has services
+                    return True  # a family skipped last time (no IPv6) that now has services
                 continue
-            if self._stamps.get(family) is None:
-                return False
             if any(written[t] != desired[family].chains(t) for t in TABLES):
-                return False
-        return all(self.kernel.stamp((f,)) == self._stamps[f] for f in self._written)
+                return True
+        return False
+
+    def _vouched(self) -> Optional[bool]:
+        """Whether the tables' fingerprints are those taken right after our last full write (nobody
+        else wrote them since); None without a fingerprint to compare (a partial write since, or
+        tables that could not be read)."""
+        if any(self._stamps.get(f) is None for f in self._written):
+            return None
+        for family in self._written:
+            now = self.kernel.stamp((family,))
+            if now != self._stamps[family]:
+                return None if now is None else False
+        return True
 
     def _sync_family(self, ruleset: FamilyRuleset, full: bool,
                      read: Optional[Union[Dict[str, KernelTable], BackendError]] = None) -> Optional[int]:

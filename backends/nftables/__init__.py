@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 from typing import Dict, FrozenSet, List, Optional, Tuple
+from typing import Set as PySet
 
 from netproxy.backends.base import Outcome, Packet, SyncError, SyncResult
 from netproxy.backends.nftables import kernel, render
@@ -13,25 +14,26 @@ from netproxy.backends.nftables.fake import FakeNft
 from netproxy.backends.nftables.kernel import Runner
 from netproxy.backends.nftables.objects import Element, Set
 from netproxy.backends.nftables.transaction import (
+    Before,
     Entry,
     State,
     Transaction,
+    add_first_used,
     affinity_allowed,
     affinity_index,
     affinity_maps,
     claim,
-    count_refs,
-    drop_unused_shared,
+    count_users,
     full_transaction,
     incremental_transaction,
     node_changes,
     node_elements,
-    ref_changes,
     release,
     render_entry,
-    shared_changes,
     stale_affinity,
+    user_changes,
 )
+from netproxy.backends.skip import Action, SkipPolicy
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, ServicePortName, Snapshot
 
@@ -53,6 +55,9 @@ class NftablesBackend:
         self._state: Optional[State] = None
         """What netproxy last wrote; None until a full sync succeeded (and after any failure)."""
         self.last_transaction: Optional[Transaction] = None
+        self._policy = SkipPolicy()
+        """The generation has no race window (every commit moves it): no bound on full syncs that
+        write only the changes (backends/skip.py)."""
 
     @property
     def kernel(self) -> Runner:
@@ -103,10 +108,8 @@ class NftablesBackend:
         gen = self.kernel.generation()
         if gen is None or gen == state.generation:
             return None
-        touched = self.kernel.others_touched(state.own)
-        state.own.clear()
-        if touched is False:
-            state.generation = gen  # others wrote elsewhere: the record holds (as _full_sync decides)
+        vouched = self._vouched(state, gen)
+        if vouched:
             return None
         missing = state.tables - self.kernel.existing_tables()
         self._state = None
@@ -114,8 +117,8 @@ class NftablesBackend:
             log.warning("nftables: table %s netproxy deleted by someone else", ", ".join(sorted(missing)))
             return "table-deleted"
         log.warning("nftables: netproxy's tables changed by someone else%s",
-                    "" if touched else " (or change notifications were lost)")
-        return "rules-changed" if touched else "unknown"
+                    "" if vouched is False else " (or change notifications were lost)")
+        return "rules-changed" if vouched is False else "unknown"
 
     def written_tables(self) -> FrozenSet[str]:
         """The families (``ip``, ``ip6``) whose netproxy table our last full sync wrote (empty before
@@ -138,13 +141,8 @@ class NftablesBackend:
             entry = render_entry(snapshot.services[name], snapshot.endpoints_of(name), snapshot.node,
                                  self.config, old.get(name))
             for fam, objs in entry.rendered.items():
-                written = claim(state, fam, name, objs)
-                entry.objects[fam] = written
-                fstate = state.family(fam)
-                shared = fstate.shared
-                for chain in written.shared:
-                    shared[chain] = shared.get(chain, 0) + 1
-                count_refs(fstate, written.refs, 1)
+                entry.objects[fam] = written = claim(state, fam, name, objs)
+                count_users(state.family(fam), written, 1)
             state.entries[name] = entry
         for fam in render.FAMILIES:
             state.family(fam).node = node_elements(snapshot.node, fam, self.config, snapshot.service_cidrs)
@@ -164,19 +162,28 @@ class NftablesBackend:
     def _full_sync(self, snapshot: Snapshot) -> SyncResult:
         before = self.kernel.generation()
         state = self._state
-        if state is not None and before is not None and state.generation is not None:
-            # The kernel held exactly our record at state.generation.  If nobody committed since,
-            # or others did but (says the kernel's change notifications) not to our tables, the
-            # record still holds: "re-read and rewrite" reduces to writing what changed.
-            intact = before == state.generation or self.kernel.others_touched(state.own) is False
-            state.own.clear()
-            if intact:
-                state.generation = before
-                changed = self._changed_names(snapshot)
-                log.debug("netproxy's tables unchanged by others at generation %d; %d service ports changed",
-                          before, len(changed))
-                return self._incremental(snapshot, changed)
+        if self._policy.decide(state is not None, lambda: self._vouched(state, before)) is Action.WRITE_CHANGES:
+            changed = self._changed_names(snapshot)
+            log.debug("netproxy's tables unchanged by others at generation %s; %d service ports changed",
+                      before, len(changed))
+            return self._incremental(snapshot, changed)
         return self._rewrite(snapshot, before)
+
+    def _vouched(self, state: Optional[State], now: Optional[int]) -> Optional[bool]:
+        """Whether the kernel vouches that it still holds ``state`` at generation ``now``: the kernel
+        held exactly the record at ``state.generation``; nobody committed since, or others did but
+        (say the change notifications) not to our tables — then the record moves to ``now``.  False:
+        someone touched our tables; None: cannot tell (no generation, notifications lost)."""
+        if state is None or now is None or state.generation is None:
+            return None
+        if now == state.generation:
+            return True  # nothing committed since: the notifications wait for the next look
+        touched = self.kernel.others_touched(state.own)
+        state.own.clear()
+        if touched is False:
+            state.generation = now
+            return True
+        return None if touched is None else False
 
     def _rewrite(self, snapshot: Snapshot, before: Optional[int]) -> SyncResult:
         """Delete and recreate netproxy's tables with everything in ``snapshot``, in one transaction."""
@@ -279,13 +286,13 @@ class NftablesBackend:
         tx = Transaction()
         changed = sorted(names)
         new_entries: Dict[ServicePortName, Optional[Entry]] = {}
-        ref_before: Dict[str, Dict[Tuple[str, str], int]] = {}
+        before: Dict[str, Before] = {}
         for name in changed:
             old = state.entries.get(name)
             if old is not None:
                 for fam, objs in old.objects.items():
                     release(state, fam, name, objs)
-                    self._count(state, fam, objs.refs, -1, ref_before)
+                    count_users(state.family(fam), objs, -1, before.setdefault(fam, Before()))
         for name in changed:
             svc = snapshot.services.get(name)
             if svc is None:
@@ -298,14 +305,14 @@ class NftablesBackend:
                 return self._rewrite(snapshot, self.kernel.generation())
             for fam, objs in entry.rendered.items():
                 entry.objects[fam] = written = claim(state, fam, name, objs)
-                self._count(state, fam, written.refs, 1, ref_before)
+                count_users(state.family(fam), written, 1, before.setdefault(fam, Before()))
             new_entries[name] = entry
-        written_services = self._service_changes(tx, state, new_entries)
+        first = {fam: b.first_used(state.family(fam)) for fam, b in before.items()}
+        written_services = self._service_changes(tx, state, new_entries, first)
         self._forget_gone_endpoints(tx, state, new_entries)
         for fam in sorted(state.families):
             fstate = state.family(fam)
-            ref_changes(tx, fam, fstate, ref_before.get(fam, {}))
-            drop_unused_shared(tx, fam, fstate)
+            user_changes(tx, fam, fstate, before.get(fam, Before()))
             if fam in state.tables:
                 node_changes(tx, fam, fstate, node_elements(snapshot.node, fam, self.config,
                                                             snapshot.service_cidrs))
@@ -332,19 +339,10 @@ class NftablesBackend:
             for element in stale_affinity(lambda name, f=fam: self.kernel.read_elements(f, name), old, new):
                 tx.put("delete-elements", "delete", fam, element)
 
-    @staticmethod
-    def _count(state: State, fam: str, refs: FrozenSet[Tuple[str, str]], step: int,
-               before: Dict[str, Dict[Tuple[str, str], int]]) -> None:
-        """Count ``refs`` users up or down, remembering each element's count before this sync."""
-        fstate = state.family(fam)
-        seen = before.setdefault(fam, {})
-        for r in refs:
-            seen.setdefault(r, fstate.refs.get(r, 0))
-        count_refs(fstate, refs, step)
-
-    def _service_changes(self, tx: Transaction, state: State,
-                         new_entries: Dict[ServicePortName, Optional[Entry]]) -> int:
-        """Add to ``tx`` what turns each changed service port's old objects into its new ones."""
+    def _service_changes(self, tx: Transaction, state: State, new_entries: Dict[ServicePortName, Optional[Entry]],
+                         first: Dict[str, PySet[render.Shared]]) -> int:
+        """Add to ``tx`` what turns each changed service port's old objects into its new ones, and
+        the shared chains they are the first to use (``first``: per family, those not created yet)."""
         written_services = 0
         for name, entry in new_entries.items():
             old_entry = state.entries.get(name)
@@ -356,5 +354,5 @@ class NftablesBackend:
                 empty = render.ServiceObjects()
                 o, n = before.get(fam, empty), after.get(fam, empty)
                 incremental_transaction(tx, fam, o, n)
-                shared_changes(tx, fam, state.family(fam), o.shared, n.shared, self.config)
+                add_first_used(tx, fam, n.shared, first.get(fam, set()), self.config)
         return written_services

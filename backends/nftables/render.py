@@ -72,7 +72,10 @@ class ServiceObjects:
     chains: Dict[str, Tuple[Rule, ...]] = field(default_factory=dict)
     sets: Dict[str, Set] = field(default_factory=dict)
     shared: FrozenSet[Shared] = frozenset()
-    """The shared chains its elements jump to (pick chains, affinity record chains)."""
+    """The shared chains its elements jump to (pick chains, affinity record chains): :attr:`uses`'s."""
+    uses: Dict[str, Tuple[Shared, ...]] = field(default_factory=dict)
+    """The shared chains the elements of each dispatch key jump to: what stays in use when another
+    service port owns some of its keys (never read back out of the elements' ``goto`` text)."""
     dispatch_keys: Tuple[str, ...] = ()
     """``address . protocol . port`` and ``protocol . nodePort`` keys it claims (one owner per key)."""
     refs: FrozenSet[Tuple[str, str]] = frozenset()
@@ -124,7 +127,7 @@ class _Port:
     """Eligible endpoints per kind of traffic (netproxy/endpoints.py's answers)."""
     has_endpoints: bool
     out: ServiceObjects = field(default_factory=ServiceObjects)
-    shared: List[Shared] = field(default_factory=list)
+    uses: Dict[str, List[Shared]] = field(default_factory=dict)
     keys: List[str] = field(default_factory=list)
 
     @property
@@ -154,13 +157,13 @@ class _Port:
             if kind == LOCAL:
                 self.exempt(key, run_prefix, nodeport)
             pick = Pick(kind, self.proto, len(choices), nodeport, sticky)
-            self.shared.append(pick)
+            self.uses.setdefault(key, []).append(pick)
             verdict = f"goto {pick.chain}"
             if choices:
                 self.out.runs[("main", key)] = ElementRun(pick.map, run_prefix, tuple(v for v, _ in choices))
             if sticky:
                 record = Record(self.proto, self.svc.affinity_timeout)
-                self.shared.append(record)
+                self.uses[key].append(record)
                 self.put(names.AFFINITY_NODEPORTS if nodeport else names.AFFINITY_SERVICES, key,
                          f"goto {record.chain}")
         self.put(names.SERVICE_NODEPORTS if nodeport else names.SERVICE_IPS, key, verdict)
@@ -169,7 +172,7 @@ class _Port:
         """externalTrafficPolicy Local's exception path for ``key``: every endpoint, via exempt-*."""
         choices = self.choices[EXEMPT]
         pick = Pick(EXEMPT, self.proto, len(choices), nodeport, self.svc.client_ip_affinity)
-        self.shared.append(pick)
+        self.uses.setdefault(key, []).append(pick)
         self.put(names.EXEMPT_NODEPORTS if nodeport else names.EXEMPT_IPS, key, f"goto {pick.chain}")
         self.out.runs[("exempt", key)] = ElementRun(pick.map, run_prefix, tuple(v for v, _ in choices))
 
@@ -270,7 +273,8 @@ def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeIn
     if p.has_endpoints:
         refs.extend(_hairpin_refs(node, list(choices.values())))
     out = p.out
-    out.shared = frozenset(p.shared)
+    out.uses = {k: tuple(used) for k, used in p.uses.items()}
+    out.shared = frozenset(s for used in p.uses.values() for s in used)
     out.dispatch_keys = tuple(p.keys)
     out.refs = frozenset(refs)
     return out

@@ -13,7 +13,7 @@ import ipaddress
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple, TypeVar
 from typing import Set as PySet
 
 from netproxy.backends.nftables import names, render
@@ -74,11 +74,12 @@ class Entry:
 @dataclass
 class FamilyState:
     shared: Dict[render.Shared, int] = field(default_factory=dict)
-    """Users of each shared chain (pick chains, affinity record chains): derived from what render
-    produced, never parsed back out of chain names."""
+    """Users of each shared chain (pick chains, affinity record chains)."""
     owners: Dict[str, ServicePortName] = field(default_factory=dict)
     refs: Dict[Tuple[str, str], int] = field(default_factory=dict)
-    """Users of each shared element ((set, key): cluster IPs, hairpin pairs)."""
+    """Users of each shared element ((set, key): cluster IPs, hairpin pairs).  Both counts come from
+    what each service port's rendered objects declare they use (:func:`count_users`), never from
+    chain or element names parsed back."""
     node: FrozenSet[Element] = frozenset()
     """Elements that come from the node rather than a service (``nodeport-ips``)."""
 
@@ -125,9 +126,10 @@ def _drop_keys(objs: render.ServiceObjects, taken: PySet[str]) -> render.Service
     """``objs`` without the dispatch keys another service owns (a duplicate address . port)."""
     keep = {k: e for k, e in objs.elements.items() if not _owned_by(e.key, taken)}
     runs = {k: r for k, r in objs.runs.items() if k[1] not in taken}
-    targets = {str(e.value)[len("goto "):] for e in keep.values() if str(e.value).startswith("goto ")}
-    shared = frozenset(s for s in objs.shared if s.chain in targets)
-    return render.ServiceObjects(keep, runs, objs.chains, objs.sets, shared,
+    uses = {k: used for k, used in objs.uses.items() if k not in taken}
+    kept = {s for used in uses.values() for s in used}
+    shared = frozenset(s for s in objs.shared if s in kept)
+    return render.ServiceObjects(keep, runs, objs.chains, objs.sets, shared, uses,
                                  tuple(k for k in objs.dispatch_keys if k not in taken), objs.refs)
 
 
@@ -151,17 +153,42 @@ def release(state: State, fam: str, name: ServicePortName, objs: render.ServiceO
             del owners[k]
 
 
-def count_refs(fstate: FamilyState, refs: Iterable[Tuple[str, str]], step: int) -> None:
-    counts = fstate.refs
-    for r in refs:
-        counts[r] = counts.get(r, 0) + step
+_K = TypeVar("_K")
 
 
-def ref_changes(tx: Transaction, fam: str, fstate: FamilyState, before: Mapping[Tuple[str, str], int]) -> None:
-    """Add the shared elements that gained their first user, delete those that lost their last.
+@dataclass
+class Before:
+    """One family's user counts, before this sync, of the shared chains and elements it touched."""
 
-    ``before`` holds the counts, before this sync, of the elements whose count changed."""
-    for ref, was in sorted(before.items()):
+    shared: Dict[render.Shared, int] = field(default_factory=dict)
+    refs: Dict[Tuple[str, str], int] = field(default_factory=dict)
+
+    def first_used(self, fstate: FamilyState) -> PySet[render.Shared]:
+        """The shared chains that gained their first user (to create with it)."""
+        return {s for s, was in self.shared.items() if was <= 0 < fstate.shared.get(s, 0)}
+
+
+def _tally(counts: Dict[_K, int], used: Iterable[_K], step: int, before: Optional[Dict[_K, int]]) -> None:
+    for r in used:
+        n = counts.get(r, 0)
+        if before is not None:
+            before.setdefault(r, n)
+        counts[r] = n + step
+
+
+def count_users(fstate: FamilyState, objs: render.ServiceObjects, step: int, before: Optional[Before] = None) -> None:
+    """Count one service port's uses of shared chains and shared elements up or down: what its
+    rendered objects declare they use (``shared``, ``refs``); ``before`` keeps the counts from before
+    this sync of what it touched."""
+    _tally(fstate.shared, objs.shared, step, before.shared if before is not None else None)
+    _tally(fstate.refs, objs.refs, step, before.refs if before is not None else None)
+
+
+def user_changes(tx: Transaction, fam: str, fstate: FamilyState, before: Before) -> None:
+    """Add the shared elements that gained their first user; delete the elements and the shared
+    chains (with their maps) that lost their last.  (Shared chains that gained their first user
+    are created with it: :func:`add_first_used`.)"""
+    for ref, was in sorted(before.refs.items()):
         now = fstate.refs.get(ref, 0)
         if was <= 0 < now:
             tx.put("elements", "add", fam, Element(*ref))
@@ -169,6 +196,13 @@ def ref_changes(tx: Transaction, fam: str, fstate: FamilyState, before: Mapping[
             tx.put("delete-elements", "delete", fam, Element(*ref))
         if now <= 0:
             fstate.refs.pop(ref, None)
+    unused = [s for s in before.shared if fstate.shared.get(s, 0) <= 0]
+    for shared in sorted(unused, key=_shared_key):
+        tx.put("flush", "flush", fam, Chain(shared.chain))
+        tx.put("delete", "delete", fam, Chain(shared.chain))
+        if isinstance(shared, render.Pick) and shared.size > 0:
+            tx.put("delete", "delete", fam, render.endpoints_map(shared, fam))
+        fstate.shared.pop(shared, None)
 
 
 def node_elements(node: NodeInfo, fam: str, config: ProxyConfig,
@@ -345,30 +379,21 @@ def _diff_runs(tx: Transaction, fam: str, old: Dict[render.RunKey, ElementRun],
             tx.put("elements", "add", fam, run)
 
 
-def shared_changes(tx: Transaction, fam: str, fstate: FamilyState, old: Iterable[render.Shared],
-                   new: Iterable[render.Shared], config: ProxyConfig) -> None:
-    """Reference-count the shared pick chains (and their maps); add on first use, delete after the last."""
-    for name in old:
-        fstate.shared[name] -= 1
-    for name in new:
-        if name not in fstate.shared:
-            _add_shared(tx, fam, name, config)
-        fstate.shared[name] = fstate.shared.get(name, 0) + 1
-
-
-def drop_unused_shared(tx: Transaction, fam: str, fstate: FamilyState) -> None:
-    for shared in sorted((n for n, c in fstate.shared.items() if c <= 0), key=_shared_key):
-        tx.put("flush", "flush", fam, Chain(shared.chain))
-        tx.put("delete", "delete", fam, Chain(shared.chain))
-        if isinstance(shared, render.Pick) and shared.size > 0:
-            tx.put("delete", "delete", fam, render.endpoints_map(shared, fam))
-        del fstate.shared[shared]
+def add_first_used(tx: Transaction, fam: str, used: Iterable[render.Shared], pending: PySet[render.Shared],
+                   config: ProxyConfig) -> None:
+    """Create the shared chains (and maps) in ``used`` that are still ``pending`` (first used in this
+    sync), where their first user's objects are added."""
+    for shared in used:
+        if shared in pending:
+            pending.discard(shared)
+            _add_shared(tx, fam, shared, config)
 
 
 # --- ClientIP affinity as map elements (layout.AFFINITY_FAMILIES) ----------------------------------
 
-AffinityKey = Tuple[str, Optional[str], str]
-"""(protocol, service address or None for a nodePort, port) of a remembered client's service."""
+AffinityKey = Tuple[str, str]
+"""(protocol, ``address . port`` or, for a nodePort, ``port``) of a remembered client's service: the
+endpoint run's prefix, as render wrote it."""
 
 
 def affinity_index(objects: Iterable[render.ServiceObjects]) -> Dict[AffinityKey, FrozenSet[str]]:
@@ -377,23 +402,21 @@ def affinity_index(objects: Iterable[render.ServiceObjects]) -> Dict[AffinityKey
     found: Dict[AffinityKey, PySet[str]] = {}
     for objs in objects:
         for (_, key), run in objs.runs.items():
-            if "-sticky-" not in run.set:
-                continue
-            parts = key.split(" . ")
-            akey: AffinityKey = (parts[1], parts[0], parts[2]) if len(parts) == 3 else (parts[0], None, parts[1])
-            found.setdefault(akey, set()).update(run.values)
+            picks = [s for s in objs.uses.get(key, ()) if isinstance(s, render.Pick) and s.sticky]
+            if picks:
+                found.setdefault((picks[0].proto, run.prefix), set()).update(run.values)
     return {k: frozenset(v) for k, v in found.items()}
 
 
 def affinity_allowed(index: Mapping[AffinityKey, FrozenSet[str]], proto: str, element: Element) -> Optional[bool]:
-    """Whether a remembered client (an element of ``affinity-<proto>``) may stay: True / False, or
-    None when its service is not in ``index`` at all."""
-    parts = element.key.split(" . ")
-    if len(parts) != 3:
+    """Whether a remembered client (an element of ``affinity-<proto>``, keyed ``client . address .
+    port`` by the kernel) may stay: True / False, or None when its service is not in ``index``."""
+    service = element.key.partition(" . ")[2]  # address . port
+    if service.count(" . ") != 1:
         return False
-    allowed = index.get((proto, parts[1], parts[2]))
+    allowed = index.get((proto, service))
     if allowed is None:
-        allowed = index.get((proto, None, parts[2]))
+        allowed = index.get((proto, service.rpartition(" . ")[2]))  # a nodePort: any node address
     if allowed is None:
         return None
     return element.value in allowed

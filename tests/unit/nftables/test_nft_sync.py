@@ -3,13 +3,17 @@ touch only the changed service's objects, and never read the table."""
 
 from __future__ import annotations
 
+import dataclasses
+import random
+from typing import Dict, Tuple
+
 import pytest
 from nft_helpers import backend, dumps, eps, fresh_dumps, snap, svc
 
 from netproxy.backends.base import SyncError
 from netproxy.backends.nftables import names
 from netproxy.backends.nftables.objects import Chain, Element, Set
-from netproxy.model import Changes, Snapshot
+from netproxy.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
 
 WEB = svc("web", "10.96.0.10", external=["192.0.2.10"])
 API = svc("api", "10.96.0.11")
@@ -281,3 +285,72 @@ def test_lost_notifications_mean_rebuild() -> None:
     fake.watching = False  # as after an overflow: the monitor cannot vouch for our tables
     b.sync(_base(), Changes())
     assert any(op[0] == "delete" and type(op[2]).__name__ == "Table" for op in fake.transactions[-1])
+
+
+def test_a_skipped_full_sync_keeps_its_own_transactions_apart_from_foreign_ones() -> None:
+    b, fake = backend()
+    b.sync(_base(), Changes())
+    after = _base()
+    after.endpoints[API.name] = eps("10.1.1.4")  # type: ignore[index]
+    _incremental(b, after, API)  # our transaction's notification waits in the queue
+    b.sync(after, Changes())  # nobody else committed: nothing written, nothing drained
+    fake.foreign_write(ours=False)
+    assert b.tampered() is None, "our own incremental write is not someone else's change"
+    n = len(fake.transactions)
+    b.sync(after, Changes())
+    assert len(fake.transactions) == n
+
+
+def _random_service(rng: random.Random, i: int) -> ServicePort:
+    """Service ports that share pick chains, cluster IPs (one per five ports) and hairpin pairs, each
+    with dispatch keys of its own (a key two ports claim goes to the first, which a fresh build
+    cannot know); port 0 is always IPv6, so that both builds have an ip6 table."""
+    six = i == 0 or rng.random() < 0.2
+    s = svc(f"r{i}", f"fd00::{i % 5 + 1:x}" if six else f"10.96.0.{i % 5 + 1}", 80 + i,
+            proto=rng.choice(["TCP", "UDP"]), affinity=rng.random() < 0.3, timeout=rng.choice([60, 10800]),
+            external=[f"192.0.2.{i % 3 + 1}"] if rng.random() < 0.3 and not six else [],
+            lb=[f"198.51.100.{i % 3 + 1}"] if rng.random() < 0.3 and not six else [],
+            ext_policy=rng.choice(["Cluster", "Local"]))
+    return dataclasses.replace(s, node_port=rng.choice([0, 30000 + i]))
+
+
+def _random_endpoints(rng: random.Random, s: ServicePort) -> Tuple[Endpoint, ...]:
+    six = s.cluster_ips[0].version == 6
+    picked = {rng.randrange(1, 6) for _ in range(rng.choice([0, 1, 2, 3]))}
+    return eps(*(f"fd01::{n:x}" if six else f"10.1.0.{n}" for n in sorted(picked)),
+               node=rng.choice([None, "node-a", "node-b"]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_incremental_syncs_end_with_the_reference_counts_of_a_fresh_full_build(seed: int) -> None:
+    rng = random.Random(seed)
+    services: Dict[ServicePortName, Tuple[ServicePort, Tuple[Endpoint, ...]]] = {}
+    for i in range(8):
+        s = _random_service(rng, i)
+        services[s.name] = (s, _random_endpoints(rng, s))
+    b, fake = backend()
+    b.sync(snap(*services.values(), node="node-a"), Changes())
+    most = 0
+    for _ in range(40):
+        changed = set()
+        for i in rng.sample(range(10), rng.choice([1, 2, 3])):
+            s = _random_service(rng, i)
+            if s.name in services and i > 0 and rng.random() < 0.25:
+                del services[s.name]
+            elif s.name in services and rng.random() < 0.5:
+                old = services[s.name][0]
+                services[s.name] = (old, _random_endpoints(rng, old))
+            else:
+                services[s.name] = (s, _random_endpoints(rng, s))
+            changed.add(s.name)
+        now = snap(*services.values(), node="node-a")
+        b.sync(now, Changes(full=False, services=frozenset(changed)))
+        fresh, _ = backend()
+        fresh.sync(now, Changes())
+        assert b._state is not None and fresh._state is not None
+        for fam in ("ip", "ip6"):
+            got, want = b._state.family(fam), fresh._state.family(fam)
+            assert (got.shared, got.refs) == (want.shared, want.refs)
+            most = max([most, *got.shared.values(), *got.refs.values()])
+        assert dumps(fake) == fresh_dumps(now)
+    assert most > 1, "nothing was shared: nothing was tested"
