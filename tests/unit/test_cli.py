@@ -304,12 +304,15 @@ def test_usage_errors_exit_1_not_2() -> None:
     assert info.value.code == 1
 
 
-def test_the_fake_backend_is_accepted_but_not_advertised(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("command", ["sync", "run", "plan", "cleanup"])
+def test_the_fake_backend_is_accepted_but_not_advertised(command: str, made: Made, clean: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        cli.main(["sync", "--help"])
+        cli.main([command, "--help"])
     out = capsys.readouterr().out
-    assert "{auto,iptables,nftables}" in out and "fake" not in out
-    assert cli.build_parser().parse_args(["sync", "--source", "x", "--backend", "fake"]).backend == "fake"
+    assert "{auto,iptables,nftables" in out and "fake" not in out
+    assert cli.main(["sync", "--source", str(clean), "--backend", "fake", "--hostname-override", "node-a"]) == 0
+    assert [b.name for b in made.backends] == ["fake"] and made.state()  # it ran, and wrote the services
 
 
 def test_json_logs_are_one_object_per_line() -> None:
