@@ -3,6 +3,7 @@
     netproxy sync    --source PATH [--backend B] [--iptables-writer W]   sync once, exit 0/1/2
     netproxy run     --source PATH | --kubeconfig PATH                   the long-running proxy
     netproxy plan    --source PATH [--backend B] [--diff]                print the ruleset (or its diff with the kernel)
+    netproxy trace   --source PATH --to ADDRESS:PORT [--kernel]          where a packet to a service would go, and why
     netproxy status  [--metrics-address A] [-o json]                    what a running `run` has programmed
     netproxy detect                                                      the version check's choice, what the node holds
     netproxy migrate --to nftables|iptables [--from-kube-proxy] --source PATH   switch the live dataplane
@@ -11,9 +12,10 @@
 Exit codes: 0 all applied; 1 the kernel write failed (previous ruleset kept) or nothing could be
 done; 2 some objects were rejected (each named on stderr) and the valid rest was applied.
 
-sync, run, plan and trace take --config FILE, kube-proxy's KubeProxyConfiguration (netproxy/kpconfig.py):
-flags given on the command line win over it; a field in it that is wrong or cannot be honoured exits 2,
-naming the field, before anything is done.
+sync, run, plan, trace and migrate take --config FILE, kube-proxy's KubeProxyConfiguration
+(netproxy/kpconfig.py): flags given on the command line win over it; a field in it that is wrong or
+cannot be honoured exits 2, naming the field, before anything is done.  A setting neither gives keeps
+ProxyConfig's default (netproxy/config.py), the one place defaults are written.
 
 This module parses and dispatches, and turns errors into exit codes; the flags are in cli_args.py,
 the commands in cli_oneshot.py (sync, plan, trace, migrate, cleanup), cli_inspect.py (status,

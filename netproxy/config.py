@@ -27,7 +27,8 @@ class ProxyConfig:
     backend: str = "auto"
     iptables_writer: str = "restore"
     iptables_flavour: str = "legacy"
-    """Which iptables the node uses ("legacy" or "nft"), decided by the version check."""
+    """Which iptables the node uses ("legacy" or "nft"): --iptables-flavour, or the version check's
+    answer when that is auto."""
     nftables_writer: str = "netlink"
     """nftables backend: its own netlink batches (default) or libnftables (text)."""
     sync_period: float = 30.0
