@@ -50,13 +50,20 @@ def _snapshot(loaded: Loaded, config: ProxyConfig) -> Tuple[Snapshot, List[Valid
     return tracker.take()[0], loaded.errors
 
 
-def cmd_sync(args: argparse.Namespace) -> int:
+def _ready_to_write(args: argparse.Namespace) -> Tuple[Backend, ProxyConfig, Snapshot, List[ValidationError]]:
+    """What a command that writes once needs: the backend (probed: its tools answer) and its
+    configuration, the snapshot of --source and the objects it rejected; route_localnet set if asked."""
     args.one_shot = True
     loaded = _load(args)
     backend, config = make_backend(args, loaded.node)
     snapshot, errors = _snapshot(loaded, config)
     backend.probe()
     ensure_localhost_nodeports(backend.name, config)
+    return backend, config, snapshot, errors
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    backend, config, snapshot, errors = _ready_to_write(args)
     set_conntrack_sysctls(args, backend)
     skew.settle(backend.name, config)  # rules a newer iptables-nft wrote: refused before any write
     _report_rejections(errors)  # before the write, so that they are named even when it fails
@@ -150,12 +157,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     from netproxy import migrate
 
     args.backend = args.to  # --to wins over --config's mode
-    args.one_shot = True
-    loaded = _load(args)
-    backend, config = make_backend(args, loaded.node)
-    snapshot, errors = _snapshot(loaded, config)
-    backend.probe()
-    ensure_localhost_nodeports(backend.name, config)
+    backend, config, snapshot, errors = _ready_to_write(args)
     _report_rejections(errors)
     try:
         report = migrate.migrate(backend, config, snapshot, from_kube_proxy=args.from_kube_proxy)
