@@ -255,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_proxy(p)
     p = sub.add_parser("status", help="what a running `netproxy run` has programmed, from its /metrics and /healthz")
     p.add_argument("--metrics-address", default=D.metrics_bind_address, help="the run's --metrics-bind-address")
-    p.add_argument("--healthz-address", default="127.0.0.1:10256", help="the run's --healthz-bind-address ('' skip)")
+    p.add_argument("--healthz-address", default="127.0.0.1:" + D.healthz_bind_address.rpartition(":")[2],
+                   help="the run's --healthz-bind-address ('' skip)")
     p.add_argument("-o", "--output", default="table", choices=["table", "json"])
     p.add_argument("--kernel", action="store_true", help="also list the service ports -> endpoints the kernel "
                    "holds now (read with iptables-save / nft list; the backend from --backend or the version check)")
