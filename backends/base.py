@@ -119,8 +119,10 @@ class Backend(Protocol):
     def sync(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
         """Make the kernel match ``snapshot``; raise :class:`SyncError` leaving the old state on failure.
 
-        ``changes`` is a hint: with ``changes.full`` the backend re-reads the kernel and rewrites all it
-        owns; otherwise it may write only the named services (and whatever dispatches to them).
+        ``changes`` is a hint: with ``changes.full`` everything the backend owns must end up matching
+        ``snapshot`` (it may write less, or nothing, when its own check of the kernel shows its rules
+        untouched since its last write); otherwise it may write only the named services (and whatever
+        dispatches to them).
         """
 
     def cleanup(self) -> None:

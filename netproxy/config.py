@@ -19,12 +19,16 @@ IFNAMSIZ = 16
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    """Settings shared by the core and the backends; names follow kube-proxy's flags."""
+    """Settings shared by the core and the backends; names follow kube-proxy's flags.
+
+    The one home of the proxy's defaults: the CLI's flags and the --config file leave a setting
+    unset unless given, and this class's default applies (netproxy/cli_args.py reads them from here)."""
 
     backend: str = "auto"
     iptables_writer: str = "restore"
     iptables_flavour: str = "legacy"
-    """Which iptables the node uses ("legacy" or "nft"), decided by the version check."""
+    """Which iptables the node uses ("legacy" or "nft"): --iptables-flavour, or the version check's
+    answer when that is auto."""
     nftables_writer: str = "netlink"
     """nftables backend: its own netlink batches (default) or libnftables (text)."""
     sync_period: float = 30.0
@@ -48,6 +52,10 @@ class ProxyConfig:
     tracker joins both into ``Snapshot.service_cidrs``, which is what the backends read)."""
     iptables_lock_timeout: float = 5.0
     """Seconds to wait for the xtables lock held by another program (legacy iptables)."""
+    metrics_bind_address: str = "127.0.0.1:10249"
+    """``run``: host:port serving /metrics ('' off)."""
+    healthz_bind_address: str = "0.0.0.0:10256"
+    """``run``: host:port serving /healthz and /livez ('' off)."""
     one_shot: bool = False
     """Set by ``netproxy sync``: this process writes once and ends, so nothing kept for the next
     sync (the iptables backend's table fingerprint) is worth its cost."""

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 import yaml
 
-from netproxy.config import check_interface_name, parse_cidrs
+from netproxy.config import ProxyConfig, check_interface_name, parse_cidrs
 from netproxy.model import FieldError
 from netproxy.nodeconfig import parse_nodeport_addresses
 
@@ -35,7 +35,9 @@ API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
 KIND = "KubeProxyConfiguration"
 CONFIGMAP_KEY = "config.conf"
 MODES = {"": "auto", "iptables": "iptables", "nftables": "nftables"}
-HEALTHZ_PORT, METRICS_PORT = 10256, 10249
+HEALTHZ_PORT, METRICS_PORT = (int(a.rpartition(":")[2]) for a in (ProxyConfig.healthz_bind_address,
+                                                                   ProxyConfig.metrics_bind_address))
+"""The ports a bare bind address gets: the default addresses' (kube-proxy's 10256 and 10249)."""
 
 # kube-proxy's v1alpha1 fields (k8s.io/kube-proxy/config/v1alpha1/types.go, 1.33 to the newest), by section.
 _TOP = {
@@ -209,9 +211,10 @@ def parse(doc: Any) -> FileConfig:
     periods: Dict[str, float] = {}
     for key, dest in (("syncPeriod", "sync_period"), ("minSyncPeriod", "min_sync_period")):
         seconds = _duration(sec, key, f"{used}.")
-        if seconds:  # 0s is kube-proxy's "unset": its default (30s, 1s) applies
+        if seconds:  # 0s is kube-proxy's "unset": its default (ProxyConfig's, 30s and 1s) applies
             values[dest] = periods[key] = seconds
-    if periods.get("minSyncPeriod", 1.0) > periods.get("syncPeriod", 30.0):
+    if (periods.get("minSyncPeriod", ProxyConfig.min_sync_period)
+            > periods.get("syncPeriod", ProxyConfig.sync_period)):
         raise FieldError(f"{used}.syncPeriod", f"must be greater than or equal to {used}.minSyncPeriod")
     if used == "iptables":
         if _flag(sec, "snatNodeInternalIP", "iptables.") is True:

@@ -1,8 +1,13 @@
-"""The model: immutable service ports and endpoints, and the one place they are validated.
+"""The model: immutable service ports and endpoints, and the checks their fields pass.
 
-Every string that reaches a ruleset passes through a constructor here: names are DNS-1123,
-addresses are parsed by :mod:`ipaddress`, ports are range-checked.  Sources build these objects
-and never hand raw strings to a backend.
+The constructors do not validate (plain dataclasses: there are 100k of them at 10k services).
+Validation happens in one place, netproxy/source/convert.py, the one conversion of Kubernetes
+objects into these (every source goes through it): it runs each field through the ``check_*``
+functions here — names are DNS-1123, addresses are parsed by :mod:`ipaddress`, ports are
+range-checked — and raises :class:`ValidationError` naming the object and field (the flags'
+CIDRs go through the same ``check_cidr``, via config.parse_cidrs).  Sources hand
+backends only objects built that way, never raw strings; code that builds them directly (tests,
+benchmarks) is trusted to pass valid values.
 """
 
 from __future__ import annotations
@@ -301,9 +306,12 @@ class Snapshot:
 class Changes:
     """What changed since the last sync, as a hint: a backend may always do more (a full sync).
 
-    ``full`` asks the backend to re-read the kernel and rewrite everything it owns (at start, every
-    sync period, after a failure).  ``services`` names the service ports whose service or endpoints
-    changed, including ones that were deleted.
+    ``full`` (at start, every sync period, after a failure or a repair, when the node or the service
+    CIDRs changed) tells the backend not to rely on ``services`` alone: everything it owns must end
+    up matching the snapshot.  It need not rewrite it all: when its own check of the kernel (the
+    iptables tables' fingerprint, the nftables ruleset generation) shows that nobody else touched its
+    rules since its last write, it writes only what differs, or nothing.  ``services`` names the
+    service ports whose service or endpoints changed, including ones that were deleted.
     """
 
     full: bool = True

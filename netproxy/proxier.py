@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from netproxy import metrics
 from netproxy.backends.base import Backend, BackendError, SyncResult
@@ -26,7 +26,9 @@ AfterSync = Callable[[Optional[Snapshot], Snapshot], None]
 
 class Proxier:
     def __init__(self, tracker: ChangeTracker, backend: Backend, config: ProxyConfig,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time, *,
+                 retry: Callable[[float], None] = lambda delay: None, request: Callable[[], None] = lambda: None,
+                 health: Optional[Any] = None, after_sync: Sequence[AfterSync] = ()) -> None:
         self.tracker = tracker
         self.backend = backend
         self.config = config
@@ -37,17 +39,16 @@ class Proxier:
         self._failures = 0
         self.last_error: Optional[BackendError] = None
         self.last_result: Optional[SyncResult] = None
-        self.retry: Callable[[float], None] = lambda delay: None
-        self.request: Callable[[], None] = lambda: None
-        """Asks the runner for a sync soon (set by ``netproxy run``): a repair."""
-        self.after_sync: List[AfterSync] = []
+        self.retry = retry
+        """Asks the runner for a sync after a delay: the back-off after a failed write."""
+        self.request = request
+        """Asks the runner for a sync soon: a repair."""
+        self.after_sync: List[AfterSync] = list(after_sync)
         """Called with (previous, current) snapshot after each successful sync: conntrack cleanup,
         health-check servers.  A failing hook is logged and does not fail the sync."""
         self._previous: Optional[Snapshot] = None
-        self.health: Optional[Any] = None
-        """The /healthz state (``netproxy run``), told about queued changes by the CLI."""
-        self.changes_counted = (0, 0, 0)
-        """The tracker's (service, endpoint, rejected) counts already added to the metrics."""
+        self.health = health
+        """The /healthz state (``netproxy run``): a sync that changes nothing still counts as synced."""
 
     def sync(self) -> None:
         """One sync; the runner calls this.  Never raises for a kernel error: it schedules a retry."""

@@ -55,16 +55,21 @@ def safe_comment(text: str) -> str:
     return raw.decode(errors="ignore")
 
 
+PROBABILITIES_CACHED = 4096
+"""``probability`` keeps the texts of 1/1 … 1/4096 (~0.3 MB at most): a service with more endpoints
+is rare, and a larger n is formatted each time rather than kept for the life of the process."""
 _probabilities: Dict[int, str] = {}
 
 
 def probability(remaining: int) -> str:
     """``1/remaining`` with 10 decimals, as kube-proxy prints it: enough that 1/n and 1/(n+1) differ in
-    text for every n up to 100,000 (their gap, ~1/n², stays above 1e-10).  Cached: a 10k-service
-    render asks for the same ten values 10,000 times."""
+    text for every n up to 100,000 (their gap, ~1/n², stays above 1e-10).  Cached (up to
+    PROBABILITIES_CACHED): a 10k-service render asks for the same ten values 10,000 times."""
     text = _probabilities.get(remaining)
     if text is None:
-        text = _probabilities[remaining] = f"{1.0 / remaining:0.10f}"
+        text = f"{1.0 / remaining:0.10f}"
+        if remaining <= PROBABILITIES_CACHED:
+            _probabilities[remaining] = text
     return text
 
 

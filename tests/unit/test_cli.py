@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 import netproxy.backends as backends
-from netproxy import cli, holdings
+from netproxy import cli, cli_args, cli_oneshot, holdings
 from netproxy import detect as detect_mod
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.fake import FakeBackend
@@ -54,7 +54,6 @@ def made(monkeypatch: pytest.MonkeyPatch) -> Made:
         return backend
 
     monkeypatch.setattr(backends, "create", create)
-    monkeypatch.setattr(cli, "create", create, raising=False)  # the CLI imported the name
     return record
 
 
@@ -228,13 +227,13 @@ def test_sync_requires_a_source(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize("text, seconds", [("30s", 30.0), ("1m", 60.0), ("500ms", 0.5), ("2", 2.0),
                                            ("1.5h", 5400.0), (" 10s ", 10.0)])
 def test_durations(text: str, seconds: float) -> None:
-    assert cli.duration(text) == pytest.approx(seconds)
+    assert cli_args.duration(text) == pytest.approx(seconds)
 
 
 @pytest.mark.parametrize("text", ["", "s", "-1s", "10d", "1m30s", "ten"])
 def test_bad_durations(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
-        cli.duration(text)
+        cli_args.duration(text)
 
 
 def test_flags_reach_the_config(made: Made, clean: Path) -> None:
@@ -286,7 +285,6 @@ def guarded(monkeypatch: pytest.MonkeyPatch) -> Iterator[Guard]:
         return backend
 
     monkeypatch.setattr(backends, "create", create)
-    monkeypatch.setattr(cli, "create", create, raising=False)
     yield guard
 
 
@@ -306,12 +304,15 @@ def test_usage_errors_exit_1_not_2() -> None:
     assert info.value.code == 1
 
 
-def test_the_fake_backend_is_accepted_but_not_advertised(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("command", ["sync", "run", "plan", "cleanup"])
+def test_the_fake_backend_is_accepted_but_not_advertised(command: str, made: Made, clean: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        cli.main(["sync", "--help"])
+        cli.main([command, "--help"])
     out = capsys.readouterr().out
-    assert "{auto,iptables,nftables}" in out and "fake" not in out
-    assert cli.build_parser().parse_args(["sync", "--source", "x", "--backend", "fake"]).backend == "fake"
+    assert "{auto,iptables,nftables" in out and "fake" not in out
+    assert cli.main(["sync", "--source", str(clean), "--backend", "fake", "--hostname-override", "node-a"]) == 0
+    assert [b.name for b in made.backends] == ["fake"] and made.state()  # it ran, and wrote the services
 
 
 def test_json_logs_are_one_object_per_line() -> None:
@@ -347,7 +348,8 @@ def test_migrate_failure_exits_1_naming_the_step(made: Made, clean: Path, monkey
         raise migrate.MigrateError("verify", "the kernel does not hold the new nftables rules")
 
     monkeypatch.setattr(migrate, "migrate", fail)
-    monkeypatch.setattr(cli, "make_backend", lambda args, node=None: (FakeBackend(), ProxyConfig(hostname="node-a")))
+    monkeypatch.setattr(cli_oneshot, "make_backend",
+                        lambda args, node=None: (FakeBackend(), ProxyConfig(hostname="node-a")))
     assert cli.main(["migrate", "--to", "nftables", "--source", str(clean), "--hostname-override", "node-a"]) == 1
     assert "netproxy migrate: verify: the kernel does not hold" in capsys.readouterr().err
 

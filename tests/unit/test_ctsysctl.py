@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
-from netproxy import cli
+from netproxy import cli, cli_config
 from netproxy.ctsysctl import ConntrackSettings, SysctlError, apply, conntrack_max, plan
 
 PROC, HASH = "/proc-test", "/hashsize-test"
@@ -86,7 +86,8 @@ def test_flags_as_kube_proxy_names_them() -> None:
         "run", "--source", "x.yaml", "--conntrack-max-per-core", "0", "--conntrack-min", "131072",
         "--conntrack-tcp-timeout-established", "24h", "--conntrack-tcp-timeout-close-wait", "1h",
         "--conntrack-tcp-be-liberal", "--conntrack-udp-timeout", "30s", "--conntrack-udp-timeout-stream", "2m"])
-    assert cli.conntrack_settings(args) == ConntrackSettings(
+    assert cli_config.conntrack_settings(args) == ConntrackSettings(
         max_per_core=0, min=131072, tcp_established_timeout=86400, tcp_close_wait_timeout=3600, tcp_be_liberal=True,
         udp_timeout=30, udp_stream_timeout=120)
-    assert cli.conntrack_settings(cli.build_parser().parse_args(["sync", "--source", "x"])) == ConntrackSettings()
+    defaults = cli.build_parser().parse_args(["sync", "--source", "x"])
+    assert cli_config.conntrack_settings(defaults) == ConntrackSettings()

@@ -39,7 +39,7 @@ from hostile_cases import (  # noqa: E402
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from netproxy import cli
+from netproxy import backends, cli
 from netproxy.backends import create
 from netproxy.backends.fake import FakeBackend
 from netproxy.backends.nftables import NftablesBackend, encode
@@ -245,7 +245,7 @@ def test_netproxy_sync_exits_2_names_the_field_and_applies_the_rest(case: Tuple[
     try:
         # logs.setup would hang a handler on this StringIO when the root logger has none (pytest -p
         # no:logging), and log into it after it is closed: the lines checked here are print()s anyway.
-        with mock.patch.object(cli, "create", fake), mock.patch.object(cli.logs, "setup"), redirect_stderr(err):
+        with mock.patch.object(backends, "create", fake), mock.patch.object(cli.logs, "setup"), redirect_stderr(err):
             code = cli.main(["sync", "--source", file, "--backend", "fake", "--hostname-override", "node-a"])
     finally:
         os.unlink(file)

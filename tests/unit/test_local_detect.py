@@ -55,7 +55,6 @@ def created(monkeypatch: pytest.MonkeyPatch) -> List[Tuple[str, ProxyConfig]]:
         return FakeBackend(config)
 
     monkeypatch.setattr(backends, "create", create)
-    monkeypatch.setattr(cli, "create", create)
     monkeypatch.setattr(detect_mod, "iptables_flavour", lambda: "legacy")
     return made
 

@@ -115,15 +115,16 @@ def test_a_tool_that_gave_up_on_the_lock_is_reported_like_our_own_timeout(path: 
 
 def test_the_flag_reaches_both_writers_and_defaults_to_kube_proxys_5s() -> None:
     from netproxy.backends.iptables import IptablesBackend
-    from netproxy.cli import _config, build_parser
+    from netproxy.cli_args import build_parser
+    from netproxy.cli_config import proxy_config
 
     args = build_parser().parse_args(["sync", "--source", "x", "--iptables-lock-timeout", "2s"])
-    config = _config(args, "iptables", "legacy")
+    config = proxy_config(args, "iptables", "legacy")
     assert config.iptables_lock_timeout == 2.0
     restore_backend = IptablesBackend(config)
     assert restore_backend.kernel.tools.lock is restore_backend.lock  # type: ignore[attr-defined]
     assert restore_backend.lock.timeout == 2.0
-    default = _config(build_parser().parse_args(["sync", "--source", "x"]), "iptables", "legacy")
+    default = proxy_config(build_parser().parse_args(["sync", "--source", "x"]), "iptables", "legacy")
     assert default.iptables_lock_timeout == 5.0
     from netproxy.config import ProxyConfig
 

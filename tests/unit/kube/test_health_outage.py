@@ -59,7 +59,7 @@ def test_healthz_through_an_outage_and_a_change_that_cannot_be_written(api: ApiS
     runner = BoundedFrequencyRunner(proxier.sync, config.min_sync_period, config.sync_period)
     proxier.retry = runner.retry_after
 
-    def queued() -> None:  # what the CLI's _queued does for health
+    def queued() -> None:  # what wiring.QueuedChanges does for health
         health.queued()
         runner.request()
 

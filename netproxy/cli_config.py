@@ -1,0 +1,91 @@
+"""From parsed flags to what the commands use: the backend's name, the one ProxyConfig, the backend
+(built by netproxy/wiring.py), the conntrack sysctls."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Callable, Optional, Tuple
+
+from netproxy import ctsysctl
+from netproxy import detect as detect_mod
+from netproxy.backends.base import Backend
+from netproxy.config import ProxyConfig
+from netproxy.model import NodeInfo
+from netproxy.nodeconfig import PRIMARY, hostname, local_detection, needs_node, nodeport_cidrs
+from netproxy.wiring import is_kernel, new_backend
+
+log = logging.getLogger("netproxy")
+
+
+def conntrack_settings(args: argparse.Namespace) -> ctsysctl.ConntrackSettings:
+    return ctsysctl.ConntrackSettings(
+        max_per_core=getattr(args, "conntrack_max_per_core", None), min=getattr(args, "conntrack_min", None),
+        tcp_established_timeout=getattr(args, "conntrack_tcp_timeout_established", None),
+        tcp_close_wait_timeout=getattr(args, "conntrack_tcp_timeout_close_wait", None),
+        tcp_be_liberal=bool(getattr(args, "conntrack_tcp_be_liberal", False)),
+        udp_timeout=getattr(args, "conntrack_udp_timeout", None),
+        udp_stream_timeout=getattr(args, "conntrack_udp_timeout_stream", None))
+
+
+def set_conntrack_sysctls(args: argparse.Namespace, backend: Backend) -> None:
+    """kube-proxy's platformSetup: a setting that cannot be applied stops the start (SysctlError)."""
+    if is_kernel(backend):
+        ctsysctl.apply(conntrack_settings(args))
+
+
+def proxy_config(args: argparse.Namespace, backend: str, flavour: str,
+                 node: Optional[NodeInfo] = None) -> ProxyConfig:
+    """The flags (with --config's values already on them) as the one ProxyConfig.  A command without
+    a flag leaves ProxyConfig's default; ``node`` gives NodeCIDR's pod CIDRs and ``primary``'s IPs."""
+    D = ProxyConfig
+    return ProxyConfig(
+        backend=backend, iptables_writer=args.iptables_writer, iptables_flavour=flavour,
+        nftables_writer=args.nftables_writer,
+        sync_period=getattr(args, "sync_period", D.sync_period),
+        min_sync_period=getattr(args, "min_sync_period", D.min_sync_period),
+        masquerade_all=getattr(args, "masquerade_all", D.masquerade_all),
+        masquerade_bit=getattr(args, "masquerade_bit", D.masquerade_bit),
+        cluster_cidrs=tuple(getattr(args, "cluster_cidr", D.cluster_cidrs)),
+        hostname=hostname(args),
+        nodeport_addresses=nodeport_cidrs(args, node),
+        localhost_nodeports=getattr(args, "iptables_localhost_nodeports", D.localhost_nodeports) is not False,
+        service_cidrs=tuple(getattr(args, "service_cluster_ip_range", D.service_cidrs)),
+        one_shot=getattr(args, "one_shot", D.one_shot),
+        metrics_bind_address=getattr(args, "metrics_bind_address", D.metrics_bind_address),
+        healthz_bind_address=getattr(args, "healthz_bind_address", D.healthz_bind_address),
+        **local_detection(args, node),
+        iptables_lock_timeout=getattr(args, "iptables_lock_timeout", D.iptables_lock_timeout),
+    )
+
+
+def choose_backend(args: argparse.Namespace) -> Tuple[str, str]:
+    """(backend, iptables flavour) from the flags, running the version check where they say auto."""
+    flavour = args.iptables_flavour
+    if args.backend == "auto":
+        decision = detect_mod.detect()
+        log.info("backend %s: %s", decision.backend, decision.reason)
+        backend = decision.backend
+        if flavour == "auto":
+            flavour = decision.flavour or "legacy"
+    else:
+        backend = args.backend
+    if flavour == "auto":
+        # Only the iptables backend cares which iptables the node has; don't probe for the others.
+        flavour = detect_mod.iptables_flavour() if backend == "iptables" else "legacy"
+    return backend, flavour
+
+
+def make_backend(args: argparse.Namespace, node: Optional[NodeInfo] = None,
+                 read_node: Optional[Callable[[], Optional[NodeInfo]]] = None,
+                 lock_waits: Optional[Callable[[float], None]] = None) -> Tuple[Backend, ProxyConfig]:
+    """The backend and its configuration; ``node`` (or ``read_node()``, asked only when the
+    configuration needs the Node) gives NodeCIDR's pod CIDRs and ``primary``'s addresses."""
+    backend, flavour = choose_backend(args)
+    chosen = set(getattr(args, "given", ())) | set(getattr(args, "from_config", ()))
+    if backend == "nftables" and hasattr(args, "nodeport_addresses") and "nodeport_addresses" not in chosen:
+        args.nodeport_addresses = (PRIMARY,)  # kube-proxy's nftables mode default (its platformApplyDefaults)
+    if node is None and read_node is not None and needs_node(args):
+        node = read_node()
+    config = proxy_config(args, backend, flavour, node)
+    return new_backend(backend, config, lock_waits), config

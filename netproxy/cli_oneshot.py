@@ -1,0 +1,192 @@
+"""The commands that load --source once, act, and end: sync, plan, trace, migrate — and cleanup."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import sys
+from typing import List, Sequence, Tuple
+
+from netproxy import skew
+from netproxy.backends.base import Backend, BackendError, Packet
+from netproxy.cli_args import EXIT_FAILED, EXIT_OK, EXIT_REJECTED
+from netproxy.cli_config import choose_backend, make_backend, proxy_config, set_conntrack_sysctls
+from netproxy.config import ProxyConfig
+from netproxy.model import Changes, NodeInfo, Snapshot, ValidationError, forget_parsed_addresses
+from netproxy.nodeconfig import ensure_localhost_nodeports, hostname
+from netproxy.source.files import Loaded, SourceError, load
+from netproxy.tracker import ChangeTracker
+from netproxy.wiring import is_kernel, new_backend
+
+log = logging.getLogger("netproxy")
+
+
+def _report_rejections(errors: Sequence[Exception]) -> None:
+    for err in errors:
+        print(f"netproxy: rejected {err}", file=sys.stderr)
+
+
+def _load(args: argparse.Namespace) -> Loaded:
+    """One load of --source, for the one-shot commands.  They end after one write, and nothing they
+    build forms cycles: the cyclic collector stays off for their whole life."""
+    gc.disable()
+    return load(args.source, hostname(args))
+
+
+def _snapshot(loaded: Loaded, config: ProxyConfig) -> Tuple[Snapshot, List[ValidationError]]:
+    """The loaded --source as the snapshot a one-shot command syncs, plans or traces."""
+    tracker = ChangeTracker(NodeInfo(name=config.hostname), service_cidrs=config.service_cidrs)
+    tracker.replace_service_cidrs(loaded.service_cidrs)
+    if loaded.node is not None:
+        tracker.set_node(loaded.node)
+    if config.nodeport_addresses:
+        from netproxy.nodeaddr import local_addresses
+
+        tracker.set_node_addresses(local_addresses(config.nodeport_addresses))
+    tracker.replace_services(loaded.services)
+    tracker.replace_endpoints(loaded.endpoints)
+    forget_parsed_addresses()  # no reload follows: the memory goes to the sync instead
+    return tracker.take()[0], loaded.errors
+
+
+def _ready_to_write(args: argparse.Namespace) -> Tuple[Backend, ProxyConfig, Snapshot, List[ValidationError]]:
+    """What a command that writes once needs: the backend (probed: its tools answer) and its
+    configuration, the snapshot of --source and the objects it rejected; route_localnet set if asked."""
+    args.one_shot = True
+    loaded = _load(args)
+    backend, config = make_backend(args, loaded.node)
+    snapshot, errors = _snapshot(loaded, config)
+    backend.probe()
+    ensure_localhost_nodeports(backend.name, config)
+    return backend, config, snapshot, errors
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    backend, config, snapshot, errors = _ready_to_write(args)
+    set_conntrack_sysctls(args, backend)
+    skew.settle(backend.name, config)  # rules a newer iptables-nft wrote: refused before any write
+    _report_rejections(errors)  # before the write, so that they are named even when it fails
+    result = backend.sync(snapshot, Changes(full=True))
+    log.info("synced %d service ports with the %s backend", result.services_written, backend.name)
+    if is_kernel(backend):
+        # The reconciler compares the kernel's table with this state, so a one-shot sync cleans the
+        # flows an earlier process's rules left stale (no previous snapshot needed).
+        from netproxy.conntrack import Reconciler, desired_state
+
+        Reconciler().reconcile(desired_state(snapshot))
+    if backend.name in ("iptables", "nftables"):
+        from netproxy import migrate
+
+        # The other dataplane's rules (netproxy's or kube-proxy's) go now that the new ruleset is whole.
+        migrate.remove_leftovers(backend, config, skip_written=True)
+    return EXIT_REJECTED if errors else EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        loaded = _load(args)
+    except SourceError as err:
+        if not args.diff:
+            raise
+        print(f"netproxy: source: {err}", file=sys.stderr)
+        return EXIT_REJECTED  # with --diff, 1 means "differs": bad input is 2, as diff's trouble
+    backend, config = make_backend(args, loaded.node)
+    snapshot, errors = _snapshot(loaded, config)
+    if args.diff:
+        return _plan_diff(backend, config, snapshot, errors)
+    sys.stdout.write(backend.plan(snapshot))
+    _report_rejections(errors)
+    return EXIT_REJECTED if errors else EXIT_OK
+
+
+def _plan_diff(backend: Backend, config: ProxyConfig, snapshot: Snapshot, errors: Sequence[Exception]) -> int:
+    """The diff convention: 0 the kernel matches, 1 it differs, 2 trouble (rejected input, or the
+    kernel could not be read)."""
+    from netproxy import plandiff
+    from netproxy.backends import listing
+
+    _report_rejections(errors)
+    if errors:
+        return EXIT_REJECTED
+    try:
+        lister = listing(backend.name, config)
+        changes = plandiff.diff(lister.kernel(), lister.rendered(backend.plan(snapshot)), snapshot)
+    except BackendError as err:
+        print(f"netproxy plan --diff: {err}", file=sys.stderr)
+        return EXIT_REJECTED
+    sys.stdout.write(plandiff.render(changes))
+    return EXIT_FAILED if changes else EXIT_OK
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from netproxy.trace import parse_destination, report
+
+    if args.backend == "auto" and not args.kernel:
+        args.backend = "nftables"  # a trace reads no kernel: the layout it follows is nftables'
+    loaded = _load(args)
+    backend, config = make_backend(args, loaded.node)
+    tracer = getattr(backend, "trace", None)
+    if tracer is None:
+        print(f"netproxy trace: the {backend.name} backend has no tracer", file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        address, port = parse_destination(args.to)
+    except ValueError as err:
+        print(f"netproxy trace: --to: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    snapshot, errors = _snapshot(loaded, config)
+    local = frozenset(args.node_address)
+    packet = Packet(args.node_address[0] if args.from_node and local else args.source_address, address, port,
+                    args.protocol, hook="output" if args.from_node else "prerouting", local=local,
+                    iif="" if args.from_node else args.from_interface)
+    if args.kernel:
+        from netproxy.backends import listing
+
+        outcomes = listing(backend.name, config).trace(packet)
+    else:
+        outcomes = tracer(snapshot, packet)
+    sys.stdout.write(report(packet, outcomes))
+    _report_rejections(errors)
+    return EXIT_REJECTED if errors else EXIT_OK
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    """0 switched; 1 a step failed (named; up to the check the old rules are untouched); 2 switched,
+    with some objects rejected (each named)."""
+    from netproxy import migrate
+
+    args.backend = args.to  # --to wins over --config's mode
+    backend, config, snapshot, errors = _ready_to_write(args)
+    _report_rejections(errors)
+    try:
+        report = migrate.migrate(backend, config, snapshot, from_kube_proxy=args.from_kube_proxy)
+    except migrate.MigrateError as err:
+        print(f"netproxy migrate: {err.step}: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    for line in report.lines():
+        print(f"migrate: {line}")
+    return EXIT_REJECTED if errors else EXIT_OK
+
+
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    names: List[str] = ["iptables", "nftables"] if args.backend == "all" else [args.backend]
+    status = EXIT_OK
+    for name in names:
+        if name == "auto":
+            name = choose_backend(args)[0]
+        flavours = ["legacy", "nft"] if name == "iptables" and args.iptables_flavour == "auto" else [
+            args.iptables_flavour if args.iptables_flavour != "auto" else "legacy"]
+        for flavour in flavours:
+            try:
+                backend = new_backend(name, proxy_config(args, name, flavour))
+                backend.probe()
+            except BackendError as err:
+                log.info("cleanup: skipping %s (%s): %s", name, flavour, err)
+                continue
+            try:
+                backend.cleanup()
+            except BackendError as err:
+                log.error("cleanup of %s failed: %s", name, err)
+                status = EXIT_FAILED
+    return status

@@ -1,0 +1,66 @@
+"""``netproxy run``: the long-running proxy.  netproxy/wiring.py builds its objects from the one
+ProxyConfig; this starts them, runs until a signal (or a reason to start again), and stops them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+
+from netproxy import detect as detect_mod
+from netproxy import skew
+from netproxy.cli_args import EXIT_FAILED, EXIT_OK
+from netproxy.cli_config import make_backend, set_conntrack_sysctls
+from netproxy.nodeconfig import ensure_localhost_nodeports, hostname, start_node
+from netproxy.source.base import Source
+from netproxy.source.files import FileSource, SourceError
+from netproxy.wiring import build_proxy, writer
+
+log = logging.getLogger("netproxy")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from netproxy import metrics
+
+    source = make_source(args, hostname(args))
+    backend, config = make_backend(args, read_node=lambda: start_node(args, source),
+                                   lock_waits=metrics.IPTABLES_LOCK_WAIT.observe)
+    backend.probe()
+    ensure_localhost_nodeports(backend.name, config)
+    set_conntrack_sysctls(args, backend)
+    skew.settle(backend.name, config)
+    proxy = build_proxy(config, backend, source)
+
+    def _stop(signum: int, _frame: object) -> None:
+        log.info("signal %d: stopping", signum)
+        proxy.halt()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    proxy.start()
+    chosen = ("the version check" if args.backend == "auto"
+              else "--config's mode" if "backend" in getattr(args, "from_config", ()) else "--backend")
+    log.info("running with the %s backend, writer %s, iptables flavour %s (chosen by %s; seen: %s)", backend.name,
+             writer(config, backend.name), config.iptables_flavour, chosen,
+             detect_mod.tool_versions(backend.name, config.iptables_flavour))
+    try:
+        proxy.runner.loop(proxy.stop)
+    finally:
+        proxy.close()
+    for why in proxy.failures:
+        log.error("%s", why)
+    return EXIT_FAILED if proxy.failures else EXIT_OK
+
+
+def make_source(args: argparse.Namespace, hostname: str) -> Source:
+    """The file source for --source; otherwise the Kubernetes API (--kubeconfig, or in-cluster)."""
+    if args.source:
+        return FileSource(args.source, node_name=hostname)
+    # Imported lazily: the kubernetes client is slow to import and file-source users never need it.
+    from netproxy.source import kube
+
+    try:
+        client = kube.api_client_from(args.kubeconfig)
+    except ValueError as err:
+        raise SourceError(f"{err}; pass --source PATH or --kubeconfig PATH") from None
+    return kube.KubeSource(client, hostname, use_endpoints=args.use_endpoints)

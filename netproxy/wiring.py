@@ -1,0 +1,180 @@
+"""The one place that builds netproxy's objects and joins them: the backend (every command) and
+``netproxy run``'s graph — tracker, proxier, runner, /metrics, /healthz, the service health-check
+servers, the conntrack reconciler — from one ProxyConfig, each collaborator passed to its
+constructor.  The CLI parses flags into that ProxyConfig and starts what this returns."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, List, Optional
+
+from netproxy import backends
+from netproxy.backends.base import Backend
+from netproxy.config import ProxyConfig
+from netproxy.model import NodeInfo, Snapshot
+from netproxy.source.base import Source
+from netproxy.tracker import ChangeTracker
+
+if TYPE_CHECKING:  # imported where built: the proxier pulls in prometheus_client, which only `run` needs
+    from netproxy.healthcheck import ProxyHealth
+    from netproxy.nodeaddr import NodeAddressWatcher
+    from netproxy.proxier import Proxier
+    from netproxy.runner import BoundedFrequencyRunner
+
+log = logging.getLogger(__name__)
+
+
+def new_backend(name: str, config: ProxyConfig,
+                lock_waits: Optional[Callable[[float], None]] = None) -> Backend:
+    """The backend called ``name``: every command constructs its backend here.  ``lock_waits`` is
+    told each wait for the xtables lock (the iptables backend only; ``run`` gives its histogram)."""
+    backend = backends.create(name, config)
+    if lock_waits is not None and hasattr(backend, "on_lock_wait"):
+        # The iptables backend's constructor takes no hook yet: its one seam is this attribute,
+        # set here and nowhere else, before the backend is used.
+        backend.on_lock_wait = lock_waits
+    return backend
+
+
+def is_kernel(backend: Backend) -> bool:
+    """Whether the backend programs this namespace's kernel (the in-memory test backend does not:
+    conntrack and sysctls are then left alone)."""
+    return bool(backend.name != "fake")
+
+
+class QueuedChanges:
+    """A change reached the tracker: kube-proxy's queued-change metrics and /healthz's clock, then a
+    sync is asked for.  Keeps the tracker's counts already added to the counters (they only grow)."""
+
+    def __init__(self, tracker: ChangeTracker, health: ProxyHealth, request: Callable[[], None]) -> None:
+        self.tracker = tracker
+        self.health = health
+        self.request = request
+        self.counted = (0, 0, 0)
+        """The tracker's (service, endpoint, rejected) counts already added to the metrics."""
+
+    def __call__(self) -> None:
+        from netproxy import metrics
+
+        tracker = self.tracker
+        services, endpoints = tracker.pending_changes()
+        for family in metrics.families():
+            metrics.LAST_QUEUED.labels(family).set_to_current_time()
+        metrics.SERVICE_CHANGES_PENDING.set(services)
+        metrics.ENDPOINT_CHANGES_PENDING.set(endpoints)
+        seen = self.counted
+        metrics.SERVICE_CHANGES.inc(tracker.service_changes - seen[0])
+        metrics.ENDPOINT_CHANGES.inc(tracker.endpoint_changes - seen[1])
+        metrics.REJECTED.inc(tracker.rejected - seen[2])
+        self.counted = (tracker.service_changes, tracker.endpoint_changes, tracker.rejected)
+        self.health.queued()
+        self.request()
+
+
+@dataclass
+class Proxy:
+    """``netproxy run``'s objects, built and joined; :meth:`start` opens the servers and the
+    source, ``runner.loop(stop)`` runs it, :meth:`close` ends the source's and watcher's threads."""
+
+    config: ProxyConfig
+    backend: Backend
+    source: Source
+    tracker: ChangeTracker
+    proxier: Proxier
+    runner: BoundedFrequencyRunner
+    health: ProxyHealth
+    stop: threading.Event = field(default_factory=threading.Event)
+    failures: List[str] = field(default_factory=list)
+    """Why the proxy stopped on its own (exit 1), e.g. the Node's pod CIDRs changed."""
+    watcher: Optional[NodeAddressWatcher] = None
+
+    def start(self) -> None:
+        from netproxy import metrics
+
+        config, backend = self.config, self.backend
+        self.health.serve(config.healthz_bind_address)
+        metrics.set_families(metrics.families())  # the IPv4 series exist before the first sync
+        metrics.serve(config.metrics_bind_address)
+        metrics.BACKEND.labels(backend.name, writer(config, backend.name, "")).set(1)
+        self.source.start(self.tracker)
+        if self.watcher is not None:
+            self.watcher.start(self.tracker)
+
+    def halt(self) -> None:
+        """Ask the loop to end (a signal, or a reason in ``failures``)."""
+        self.stop.set()
+        self.runner.wake()
+
+    def close(self) -> None:
+        self.source.stop()
+        if self.watcher is not None:
+            self.watcher.stop()
+
+
+def writer(config: ProxyConfig, backend: str, other: str = "-") -> str:
+    """The writer the backend ``backend`` uses under ``config`` (``other`` for a backend without one)."""
+    return {"nftables": config.nftables_writer, "iptables": config.iptables_writer}.get(backend, other)
+
+
+def build_proxy(config: ProxyConfig, backend: Backend, source: Source) -> Proxy:
+    """``netproxy run``'s graph, every piece given its collaborators when it is made."""
+    from netproxy.conntrack import Reconciler
+    from netproxy.healthcheck import ProxyHealth, ServiceHealthServers
+    from netproxy.nodeaddr import NodeAddressWatcher
+    from netproxy.proxier import Proxier
+    from netproxy.runner import BoundedFrequencyRunner
+
+    health = ProxyHealth(2 * config.sync_period)  # kube-proxy's healthz timeout
+    services = ServiceHealthServers()
+    hooks: List[Callable[[Optional[Snapshot], Snapshot], None]] = []
+    if is_kernel(backend):
+        hooks.append(Reconciler(period=config.sync_period).after_sync)
+    hooks += [_leftovers_once(backend, config), lambda prev, cur: services.update(cur),
+              lambda prev, cur: health.synced(), lambda prev, cur: health.sync_node(cur.node)]
+    # The runner calls the proxier and the proxier asks the runner for syncs: the runner is made
+    # first and reaches the proxier through these two calls, bound once the proxier exists.
+    runner = BoundedFrequencyRunner(lambda: proxier.sync(), config.min_sync_period, config.sync_period,
+                                    idle=lambda: proxier.check_tampering())
+    tracker = ChangeTracker(NodeInfo(name=config.hostname),  # ETP/ITP Local need the node name from the start
+                            on_change=lambda: queued(), service_cidrs=config.service_cidrs)
+    queued = QueuedChanges(tracker, health, runner.request)
+    proxier = Proxier(tracker, backend, config, retry=runner.retry_after, request=runner.request,
+                      health=health, after_sync=hooks)
+    watcher = NodeAddressWatcher(config.nodeport_addresses) if config.nodeport_addresses else None
+    proxy = Proxy(config, backend, source, tracker, proxier, runner, health, watcher=watcher)
+    if config.detect_local_mode == "NodeCIDR":
+        proxier.after_sync.append(_pod_cidrs_kept(proxy))
+    return proxy
+
+
+def _pod_cidrs_kept(proxy: Proxy) -> Callable[[Optional[Snapshot], Snapshot], None]:
+    """The rules were written for the pod CIDRs read at start; kube-proxy exits when they change
+    (its NodeManager) so that it starts again with the new ones: so does netproxy."""
+    kept = proxy.config.node_pod_cidrs
+
+    def check(prev: Optional[Snapshot], cur: Snapshot) -> None:
+        if cur.node.pod_cidrs and cur.node.pod_cidrs != kept:
+            proxy.failures.append(f"the Node's spec.podCIDRs changed from {', '.join(map(str, kept))} "
+                                  f"to {', '.join(map(str, cur.node.pod_cidrs))}: exiting to start again with them")
+            proxy.halt()
+
+    return check
+
+
+def _leftovers_once(backend: Backend, config: ProxyConfig) -> Callable[[Optional[Snapshot], Snapshot], None]:
+    """After the first successful sync (a full one: the new ruleset is complete), remove the rules of
+    the other dataplane left by an earlier run (netproxy's or kube-proxy's) — ``netproxy migrate``'s
+    order, at start-up."""
+    done = [False]
+
+    def step(prev: Optional[Snapshot], cur: Snapshot) -> None:
+        if done[0] or backend.name not in ("iptables", "nftables"):
+            return
+        done[0] = True
+        from netproxy import migrate
+
+        migrate.remove_leftovers(backend, config)
+
+    return step
