@@ -21,18 +21,19 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import pytest
-from figures import figure
-from harness import Combo, Proxy, endpoint_slice, port, service
-from storm import netproxy_pid, wait_until
-from test_kube_source import kubeconfig as _kubeconfig
 
-from netproxy.sandbox import NODE_NAME, Pod, Sandbox
+from netproxy.lab.combos import Combo
+from netproxy.lab.manifests import endpoint_slice, port, service
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.topology import NODE_NAME, Pod, Sandbox
+from tests.faults.figures import figure
+from tests.faults.storm import netproxy_pid, wait_until
+from tests.kernel.test_kube_source import kubeconfig as _kubeconfig
+from tests.unit.kube.kube_process import StandInProcess
 
 pytestmark = pytest.mark.kernel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "unit", "kube"))
-from kube_process import StandInProcess  # noqa: E402
 
 DOWN = float(os.environ.get("NETPROXY_API_DOWN_SECONDS", "15"))
 WEB_IP = "10.96.0.10"

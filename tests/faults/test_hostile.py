@@ -19,20 +19,21 @@ import time
 from typing import Any, Dict, List, Sequence
 
 import pytest
-from figures import figure
-from harness import Combo, Proxy, assert_only_and_all, endpoint_slice, port, service, wait_for
-from test_kube_source import kubeconfig as _kubeconfig
 
-from netproxy.sandbox import NODE_NAME, Sandbox
+from netproxy.lab.checks import assert_only_and_all, wait_for
+from netproxy.lab.combos import Combo
+from netproxy.lab.manifests import endpoint_slice, port, service
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.topology import NODE_NAME, Sandbox
+from tests.faults.figures import figure
+from tests.kernel.test_kube_source import kubeconfig as _kubeconfig
+from tests.unit.hostile_cases import MARK, Case, batch
+from tests.unit.kube.kube_process import StandInProcess
 
 pytestmark = pytest.mark.kernel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "unit"))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "unit", "kube"))
 
-from hostile_cases import MARK, Case, batch  # noqa: E402
-from kube_process import StandInProcess  # noqa: E402
 
 GOOD_IP = "10.96.0.10"
 BATCH = 80

@@ -16,23 +16,32 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from typing import Any, Dict, List, Optional
 
 import pytest
-from figures import figure
-from harness import Combo, Proxy, assert_only_and_all
-from storm import cluster, file_storm, netproxy_pid, rss_kb, slice_of, sync_times, wait_until, write_atomically
-from test_kube_source import kubeconfig as _kubeconfig
 
-from netproxy.sandbox import NODE_NAME, Pod, Sandbox
+from netproxy.lab.checks import assert_only_and_all
+from netproxy.lab.combos import Combo
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.topology import NODE_NAME, Pod, Sandbox
+from tests.faults.figures import figure
+from tests.faults.storm import (
+    cluster,
+    file_storm,
+    netproxy_pid,
+    rss_kb,
+    slice_of,
+    sync_times,
+    wait_until,
+    write_atomically,
+)
+from tests.kernel.test_kube_source import kubeconfig as _kubeconfig
+from tests.unit.kube.kube_process import StandInProcess
 
 pytestmark = pytest.mark.kernel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "unit", "kube"))
-from kube_process import StandInProcess  # noqa: E402
 
 SECONDS = float(os.environ.get("NETPROXY_STORM_SECONDS", "10"))
 RATE = float(os.environ.get("NETPROXY_STORM_RATE", "1000"))

@@ -52,7 +52,7 @@ def main() -> None:
                 res = backend.sync(_snapshot(req["services"]), Changes(req.get("full", True), changed))
                 reply: Dict[str, Any] = {"ok": True, "result": {"full": res.full, "written": res.services_written}}
             elif req["op"] == "scenario":  # nft_scenarios.py: the two writers' comparison
-                import nft_scenarios
+                from tests.kernel import nft_scenarios
 
                 if req["step"] == 0:
                     backend = NftablesBackend(dataclasses.replace(nft_scenarios.CONFIGS[req["config"]],

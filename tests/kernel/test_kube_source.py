@@ -16,17 +16,19 @@ import sys
 from typing import Any, Dict, List, Sequence
 
 import pytest
-from harness import Combo, Proxy, assert_only_and_all, endpoint_slice, port, service, wait_for
 
-from netproxy.sandbox import NODE_NAME, Pod, Sandbox
+from netproxy.lab.checks import assert_only_and_all, wait_for
+from netproxy.lab.combos import Combo
+from netproxy.lab.manifests import endpoint_slice, port, service
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.topology import NODE_NAME, Pod, Sandbox
+from tests.unit.kube.kube_process import StandInProcess
 
 pytestmark = pytest.mark.kernel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 UNIT_KUBE = os.path.join(os.path.dirname(HERE), "unit", "kube")
-sys.path.insert(0, UNIT_KUBE)
 
-from kube_process import StandInProcess  # noqa: E402
 
 WEB_IP = "10.96.0.10"
 

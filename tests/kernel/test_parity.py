@@ -26,29 +26,13 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
-import traced
-from harness import (
-    Manifest,
-    Proxy,
-    assert_only_and_all,
-    port,
-    service,
-    wait_for,
-    write_manifests,
-)
 
-from netproxy.sandbox import (
-    CLIENT4,
-    CLIENT6,
-    EXT4,
-    GATEWAY4,
-    NODE_EXT4,
-    NODE_NAME,
-    REMOTE_NODE_NAME,
-    ConnectResult,
-    Pod,
-    Sandbox,
-)
+from netproxy.lab.checks import assert_only_and_all, wait_for
+from netproxy.lab.manifests import Manifest, port, service, write_manifests
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.topology import CLIENT4, CLIENT6, EXT4, GATEWAY4, NODE_EXT4, NODE_NAME, REMOTE_NODE_NAME, Pod, Sandbox
+from netproxy.lab.traffic import ConnectResult
+from tests.kernel import traced
 
 pytestmark = pytest.mark.kernel
 log = logging.getLogger(__name__)

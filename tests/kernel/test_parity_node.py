@@ -15,8 +15,12 @@ import subprocess
 from typing import Any, Dict, List, Optional
 
 import pytest
-from harness import TIME_SCALE, Manifest, Proxy, assert_only_and_all, service, write_manifests
-from test_parity import (  # the shared body's helpers and its five-pod sandbox (pods 3-4 remote)
+
+from netproxy.lab.checks import TIME_SCALE, assert_only_and_all
+from netproxy.lab.manifests import Manifest, service, write_manifests
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.topology import CLIENT4, CLIENT6, EXT4, GATEWAY4, GATEWAY6, NODE_EXT4, NODE_EXT6, NODE_NAME, Sandbox
+from tests.kernel.test_parity import (  # the shared body's helpers and its five-pod sandbox (pods 3-4 remote)
     DROP_TIMEOUT,
     NODE_PORT,
     SVC_IP,
@@ -38,8 +42,6 @@ from test_parity import (  # the shared body's helpers and its five-pod sandbox 
     trace_equals_traffic,  # noqa: F401  (autouse: every batch traced with trace --kernel, issue 17)
     web,
 )
-
-from netproxy.sandbox import CLIENT4, CLIENT6, EXT4, GATEWAY4, GATEWAY6, NODE_EXT4, NODE_EXT6, NODE_NAME, Sandbox
 
 pytestmark = pytest.mark.kernel
 __all__ = ["sandbox"]

@@ -22,21 +22,10 @@ import ipaddress
 import re
 from typing import Any, List, Optional, Set, Tuple
 
-from harness import SETTLING, TIME_SCALE, Proxy
-
-from netproxy.sandbox import (
-    CLIENT4,
-    CLIENT6,
-    EXT4,
-    EXT6,
-    GATEWAY4,
-    GATEWAY6,
-    NODE_EXT4,
-    NODE_EXT6,
-    ConnectResult,
-    PendingConnect,
-    Sandbox,
-)
+from netproxy.lab.checks import SETTLING, TIME_SCALE
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.topology import CLIENT4, CLIENT6, EXT4, EXT6, GATEWAY4, GATEWAY6, NODE_EXT4, NODE_EXT6, Sandbox
+from netproxy.lab.traffic import ConnectResult, PendingConnect
 
 _state = {"traced": 0, "this_test": 0}
 _DNAT = re.compile(r"DNAT to \[?([0-9a-f.:]+?)\]?:\d+,")

@@ -146,7 +146,7 @@ class FakeWatch:
 def _iptables() -> Tuple[IptablesBackend, FakeWatch, Dict[Tuple[int, str], Dict[str, int]]]:
     """A backend over an in-memory kernel (the unit backend tests' RecordingWriter) and a fake watch;
     ``counts`` is what reading the kernel back returns (a test edits it to play a flush)."""
-    from iptables.test_backend import RecordingWriter  # type: ignore[import-not-found]
+    from tests.unit.iptables.test_backend import RecordingWriter
 
     b = IptablesBackend(ProxyConfig(hostname="node"))
     writer = RecordingWriter()

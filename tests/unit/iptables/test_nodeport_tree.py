@@ -12,9 +12,6 @@ import ipaddress
 import random
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from iptables_tracer import Outcome, Packet, Tracer
-from test_backend import RecordingWriter
-
 from netproxy.backends.iptables import IptablesBackend, names, save
 from netproxy.backends.iptables.assemble import assemble
 from netproxy.backends.iptables.cleanup import cleanup_payload
@@ -23,6 +20,8 @@ from netproxy.backends.iptables.render import FamilyRuleset, Rule, render_servic
 from netproxy.backends.iptables.tree import LEAF_SIZE, DispatchEntry, build_port_tree, port_key
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
+from tests.unit.iptables.iptables_tracer import Outcome, Packet, Tracer
+from tests.unit.iptables.test_backend import RecordingWriter
 
 ip = ipaddress.ip_address
 NODE_IP = "192.168.1.10"

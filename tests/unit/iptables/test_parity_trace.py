@@ -6,13 +6,13 @@ import ipaddress
 from typing import Any, Optional, Sequence, Set
 
 import pytest
-from iptables_tracer import Outcome, Packet, Tracer
 
 from netproxy.backends.iptables import names
 from netproxy.backends.iptables.assemble import assemble
 from netproxy.backends.iptables.render import FamilyRuleset, render_service
 from netproxy.config import ProxyConfig
 from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName
+from tests.unit.iptables.iptables_tracer import Outcome, Packet, Tracer
 
 ip = ipaddress.ip_address
 net = ipaddress.ip_network

@@ -7,12 +7,11 @@ from __future__ import annotations
 import ipaddress
 from typing import List
 
-from test_backend import RecordingWriter
-
 from netproxy.backends.iptables import IptablesBackend, affinity, ipset
 from netproxy.backends.iptables.ipset import FakeIpsets, element
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
+from tests.unit.iptables.test_backend import RecordingWriter
 
 VIP = "10.96.0.10"
 

@@ -14,20 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import sys
 import time
 from typing import Any, Callable, Dict, Iterator, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kubernetes import client
 
-from kube_process import StandInProcess, generated_cluster  # noqa: E402
-from kubernetes import client  # noqa: E402
-
-from netproxy.source.kube import ServiceHandler, SliceHandler  # noqa: E402
-from netproxy.source.kube_reflector import Reflector, ReflectorSettings  # noqa: E402
-from netproxy.tracker import ChangeTracker  # noqa: E402
+from netproxy.source.kube import ServiceHandler, SliceHandler
+from netproxy.source.kube_reflector import Reflector, ReflectorSettings
+from netproxy.tracker import ChangeTracker
+from tests.unit.kube.kube_process import StandInProcess, generated_cluster
 
 
 def peak_rss_mb() -> float:

@@ -1,4 +1,4 @@
-"""A tiny TCP + UDP echo-who server that the kernel harness runs inside each pod namespace.
+"""A tiny TCP + UDP echo-who server that the lab runs inside each pod namespace.
 
 Every TCP connection and every UDP datagram is answered with one line::
 
@@ -10,7 +10,7 @@ right after the answer, except on the ``--hold`` ports: there a connection stays
 line the client sends is answered with that line (a long-lived connection across a dataplane
 switch, ``netproxy migrate``).
 
-Deliberately stdlib only and importable as a plain file (``python3 podserver.py ...``): it runs
+Deliberately stdlib only and importable as a plain file (``python3 pods.py ...``): it runs
 inside namespaces of VMs where netproxy itself may not be installed.  One thread and a selector,
 because a test sends hundreds of connections in a burst and must not wait on thread start-up.
 

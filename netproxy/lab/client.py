@@ -18,7 +18,7 @@ line read on stdin is sent on it and the answer printed as one JSON line (``{"an
 10.244.1.2 40000 ping"}`` or ``{"error": "reset"}``), so a test holds a long-lived connection open
 across a dataplane switch and exchanges data over it both ways (``netproxy migrate``).
 
-Stdlib only and runnable as a plain file, like :mod:`netproxy.podserver`.
+Stdlib only and runnable as a plain file, like :mod:`netproxy.lab.pods`.
 """
 
 from __future__ import annotations
