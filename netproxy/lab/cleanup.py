@@ -22,17 +22,23 @@ def stop_process(proc: subprocess.Popen, timeout: float = 3.0) -> Optional[int]:
     """SIGTERM ``proc``, wait up to ``timeout`` seconds, then SIGKILL it; its exit status.
 
     A child started with ``start_new_session`` leads a process group of its own (whose id is its
-    PID), and the whole group gets the signals, so that what it forked goes with it; any other
-    child gets them alone.  Its pipes are closed afterwards.
+    PID): the whole group gets the signals, and what is left of the group once the child has
+    exited is killed, so that nothing it forked outlives it.  Any other child gets the signals
+    alone.  Its pipes are closed afterwards.
     """
     if proc.poll() is None:
+        group = _leads_group(proc)
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            _signal(proc, sig)
+            _signal(proc, sig, group)
             try:
                 proc.wait(timeout)
                 break
             except subprocess.TimeoutExpired:
                 continue
+        if group:
+            # The group's id stays reserved while any member lives, so this reaches only our child's.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
     for stream in (proc.stdin, proc.stdout, proc.stderr):
         if stream is not None:
             with contextlib.suppress(OSError):
@@ -40,11 +46,18 @@ def stop_process(proc: subprocess.Popen, timeout: float = 3.0) -> Optional[int]:
     return proc.returncode
 
 
-def _signal(proc: subprocess.Popen, sig: int) -> None:  # type: ignore[type-arg]
+def _leads_group(proc: subprocess.Popen) -> bool:  # type: ignore[type-arg]
+    try:
+        return os.getpgid(proc.pid) == proc.pid
+    except ProcessLookupError:
+        return False
+
+
+def _signal(proc: subprocess.Popen, sig: int, group: bool) -> None:  # type: ignore[type-arg]
     # The group whose id is our child's PID can only be our child's own: a PID is not reused while
     # the child it names is still ours (not yet waited for).
     try:
-        if os.getpgid(proc.pid) == proc.pid:
+        if group:
             os.killpg(proc.pid, sig)
         else:
             proc.send_signal(sig)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import pytest
 
+from netproxy.lab.cleanup import stop_process
 from netproxy.lab.combos import Combo
 from netproxy.lab.manifests import endpoint_slice, port, service
 from netproxy.lab.proxy import Proxy
@@ -165,13 +165,7 @@ def test_the_api_going_away(proxy: Proxy, sandbox: Sandbox, combo: Combo, tmp_pa
         finally:
             sampler.kill()
             sampler.wait()
-            if run.poll() is None:
-                run.send_signal(signal.SIGTERM)
-                try:
-                    run.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    run.kill()
-                    run.wait()
+            stop_process(run, timeout=15)
     log = proxy.run_output()
     codes = healthz_codes(samples, down_at, end)
     bad = [code for code in codes if code != 200]

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from typing import Any, Dict, List, Sequence
@@ -21,6 +19,7 @@ from typing import Any, Dict, List, Sequence
 import pytest
 
 from netproxy.lab.checks import assert_only_and_all, wait_for
+from netproxy.lab.cleanup import stop_process
 from netproxy.lab.combos import Combo
 from netproxy.lab.manifests import endpoint_slice, port, service
 from netproxy.lab.proxy import Proxy
@@ -152,13 +151,7 @@ def test_hostile_api_objects_are_logged_counted_and_the_rest_applied(proxy: Prox
             assert_clean(proxy.ruleset(), cases)
             assert run.poll() is None, "netproxy run exited"
         finally:
-            if run.poll() is None:
-                run.send_signal(signal.SIGTERM)
-                try:
-                    run.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    run.kill()
-                    run.wait()
+            stop_process(run, timeout=15)
             with open(log_path, errors="replace") as f:
                 log = f.read()
     logged = [ln for ln in log.splitlines() if "rejected " in ln]

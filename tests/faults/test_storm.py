@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import time
 from typing import Any, Dict, List, Optional
@@ -22,6 +21,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 
 from netproxy.lab.checks import assert_only_and_all
+from netproxy.lab.cleanup import stop_process
 from netproxy.lab.combos import Combo
 from netproxy.lab.proxy import Proxy
 from netproxy.lab.topology import NODE_NAME, Pod, Sandbox
@@ -201,10 +201,4 @@ def test_an_api_storm_coalesces_and_ends_exact(proxy: Proxy, sandbox: Sandbox, c
             check_storm(proxy, sandbox, combo, final, items, started, ended, result["changes"], rss_first, pid,
                         "API source", run)
         finally:
-            if run.poll() is None:
-                run.send_signal(signal.SIGTERM)
-                try:
-                    run.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    run.kill()
-                    run.wait()
+            stop_process(run, timeout=15)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from typing import Any, Dict, List, Sequence
 
 import pytest
 
 from netproxy.lab.checks import assert_only_and_all, wait_for
+from netproxy.lab.cleanup import stop_process
 from netproxy.lab.combos import Combo
 from netproxy.lab.manifests import endpoint_slice, port, service
 from netproxy.lab.proxy import Proxy
@@ -97,13 +96,7 @@ def test_traffic_follows_an_endpoint_change_made_through_the_api(proxy: Proxy, s
             assert_only_and_all(sandbox.connect(WEB_IP, 80, count=100), second, total=100)
             assert run.poll() is None, "netproxy run exited"
         finally:
-            if run.poll() is None:
-                run.send_signal(signal.SIGTERM)
-                try:
-                    run.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    run.kill()
-                    run.wait()
+            stop_process(run, timeout=15)
             with open(log_path, errors="replace") as f:
                 log = f.read()
             print(log[-4000:])
