@@ -23,6 +23,7 @@ import pytest
 from netproxy.lab.checks import assert_only_and_all
 from netproxy.lab.cleanup import stop_process
 from netproxy.lab.combos import Combo
+from netproxy.lab.manifests import api_object
 from netproxy.lab.proxy import Proxy
 from netproxy.lab.topology import NODE_NAME, Pod, Sandbox
 from tests.faults.figures import figure
@@ -164,17 +165,13 @@ def test_rss_stays_flat_over_sync_cycles(proxy: Proxy, sandbox: Sandbox, combo: 
     assert rss_end - rss_first <= RSS_SLACK_KB, f"RSS grew {(rss_end - rss_first) / 1024:.1f} MB over {CYCLES} cycles"
 
 
-def _api(obj: Dict[str, Any]) -> Dict[str, Any]:
-    return {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}
-
-
 
 
 def test_an_api_storm_coalesces_and_ends_exact(proxy: Proxy, sandbox: Sandbox, combo: Combo, tmp_path: Any) -> None:
     pods = [p.ip for p in sandbox.pods[:3]]
     objects = cluster(HOT, pods) + cluster(SERVICES - HOT, pods, first_ip="10.97.0.1", prefix="cold")
-    load = {"services": [_api(o) for o in objects if o["kind"] == "Service"],
-            "endpointslices": [_api(o) for o in objects if o["kind"] == "EndpointSlice"],
+    load = {"services": [api_object(o) for o in objects if o["kind"] == "Service"],
+            "endpointslices": [api_object(o) for o in objects if o["kind"] == "EndpointSlice"],
             "nodes": [{"metadata": {"name": NODE_NAME}}]}
     final = str(tmp_path / "final.json")
     go = str(tmp_path / "go")

@@ -18,7 +18,7 @@ import pytest
 from netproxy.lab.checks import assert_only_and_all, wait_for
 from netproxy.lab.cleanup import stop_process
 from netproxy.lab.combos import Combo
-from netproxy.lab.manifests import endpoint_slice, port, service
+from netproxy.lab.manifests import api_object, endpoint_slice, port, service, slice_port
 from netproxy.lab.proxy import Proxy
 from netproxy.lab.topology import NODE_NAME, Pod, Sandbox
 from tests.unit.kube.kube_process import StandInProcess
@@ -53,11 +53,8 @@ def kubeconfig(path: str, url: str) -> str:
 
 
 def web_slice(pods: Sequence[Pod]) -> Dict[str, Any]:
-    # Slice ports have no targetPort (a strict client refuses one).
-    out = endpoint_slice("web", pods, [{"name": "http", "port": 8080, "protocol": "TCP"}])
-    for key in ("apiVersion", "kind"):
-        out.pop(key)
-    return out
+    """``default/web``'s slice as the API holds it."""
+    return api_object(endpoint_slice("web", pods, [slice_port(name="http")]))
 
 
 def answered_by(sandbox: Sandbox, pods: Sequence[Pod]) -> Any:
@@ -72,9 +69,7 @@ def answered_by(sandbox: Sandbox, pods: Sequence[Pod]) -> Any:
 def test_traffic_follows_an_endpoint_change_made_through_the_api(proxy: Proxy, sandbox: Sandbox, combo: Combo,
                                                                  tmp_path: Any) -> None:
     first, second = sandbox.pods[:2], sandbox.pods[2:3]
-    svc = service("web", WEB_IP, [port(80, 8080, name="http")])
-    for key in ("apiVersion", "kind"):
-        svc.pop(key)
+    svc = api_object(service("web", WEB_IP, [port(80, 8080, name="http")]))
     objects: Dict[str, List[Dict[str, Any]]] = {
         "services": [svc], "endpointslices": [web_slice(first)],
         "nodes": [{"metadata": {"name": NODE_NAME, "labels": {"topology.kubernetes.io/zone": "zone-a"}}}],
