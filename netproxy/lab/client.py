@@ -1,4 +1,4 @@
-"""The harness's client: N connections to one address, answers counted per pod, printed as JSON.
+"""The lab's client: N connections to one address, answers counted per pod, printed as JSON.
 
 Runs inside a client (or node, or pod) namespace as one subprocess per batch, so that 600
 connections cost one process start, not 600.  Connections run concurrently (``--concurrency``)

@@ -75,7 +75,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture(scope="module")
 def combo(request: pytest.FixtureRequest, kernel_env: None) -> Combo:
-    chosen: Combo = request.param
+    return require_combo(request.param)
+
+
+def require_combo(chosen: Combo) -> Combo:
+    """``chosen``, if it can run here; else skip (fail under CI=true) naming what it lacks."""
     why = chosen.missing()
     require(why is None, f"{chosen.name}: {why}")
     return chosen

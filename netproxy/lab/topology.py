@@ -38,7 +38,7 @@ import tempfile
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from netproxy.lab.cleanup import delete_namespace, stop_process
 from netproxy.lab.combos import iptables_bindir
@@ -217,21 +217,21 @@ class Sandbox:
             return int(idx)
 
     def _wire_ext(self) -> None:
+        """The node's uplink: one /24 (and /64) that both ends share, each end's default route via the other."""
         self._veth(self.ext, "ext0")
-        with _iproute_ns(self.node) as ipr:
-            idx = ipr.link_lookup(ifname="ext0")[0]
-            ipr.addr("add", index=idx, address=NODE_EXT4, prefixlen=24)
-            ipr.route("add", dst="0.0.0.0/0", gateway=EXT4)
+        self._uplink_end(self.node, "ext0", (NODE_EXT4, EXT4), (NODE_EXT6, EXT6))
+        self._uplink_end(self.ext, "eth0", (EXT4, NODE_EXT4), (EXT6, NODE_EXT6))
+
+    def _uplink_end(self, ns: str, ifname: str, v4: Tuple[str, str], v6: Tuple[str, str]) -> None:
+        """``ifname`` in ``ns`` gets the first address of each (own, other end) pair; its default route
+        goes via the second."""
+        with _iproute_ns(ns) as ipr:
+            idx = ipr.link_lookup(ifname=ifname)[0]
+            ipr.addr("add", index=idx, address=v4[0], prefixlen=24)
+            ipr.route("add", dst="0.0.0.0/0", gateway=v4[1])
             if self.ipv6:
-                ipr.addr("add", index=idx, address=NODE_EXT6, prefixlen=64, flags=IFA_F_NODAD)
-                ipr.route("add", dst="::/0", gateway=EXT6, family=10)
-        with _iproute_ns(self.ext) as ipr:
-            idx = ipr.link_lookup(ifname="eth0")[0]
-            ipr.addr("add", index=idx, address=EXT4, prefixlen=24)
-            ipr.route("add", dst="0.0.0.0/0", gateway=NODE_EXT4)
-            if self.ipv6:
-                ipr.addr("add", index=idx, address=EXT6, prefixlen=64, flags=IFA_F_NODAD)
-                ipr.route("add", dst="::/0", gateway=NODE_EXT6, family=10)
+                ipr.addr("add", index=idx, address=v6[0], prefixlen=64, flags=IFA_F_NODAD)
+                ipr.route("add", dst="::/0", gateway=v6[1], family=10)
 
     def _wire_pod_like(self, ns: str, role: str, ip4: str, ip6: str) -> None:
         node_side = f"v-{role}"[:15]

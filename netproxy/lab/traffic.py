@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List
+from dataclasses import dataclass
+from typing import Callable, Dict
+
+from netproxy.lab.client import Result
 
 
 class SandboxError(RuntimeError):
@@ -16,14 +18,9 @@ class SandboxError(RuntimeError):
 
 
 @dataclass
-class ConnectResult:
-    """What one client batch saw; see :mod:`netproxy.lab.client`."""
-
-    counts: Dict[str, int] = field(default_factory=dict)
-    sources: Dict[str, Dict[str, int]] = field(default_factory=dict)
-    errors: Dict[str, int] = field(default_factory=dict)
-    sequence: List[str] = field(default_factory=list)
-    elapsed: float = 0.0
+class ConnectResult(Result):
+    """What one client batch saw: the client's own :class:`~netproxy.lab.client.Result`, read back
+    from its JSON, with the sums the tests ask for."""
 
     @property
     def answered(self) -> int:

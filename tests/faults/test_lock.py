@@ -30,7 +30,7 @@ from netproxy.lab.checks import wait_for
 from netproxy.lab.combos import Combo, selected
 from netproxy.lab.manifests import endpoint_slice, port, service, write_manifests
 from netproxy.lab.proxy import Proxy
-from netproxy.lab.pytest_plugin import driven, require
+from netproxy.lab.pytest_plugin import driven, require_combo
 from netproxy.lab.topology import Pod, Sandbox
 from tests.faults.figures import figure
 from tests.kernel.test_parity import http_get
@@ -49,10 +49,7 @@ IPTABLES_COMBOS = [c for c in selected() if c.backend == "iptables"]
 
 @pytest.fixture(scope="module", params=IPTABLES_COMBOS, ids=[c.name for c in IPTABLES_COMBOS])
 def ipt(request: pytest.FixtureRequest, kernel_env: None) -> Combo:
-    chosen: Combo = request.param
-    why = chosen.missing()
-    require(why is None, f"{chosen.name}: {why}")
-    return chosen
+    return require_combo(request.param)
 
 
 @pytest.fixture(scope="module")
