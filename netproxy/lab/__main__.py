@@ -16,7 +16,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m netproxy.lab [--pods N]``: build a sandbox, print it as JSON, hold it until a signal."""
     import argparse
 
-    parser = argparse.ArgumentParser(description="hold a netproxy sandbox open for manual work (root)")
+    parser = argparse.ArgumentParser(prog="python -m netproxy.lab",
+                                     description="hold a netproxy sandbox open for manual work (root)")
     parser.add_argument("--pods", type=int, default=3)
     parser.add_argument("--remote-pods", type=int, default=0, help="how many of the pods are on another node")
     args = parser.parse_args(argv)

@@ -14,7 +14,7 @@ Deliberately stdlib only and importable as a plain file (``python3 pods.py ...``
 inside namespaces of VMs where netproxy itself may not be installed.  One thread and a selector,
 because a test sends hundreds of connections in a burst and must not wait on thread start-up.
 
-It prints ``ready`` on stdout once every socket is bound, so that the harness never races the
+It prints ``ready`` on stdout once every socket is bound, so that the lab never races the
 first connection against ``bind()``.
 """
 
@@ -170,7 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--udp", default="", help="comma-separated UDP ports")
     parser.add_argument("--hold", default="", help="comma-separated TCP ports whose connections stay open")
     args = parser.parse_args(argv)
-    # SIGTERM from the harness should end the process quietly, without a traceback on stderr.
+    # SIGTERM from the lab should end the process quietly, without a traceback on stderr.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     with contextlib.suppress(KeyboardInterrupt):
         serve(args.name, _ports(args.tcp), _ports(args.udp), _ports(args.hold))

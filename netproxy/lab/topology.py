@@ -435,7 +435,7 @@ class Sandbox:
 def netproxy_command() -> List[str]:
     """How to start netproxy: ``$NETPROXY_CMD`` (split on spaces) or this interpreter's ``-m netproxy.cli``.
 
-    ``sys.executable`` rather than a console script, so that the same harness works in a VM where
+    ``sys.executable`` rather than a console script, so that the same lab works in a VM where
     netproxy is importable but not installed with entry points.
     """
     override = os.environ.get("NETPROXY_CMD", "").strip()

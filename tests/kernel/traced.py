@@ -10,7 +10,7 @@
 Batches whose outcome the rules do not decide alone are not traced: a fixed source port (``bind``:
 conntrack keeps the flow's old NAT binding, which is what the UDP conntrack test checks), paced
 flows running while a test changes endpoints (``interval``), and batches sent inside a wait loop
-while a change is still on its way to the kernel (any :func:`harness.wait_for` loop).
+while a change is still on its way to the kernel (any :func:`netproxy.lab.checks.wait_for` loop).
 
 Under software emulation (the VM matrix: ``NETPROXY_TEST_TIME_SCALE`` > 1) a ``netproxy trace``
 process costs seconds, so there only the first batch of each test is traced.
