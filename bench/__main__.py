@@ -14,7 +14,7 @@ import sys
 from typing import List, Optional, Sequence
 
 from bench import report, targets
-from bench.run import Bench, new_workdir
+from bench.run import Bench, combo_record, new_workdir
 from netproxy.lab import combos as combos_mod
 from netproxy.lab import netns
 
@@ -96,7 +96,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 return 1
             bench.combos = chosen
             bench.results["unavailable"] = {}
-            bench.results["meta"]["combos"] = [c.__dict__ for c in chosen]
+            bench.results["meta"]["combos"] = [combo_record(c) for c in chosen]
         results = bench.run()
     finally:
         netns.cleanup_all()

@@ -48,6 +48,12 @@ class Budget:
         return max(0.0, min(wanted, self.left()))
 
 
+def combo_record(combo: Combo) -> Dict[str, str]:
+    """``combo`` as the results' ``meta.combos`` list holds it; ``key`` is its name (the field name
+    every results file, old ones included, uses)."""
+    return {"key": combo.name, "backend": combo.backend, "writer": combo.writer, "flavour": combo.flavour}
+
+
 class Bench:
     def __init__(self, combos: List[Combo], sizes: List[int], smoke: bool, budget: float, workdir: str,
                  out: Any = sys.stdout) -> None:
@@ -124,7 +130,7 @@ class Bench:
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "cpus": os.cpu_count(),
             "kernel": platform.release(), "python": platform.python_version(), "commit": commit,
             "iptables": tool(["iptables-legacy", "--version"]), "nft": tool(["nft", "--version"]),
-            "sizes": self.sizes, "dp_sizes": self.dp_sizes, "combos": [c.__dict__ for c in self.combos],
+            "sizes": self.sizes, "dp_sizes": self.dp_sizes, "combos": [combo_record(c) for c in self.combos],
             "smoke": self.smoke, "min_sync_period": self.min_sync, "latency_changes": self.changes,
             "loadavg": [os.getloadavg()[0]],
             "dp_count": dataplane.SMOKE_COUNT if self.smoke else dataplane.COUNT,
