@@ -3,15 +3,18 @@ file (or the API) holds, and writing them where ``netproxy sync``/``run`` reads 
 
 The one place the tests build these objects (unit, kernel, fault suite): a test names only what it
 is about (a cluster IP, a protocol, an endpoint's readiness) and gets the rest as Kubernetes fills it in.
+:func:`service_port` builds the same as the model holds it, for tests below the source.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from typing import Any, Dict, Optional, Sequence, Union
 
 from netproxy.lab.topology import Pod
+from netproxy.model import ServicePort, ServicePortName
 
 Manifest = Dict[str, Any]
 
@@ -89,3 +92,13 @@ def write_manifests(path: str, objects: Sequence[Manifest]) -> None:
     with open(tmp, "w") as f:
         f.write("".join("---\n" + json.dumps(o, indent=1) + "\n" for o in objects))
     os.replace(tmp, path)  # a watcher sees a whole file or the old one, never half of one
+
+
+def service_port(name: str = "web", namespace: str = "default", port_name: str = "http", *, protocol: str = "TCP",
+                 port: int = 80, target_port: Union[int, str] = 8080, cluster_ip: str = "10.96.0.10",
+                 **fields: Any) -> ServicePort:
+    """A model :class:`~netproxy.model.ServicePort` (what conversion makes of one Service port):
+    ``namespace/name:port_name``, ``protocol`` ``port`` → ``target_port`` on ``cluster_ip``;
+    ``fields`` set any other field (``cluster_ips`` replaces ``cluster_ip``)."""
+    fields.setdefault("cluster_ips", (ipaddress.ip_address(cluster_ip),))
+    return ServicePort(ServicePortName(namespace, name, port_name), protocol, port, target_port, **fields)
