@@ -38,11 +38,13 @@ def service(name: str, cluster_ip: str, ports: Optional[Sequence[Manifest]] = No
     return out
 
 
-def port(number: int, target: Any = 8080, *, name: str = "", protocol: str = "TCP") -> Manifest:
-    """A Service port."""
+def port(number: int, target: Any = 8080, *, name: str = "", protocol: str = "TCP", node_port: int = 0) -> Manifest:
+    """A Service port (with ``nodePort`` when ``node_port`` is given)."""
     out: Manifest = {"port": number, "targetPort": target, "protocol": protocol}
     if name:
         out["name"] = name
+    if node_port:
+        out["nodePort"] = node_port
     return out
 
 
@@ -54,12 +56,12 @@ def slice_port(number: int = 8080, *, name: str = "", protocol: str = "TCP") -> 
     return out
 
 
-def endpoint_slice(service_name: str, endpoints: Sequence[Union[Pod, str]],
+def endpoint_slice(service_name: str, endpoints: Sequence[Union[Pod, str, Manifest]],
                    ports: Optional[Sequence[Manifest]] = None, *, namespace: str = "default", suffix: str = "a",
                    name: str = "", ready: bool = True, address_type: str = "IPv4") -> Manifest:
     """A discovery.k8s.io/v1 EndpointSlice for ``service_name`` (named ``<service>-<suffix>`` unless
-    ``name``), with ``endpoints`` as its endpoints: sandbox pods (with their node and a targetRef) or
-    bare addresses.  ``ports`` default to one unnamed TCP 8080.
+    ``name``), with ``endpoints`` as its endpoints: sandbox pods (with their node and a targetRef),
+    bare addresses, or endpoint dicts taken as they are.  ``ports`` default to one unnamed TCP 8080.
 
     ``address_type="IPv6"`` lists the pods' IPv6 addresses (one slice per family, as Kubernetes does).
     """
@@ -73,7 +75,9 @@ def endpoint_slice(service_name: str, endpoints: Sequence[Union[Pod, str]],
     }
 
 
-def _endpoint(endpoint: Union[Pod, str], ready: bool, address_type: str, namespace: str) -> Manifest:
+def _endpoint(endpoint: Union[Pod, str, Manifest], ready: bool, address_type: str, namespace: str) -> Manifest:
+    if isinstance(endpoint, dict):
+        return endpoint
     conditions = {"ready": ready, "serving": ready, "terminating": False}
     if isinstance(endpoint, str):
         return {"addresses": [endpoint], "conditions": conditions}

@@ -63,10 +63,8 @@ def node(sb: Sandbox) -> Iterator[Sandbox]:
 
 def _svc(name: str, ip: str, number: int, target: int, pods: Sequence[Pod], protocol: str = "TCP",
          node_port: int = 0, **spec: object) -> List[Manifest]:
-    p = port(number, target, name="p", protocol=protocol)
-    if node_port:
-        p["nodePort"] = node_port
-    return [service(name, ip, [p], **spec), endpoint_slice(name, pods, [port(target, name="p", protocol=protocol)])]
+    return [service(name, ip, [port(number, target, name="p", protocol=protocol, node_port=node_port)], **spec),
+            endpoint_slice(name, pods, [port(target, name="p", protocol=protocol)])]
 
 
 def cluster(sb: Sandbox) -> List[Manifest]:
