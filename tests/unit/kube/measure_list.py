@@ -1,6 +1,6 @@
 """Measure listing and converting a big cluster through the official client, in a fresh process.
 
-    python tests/unit/kube/measure_list.py --services 10000 --endpoints-per-slice 10 [--mode raw|model]
+    python -m tests.unit.kube.measure_list --services 10000 --endpoints-per-slice 10 [--mode raw|model]
 
 Starts the API stand-in in a child process (so the figures are the client's alone), lists every
 Service and EndpointSlice, converts them and hands them to a ChangeTracker; prints one JSON line:
