@@ -21,8 +21,8 @@ demo: setup
 	$(PY) -m netproxy.demo --backend $(BACKEND)
 
 lint: setup
-	$(VENV)/bin/ruff check netproxy backends tests bench
-	$(VENV)/bin/mypy netproxy backends
+	$(VENV)/bin/ruff check netproxy backends tests bench vagrant
+	$(VENV)/bin/mypy netproxy backends vagrant
 
 test-unit: setup
 	$(VENV)/bin/pytest -q tests/unit
@@ -39,8 +39,8 @@ test-vm: setup
 # The README's test command: lint, unit, kernel (network namespaces), the benchmark's smoke run,
 # then the QEMU kernel matrix (three Debian kernels under software emulation).
 test: setup
-	$(VENV)/bin/ruff check netproxy backends tests bench
-	$(VENV)/bin/mypy netproxy backends
+	$(VENV)/bin/ruff check netproxy backends tests bench vagrant
+	$(VENV)/bin/mypy netproxy backends vagrant
 	$(VENV)/bin/pytest -q tests
 	$(PY) -m bench --smoke
 	vagrant/local/run-matrix

@@ -107,7 +107,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     json_path, md_path, png_path = report.write(results, args.out, stem)
     print(report.markdown(results))
     print(f"results: {json_path}, {md_path}" + (f", {png_path}" if png_path else ""))
-    keep = args.keep_workdir or bool(results["errors"])
+    dp_failed = results.get("dataplane_failures", [])
+    keep = args.keep_workdir or bool(results["errors"]) or bool(dp_failed)
     if keep:
         print(f"payloads and logs kept in {workdir}")
     else:
@@ -122,6 +123,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not bench.available():
         print("bench: FAILED: no backend could run here", file=sys.stderr)
         return 1
+    # Traffic that did not get through is not a figure to read past: the run fails (issue 19).
+    if dp_failed:
+        print(f"bench: FAILED: {len(dp_failed)} data-plane failure(s): " + "; ".join(dp_failed)[:3000],
+              file=sys.stderr)
+        return 1
     if results["errors"]:
         print(f"bench: {len(results['errors'])} measure(s) failed: see the Errors section above", file=sys.stderr)
     return 0
@@ -129,7 +135,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def smoke_failures(results: report.Results) -> List[str]:
     """In a smoke run every measure must have a figure: an error, timeout or skip fails it."""
-    out = list(results["errors"])
+    out = list(results["errors"]) + [f"data plane {f}" for f in results.get("dataplane_failures", [])]
     combo = results["meta"]["combos"][0]["key"] if results["meta"]["combos"] else "?"
     iptables = bool(results["meta"]["combos"]) and results["meta"]["combos"][0]["backend"] == "iptables"
     checks = [("control", results["control"].get(combo, {}).get("uniform", {}).get("100", {}),
@@ -140,7 +146,7 @@ def smoke_failures(results: report.Results) -> List[str]:
     for section, cells, keys in checks:
         for key in keys:
             cell = cells.get(key)
-            if not cell or not any(k in cell for k in ("seconds", "p50_us", "median")):
+            if not cell or not any(k in cell for k in ("seconds", "p50_us", "n")):
                 out.append(f"{section} {key}: no figure ({cell})")
     for ref in ("kube-proxy iptables-legacy", "kube-proxy nft"):
         cell = results["reference"].get(ref, {}).get("100", {}).get("cold")

@@ -1,5 +1,5 @@
 """The conntrack reconciler at 100,000 entries (issue 18 item 7: one pass <= 0.5 s; kube-proxy reports
-222 ms for 4,705 entries).
+222 ms for 4,705 entries: the issue's outside figure, not measured here).
 
 In a throwaway ``np-bench-…-ct`` namespace, a child process (``python -m bench.conntrack --child``):
 1. creates ``ENTRIES`` UDP entries through ctnetlink, as DNAT-ed flows leave them: 1,000 UDP

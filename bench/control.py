@@ -11,14 +11,13 @@ import contextlib
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from bench import gen, kubeproxy_layout
+from bench import gen, kubeproxy_layout, sample
 from netproxy.lab import netns
 from netproxy.lab.combos import Combo
 
@@ -160,22 +159,23 @@ def floor(combo: Combo, ns: str, workdir: str, timeout: float, budget: float = 6
 
 
 def raw_own_payload(combo: Combo, plan_path: str, workdir: str, timeout: float, *, ns: str,
-                    reset: Callable[[], None], budget: float = 6.0) -> Step:
-    """netproxy's own full payload applied with the raw tool into ``ns`` after ``reset()``: min of up to 3."""
+                    reset: Callable[[], None]) -> Step:
+    """netproxy's own full payload applied with the raw tool into ``ns``, each run after ``reset()``;
+    sampled as netproxy's cold sync is (``bench.sample``)."""
     try:
         with open(plan_path, encoding="utf-8") as fh:
             text = fh.read()
     except OSError:
         return {"error": "no plan payload (the plan step did not run)"}
     spec = split_plan(combo, text, workdir)
-    runs: List[float] = []
-    while len(runs) < 3 and sum(runs) + (runs[-1] if runs else 0) <= budget:
+    deadline = time.monotonic() + timeout
+
+    def once(_: int) -> Step:
         reset()
-        res = raw_apply(spec, ns, timeout)
-        if "seconds" not in res:
-            return res
-        runs.append(res["seconds"])
-    return {"seconds": min(runs), "runs": runs, "bytes": len(text)}
+        return raw_apply(spec, ns, max(1.0, deadline - time.monotonic()))
+
+    res = sample.repeat(once, sample.FULL_RUNS)
+    return {**res, "bytes": len(text)} if "seconds" in res else res
 
 
 # -- kube-proxy's layout -----------------------------------------------------------------------------
@@ -223,23 +223,35 @@ def kubeproxy_files(objects: Sequence[gen.Obj], family: str, workdir: str, flavo
 
 
 def kubeproxy_reference(ns: str, objects: Sequence[gen.Obj], family: str, workdir: str, timeout: float,
-                        flavour: str = "legacy", full_only: bool = False) -> Dict[str, Step]:
-    """kube-proxy's layout applied into ``ns`` (full), then one endpoint moved there and back (change)."""
+                        flavour: str = "legacy", *, reset: Callable[[], None], full_only: bool = False
+                        ) -> Dict[str, Step]:
+    """kube-proxy's layout applied into ``ns`` (full, each run after ``reset()``), then one endpoint
+    moved there and back (change); both sampled as netproxy's cold sync and endpoint change are
+    (``bench.sample``: as many runs, the median).  ``full_only``: one full apply, no figure wanted
+    (the data plane's one-service baseline)."""
     full_spec, changes = kubeproxy_files(objects, family, workdir, flavour)
-    out: Dict[str, Step] = {"cold": raw_apply(full_spec, ns, timeout)}
+    deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        return max(1.0, deadline - time.monotonic())
+
+    if full_only:
+        reset()
+        return {"cold": raw_apply(full_spec, ns, timeout)}
+
+    def full(_: int) -> Step:
+        reset()
+        return raw_apply(full_spec, ns, left())
+
+    out: Dict[str, Step] = {"cold": sample.repeat(full, sample.FULL_RUNS)}
     if "seconds" not in out["cold"]:
         out["endpoint"] = {"error": "the full apply did not complete"}
         return out
-    if full_only:
-        return out
-    runs: List[float] = []
-    for k in range(4):  # there and back twice: the table ends as the full apply wrote it
-        res = raw_apply(changes[k % 2], ns, timeout)
-        if "seconds" not in res:
-            out["endpoint"] = res
-            return out
-        runs.append(res["seconds"])
-    out["endpoint"] = {"seconds": statistics.median(runs), "runs": runs}
+    endpoint = sample.repeat(lambda k: raw_apply(changes[k % 2], ns, left()), sample.CHANGE_RUNS)
+    if "seconds" in endpoint and len(endpoint["runs"]) % 2:
+        # Back again, untimed: the table ends as the full apply wrote it, for the data plane after.
+        raw_apply(changes[1], ns, left())
+    out["endpoint"] = endpoint
     return out
 
 

@@ -91,8 +91,24 @@ def summarise(batches: List[Dict[str, Any]]) -> Dict[str, Any]:
     out["batches"] = [{k: b[k] for k in ("ok", "errors", "p50_us", "p99_us", "rate")} for b in batches]
     errors = sum(b["errors"] for b in batches)
     if errors:
-        out["warning"] = f"{errors} of {errors + sum(b['ok'] for b in batches)} connections failed"
+        # A connection that failed is a data-plane failure, not noise: the run fails on it (failure()).
+        out["failed"] = errors
+        out["attempted"] = errors + sum(b["ok"] for b in batches)
     return out
+
+
+def failure(cell: Dict[str, Any]) -> str:
+    """Why ``cell`` (a result of :func:`paired`) is a data-plane failure, or "" when it is not.
+
+    Failed connections in otherwise measured batches count as much as no figure at all: either
+    means traffic to a service did not get through."""
+    if cell.get("failed"):
+        return f"{cell['failed']} of {cell['attempted']} connections failed"
+    if "p50_us" in cell:
+        return ""
+    if "timeout" in cell:
+        return f"a batch of connections did not finish within {cell['timeout']:.0f} s"
+    return str(cell.get("error") or cell or "no figure")
 
 
 def _batch(sandbox: Any, client: Sequence[str], addr: str, port: int, count: int) -> Dict[str, Any]:

@@ -12,11 +12,17 @@ Changes are spaced by a random pause of 0–1.5 × ``--min-sync-period`` after t
 landed, so that some land while the runner is still holding back (the rate limit is part of what
 a user waits for).  Also reported: the backend's own sync time for each change (from netproxy's
 log) and the peak RSS (VmHWM) of the ``netproxy run`` process at the end.
+
+A change that has not reached the kernel within its deadline (``change_deadline``: the poller's
+lifetime) is a *failure*, not a sample left out: the result counts it (``failures`` of ``n``), and
+the median and p95 count it as +inf, so a percentile that lands on one is reported as "over the
+deadline" (``None`` in the JSON) rather than as the latency of the changes that did land.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -31,6 +37,8 @@ from netproxy.lab.topology import netproxy_command
 
 CHANGES = 20
 POLL_ATTEMPT_MS = 2
+GIVE_UP_AFTER = 3
+"""Failures in a row after which no further change is made (each one costs a whole deadline)."""
 _SYNCED = re.compile(r"synced (full|partial): .* in ([0-9.]+) s")
 _STAMP = re.compile(r"^\d{4}-\d\d-\d\d (\d\d):(\d\d):(\d\d),(\d{3}) ")
 
@@ -156,33 +164,69 @@ def measure(sandbox: Any, combo: Any, n: int, client: Sequence[str], workdir: st
                              f"(log {log_path})"}
         rng = random.Random(n)
         lat: List[float] = []
-        misses = 0
+        in_a_row = 0
+        change_deadline = 30.0 + min_sync
         for k in range(changes):
             if deadline is not None and time.monotonic() > deadline:
                 break
             time.sleep(rng.uniform(0, 1.5 * min_sync))
             svc, eps = gen.extra_service(k, [pods[k % len(pods)]])
-            poller = _poll(sandbox, client, gen.extra_ip(k), gen.PORT, 30.0 + min_sync)
+            poller = _poll(sandbox, client, gen.extra_ip(k), gen.PORT, change_deadline)
             time.sleep(0.02)  # the poller is running (and failing) before the change
             t0 = time.monotonic()
             _write_atomic(os.path.join(src, "extra.json"), [svc, eps])
-            t = _wait_poll(poller, 40.0 + min_sync)
+            t = _wait_poll(poller, change_deadline + 10.0)
             if t is None:
-                misses += 1
-                if misses >= 3:
+                lat.append(math.inf)  # never in the kernel within the deadline: a failure, counted
+                in_a_row += 1
+                if in_a_row >= GIVE_UP_AFTER:
                     break
                 continue
+            in_a_row = 0
             lat.append(max(0.0, t - t0))
         hwm = vm_hwm_kib(proc.pid)
     finally:
         netns.stop(proc)
     if not lat:
-        return {"error": f"no change reached the kernel ({misses} missed)"}
-    lat.sort()
+        return {"error": "no change was made: the time budget ran out before the first"}
     syncs, reloads = _log_times(log_path)
-    return {"median": statistics.median(lat), "p95": lat[min(len(lat) - 1, int(round(0.95 * (len(lat) - 1))))],
-            "max": lat[-1], "runs": lat, "changes": len(lat), "wanted": changes, "missed": misses,
-            "min_sync_period": min_sync,
+    return {**summary(lat, change_deadline), "wanted": changes, "min_sync_period": min_sync,
             "sync_median": statistics.median(syncs) if syncs else None,
             "reload_median": statistics.median(reloads) if reloads else None,
             "run_vmhwm_mib": hwm / 1024 if hwm else None}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank ``q`` quantile (0..1) of ``values``; an +inf (a change that timed out) is a value like any other."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def _finite(x: float) -> Optional[float]:
+    return x if math.isfinite(x) else None
+
+
+def summary(lat: Sequence[float], change_deadline: float) -> Dict[str, Any]:
+    """Median, p95 and max of ``lat`` (seconds; +inf for a change that missed ``change_deadline``).
+
+    A statistic that lands on a timed-out change is ``None`` (over the deadline); ``failures`` counts
+    those changes, ``n`` all changes made, ``runs`` the landed latencies in order."""
+    failures = sum(1 for x in lat if not math.isfinite(x))
+    return {"n": len(lat), "failures": failures, "change_deadline": change_deadline,
+            "median": _finite(statistics.median(lat)), "p95": _finite(percentile(lat, 0.95)),
+            "max": _finite(max(lat)), "runs": [x for x in lat if math.isfinite(x)]}
+
+
+def _ms(x: Optional[float]) -> str:
+    return "over the deadline" if x is None else f"{x * 1000:.0f} ms"
+
+
+def describe(cell: Dict[str, Any]) -> str:
+    """One line for a result of :func:`measure`: median, p95, n and the failures, said as failures."""
+    text = f"median {_ms(cell.get('median'))}, p95 {_ms(cell.get('p95'))}, n {cell['n']}"
+    if cell.get("failures"):
+        text += (f", {cell['failures']} FAILED (not in the kernel within {cell['change_deadline']:.0f} s; "
+                 "counted as +inf)")
+    if cell.get("wanted") and cell["n"] < cell["wanted"]:
+        text += f"; {cell['n']} of {cell['wanted']} changes made"
+    return text

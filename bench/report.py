@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from bench import conntrack
+from bench import conntrack, latency, sample
 
 Results = Dict[str, Any]
 Cell = Optional[Dict[str, Any]]
@@ -78,14 +78,14 @@ def control_tables(results: Results) -> List[str]:
     cols = _ncols(sizes)
     out: List[str] = []
     steps = [("cold", "Cold full sync (s)", 1.0, 3, "First full sync into an empty kernel, backend.sync() "
-              "only (min of up to 3). kube-proxy rows: its own layout applied with the raw tool. *raw* rows: "
+              "only. kube-proxy rows: its own layout applied with the raw tool. *raw* rows: "
               "netproxy's own `plan()` payload applied with the raw tool."),
              ("resync", "Resync with nothing changed (s)", 1.0, 3, "A full sync (every --sync-period) when "
-              "nothing changed: median of up to 3. On iptables-legacy the backend skips the write when its "
+              "nothing changed. On iptables-legacy the backend skips the write when its "
               "fingerprint of the tables says nobody touched them since its last full write "
-              "(backends/iptables/stamp.py); the figure is that check. nftables: the ruleset generation."),
+              "(backends/iptables/kernel/stamp.py); the figure is that check. nftables: the ruleset generation."),
              ("endpoint", "One endpoint replaced (ms)", 1000.0, 1, "One slice changed → parse_objects → tracker → "
-              "partial sync; median of up to 5. kube-proxy rows: its partial payload (iptables: save + restore "
+              "partial sync. kube-proxy rows: its partial payload (iptables: save + restore "
               "--noflush; nft: flush/refill the service's chains)."),
              ("add", "One service added (ms)", 1000.0, 1, "A Service and its slice → partial sync; median."),
              ("remove", "One service removed (ms)", 1000.0, 1, "The added service deleted again → partial sync."),
@@ -102,8 +102,13 @@ def control_tables(results: Results) -> List[str]:
             for ref in REF_ROWS:
                 if ref in results["reference"]:
                     rows.append((ref, [_sec(ref_cell(results, ref, n, step), scale, digits) for n in sizes]))
-        out += _table(title, rows, cols, note)
+        out += _table(title, rows, cols, note + SAMPLED)
     return out
+
+
+SAMPLED = (f" Every cell, netproxy's and kube-proxy's alike: the median of up to {sample.FULL_RUNS} runs (full "
+           f"syncs and applies) or {sample.CHANGE_RUNS} (changes), fewer when the next would not fit "
+           f"{sample.BUDGET:.0f} s; min, max and every run in the JSON.")
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> str:
@@ -137,9 +142,9 @@ def _dp(cell: Cell) -> str:
     if not cell:
         return "-"
     if "p50_us" in cell:
-        warn = " ⚠" if cell.get("warning") else ""
+        failed = f" · FAILED: {cell['failed']} of {cell['attempted']} connections" if cell.get("failed") else ""
         best = f" (best {cell['best_p50_us']:.0f})" if "best_p50_us" in cell else ""
-        return f"{cell['p50_us']:.0f}{best} / {cell['p99_us']:.0f} µs · {cell['rate']:.0f}/s{warn}"
+        return f"{cell['p50_us']:.0f}{best} / {cell['p99_us']:.0f} µs · {cell['rate']:.0f}/s{failed}"
     return _sec(cell)
 
 
@@ -173,13 +178,11 @@ def latency_table(results: Results) -> List[str]:
         cells = []
         for n in lat_sizes:
             cell = per.get(str(n))
-            if cell and "median" in cell:
+            if cell and "n" in cell:
                 sync = f"; sync {cell['sync_median'] * 1000:.0f} ms" if cell.get("sync_median") is not None else ""
                 if cell.get("reload_median") is not None:
                     sync += f"; reload+sync {cell['reload_median'] * 1000:.0f} ms"
-                if cell.get("wanted") and cell["changes"] < cell["wanted"]:
-                    sync += f" ({cell['changes']} of {cell['wanted']} changes: time budget)"
-                cells.append(f"{cell['median'] * 1000:.0f} / {cell['p95'] * 1000:.0f} ms{sync}")
+                cells.append(latency.describe(cell) + sync)
             else:
                 cells.append(_sec(cell))
         rows.append((c["key"], cells))
@@ -187,7 +190,9 @@ def latency_table(results: Results) -> List[str]:
     return _table("Event → kernel in `netproxy run` (median / p95; backend sync and source reload + sync medians)",
                   rows, _ncols(lat_sizes),
                   f"{results['meta'].get('latency_changes')} source-file changes each, --min-sync-period {msp}s; "
-                  "detected by traffic (a poller connecting to the new service every 2 ms). *reload+sync*: from "
+                  f"detected by traffic (a poller connecting to the new service every {latency.POLL_ATTEMPT_MS} ms). "
+                  "A change not in the kernel within its deadline is a failure: counted in n, and as +inf in the "
+                  "median and p95 (shown as *over the deadline* when one lands on it). *reload+sync*: from "
                   "netproxy's log line saying the source changed to the one saying the sync finished.")
 
 
@@ -325,6 +330,9 @@ def markdown(results: Results) -> str:
             + dataplane_table(results)
             + latency_table(results) + rss_table(results) + conntrack.markdown(results.get("conntrack") or {})
             + target_lines(results))
+    failed = results.get("dataplane_failures", [])
+    if failed:
+        body += ["### Data-plane failures (the run fails on these)", ""] + [f"- {f}" for f in failed] + [""]
     errors = results.get("errors", [])
     if errors:
         body += ["### Errors", ""] + [f"- {e}" for e in errors] + [""]

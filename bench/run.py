@@ -76,7 +76,7 @@ class Bench:
         self.changes = 3 if smoke else latency.CHANGES
         self.results: Dict[str, Any] = {
             "meta": {}, "control": {}, "reference": {}, "dataplane": {}, "dataplane_pairs": {}, "latency": {},
-            "rss": {}, "migrate": {}, "unavailable": {}, "errors": [], "targets": []}
+            "rss": {}, "migrate": {}, "unavailable": {}, "errors": [], "dataplane_failures": [], "targets": []}
 
     # -- bookkeeping ------------------------------------------------------------------------------
 
@@ -222,10 +222,12 @@ class Bench:
                           f"N=1 alongside: {one['p50_us']:.0f}, best {one['best_p50_us']:.0f}), p99 "
                           f"{big['p99_us']:.0f} µs, {big['rate']:.0f} conn/s")
         else:
-            for label, res in ((n, big), (1, one)):
-                if "p50_us" not in res:
-                    self.results["errors"].append(f"data plane {key} N={label}: {res}")
             self.progress(f"{key} N={n:,}: data plane {big} / N=1 {one}")
+        for label, res in ((n, big), (1, one)):
+            problem = dataplane.failure(res)
+            if problem:  # fails the run (python -m bench exits 1 and names it)
+                self.results["dataplane_failures"].append(f"{key} N={label}: {problem}")
+                self.progress(f"{key} N={label:,}: data plane FAILED: {problem}")
 
     def base_netproxy(self, combo: Combo) -> Callable[[], bool]:
         """Loads the baseline: a `netproxy sync` of one service in the second sandbox (its RSS is N=1's)."""
@@ -242,7 +244,7 @@ class Bench:
         def load() -> bool:
             objects = gen.cluster(1, "uniform", control.pods_of(self.base))
             res = control.kubeproxy_reference(self.base.node, objects, family, self.workdir, 60, flavour,
-                                              full_only=True)
+                                              reset=self.base.reset_netfilter, full_only=True)
             return "seconds" in res["cold"]
         return load
 
@@ -291,7 +293,8 @@ class Bench:
         sb = self.sandbox
         sb.reset_netfilter()
         objects = gen.cluster(n, "uniform", control.pods_of(sb))
-        steps = control.kubeproxy_reference(sb.node, objects, family, self.workdir, timeout, flavour)
+        steps = control.kubeproxy_reference(sb.node, objects, family, self.workdir, timeout, flavour,
+                                            reset=sb.reset_netfilter)
         cell.update(steps)
         self._note_errors(f"{ref} N={n}", steps)
         self.progress(f"{ref} N={n:,}: full {control.describe(steps.get('cold'))}, one endpoint "
@@ -336,7 +339,8 @@ class Bench:
             self.phase_mixed()
             self.phase_migrate(big)
             if big > 1000:
-                # The slow reference (kube-proxy's nft layout at 10k, 85 s) after issue 15's mixed
+                # The slow reference (kube-proxy's nft layout at 10k: a chain per endpoint in one
+                # transaction, the slowest apply of the run; docs/performance.md) after issue 15's mixed
                 # iptables figures, which are targets.
                 self.phase_references(only=big, refs=("kube-proxy nft", "kube-proxy iptables-nft"))
             sb.reset_netfilter()
@@ -391,11 +395,13 @@ class Bench:
             for n in [n for n in self.sizes if (upto is None or n <= upto) and (only is None or n == only)
                       and n <= LARGE]:
                 if ref == "kube-proxy iptables-nft" and n > 2000:
-                    # Quadratic in the kernel: 43 s at 2k, 307 s at 4k (docs/performance.md); ~30 min at 10k.
+                    # Its kernel cost grows quadratically with the chains: past 2k services one apply
+                    # alone would take most of the run's budget.
                     self._cell("reference", ref, n)["cold"] = self._skip(
-                        "quadratic in the kernel past 2k services (docs/performance.md)")
+                        "iptables-nft's kernel cost grows quadratically with kube-proxy's chains; not run past "
+                        "2,000 services (the founding study in docs/performance.md, not a bench run)")
                     continue
-                # kube-proxy's nft layout at 10k is the slow reference (85 s measured): run once, bounded.
+                # kube-proxy's nft layout at 10k is the slow reference: bounded by a longer timeout.
                 self.phase_reference(ref, family, flavour, n, 240.0 if n >= 10000 else 120.0)
 
     def phase_latency(self) -> None:
@@ -421,9 +427,10 @@ class Bench:
                                       min_sync=self.min_sync, start_timeout=min(300.0, self.budget.timeout(300)),
                                       deadline=time.monotonic() + self.budget.timeout(2 * need))
                 cell.update(res)
-                if "median" in res:
-                    self.progress(f"{combo.name} N={n:,}: event → kernel median {res['median'] * 1000:.0f} ms, "
-                                  f"p95 {res['p95'] * 1000:.0f} ms")
+                if "n" in res:
+                    self.progress(f"{combo.name} N={n:,}: event → kernel {latency.describe(res)}")
+                    if res["failures"]:
+                        self.results["errors"].append(f"latency {combo.name} N={n}: {latency.describe(res)}")
                 else:
                     self.results["errors"].append(f"latency {combo.name} N={n}: {res}")
                     self.progress(f"{combo.name} N={n:,}: event → kernel {res}")

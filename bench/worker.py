@@ -7,14 +7,15 @@ Kubernetes objects (``bench.gen``) → ``parse_objects`` → :class:`ChangeTrack
 step by step, one JSON line per step on stdout (so that a step that times out loses only itself):
 
 - ``source``: parse every object and fill the tracker (what a (re)list costs);
-- ``cold``: the first full sync into an empty kernel (repeated after ``cleanup()`` while cheap; min);
+- ``cold``: the first full sync into an empty kernel (repeated after ``cleanup()`` while cheap);
 - ``resync``: a full sync with nothing changed (what every ``--sync-period`` costs);
 - ``endpoint``: one endpoint of one service moved: parse the slice, tracker, partial sync;
 - ``endpoint-affinity``: the same for a ClientIP-affinity service (the mixed cluster has them);
 - ``add`` / ``remove``: one service (and its slice) added, then removed again;
 - ``plan``: the full payload as text, written to ``--plan-out`` for the raw-tool reference.
 
-Change steps are repeated and reported as the median, with every run listed.
+Every step but ``source`` and ``plan`` is repeated and summarised by ``bench.sample`` (median, min,
+max, every run), exactly as kube-proxy's layout is (``bench/control.py``).
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ import argparse
 import gc
 import json
 import resource
-import statistics
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from bench import gen, nftsteps
+from bench import gen, nftsteps, sample
 from netproxy.backends import create
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes
@@ -36,8 +36,6 @@ from netproxy.source.files import parse_objects
 from netproxy.tracker import ChangeTracker
 
 NODE_NAME = "np-node"
-COLD_BUDGET = 5.0  # seconds of cold syncs worth repeating for a min-of
-CHANGE_REPEATS = 5
 
 
 def emit(step: str, **fields: Any) -> None:
@@ -86,30 +84,30 @@ class Run:
 
     def cold(self) -> None:
         self.backend.probe()
-        runs: List[float] = []
-        while True:
+
+        def once(k: int) -> Dict[str, Any]:
+            if k:  # into an empty kernel again, through a fresh process's backend
+                self.backend.cleanup()
+                self.backend = create(self.config.backend, self.config)
             t0 = time.perf_counter()
             result = self.backend.sync(self.snapshot, Changes(full=True))
-            runs.append(time.perf_counter() - t0)
-            if sum(runs) + runs[-1] > COLD_BUDGET or len(runs) >= 3:
-                break
-            self.backend.cleanup()
-            self.backend = create(self.config.backend, self.config)  # a fresh process's backend
+            return {"seconds": time.perf_counter() - t0, "bytes": result.bytes_written}
+
+        res = sample.repeat(once, sample.FULL_RUNS)
         # What `netproxy run` does after a full sync (netproxy/proxier.py): the long-lived objects go to
         # the permanent GC generation, so that the changes measured next pay no pass over them.
         gc.freeze()
-        emit("cold", seconds=min(runs), runs=runs, bytes=result.bytes_written)
+        emit("cold", **res)
 
     def resync(self) -> None:
-        runs = []
-        for _ in range(3):
+        def once(_: int) -> Dict[str, Any]:
             t0 = time.perf_counter()
             self.backend.sync(self.snapshot, Changes(full=True))
-            runs.append(time.perf_counter() - t0)
-            if runs[-1] > COLD_BUDGET / 2:
-                break
+            return {"seconds": time.perf_counter() - t0}
+
+        res = sample.repeat(once, sample.FULL_RUNS)
         gc.freeze()  # as after the cold sync
-        emit("resync", seconds=statistics.median(runs), runs=runs)
+        emit("resync", **res)
 
     def _change(self, objects: Sequence[Dict[str, Any]],
                 removals: Sequence[Tuple[str, str, str]] = ()) -> Dict[str, float]:
@@ -126,17 +124,7 @@ class Run:
         result = self.backend.sync(snapshot, changes)
         t2 = time.perf_counter()
         self.snapshot = snapshot
-        return {"total": t2 - t0, "backend": t2 - t1, "written": result.services_written}
-
-    def _repeat(self, step: str, fn: Callable[[int], Dict[str, float]]) -> None:
-        runs = []
-        for k in range(CHANGE_REPEATS):
-            runs.append(fn(k))
-            if runs[-1]["total"] > COLD_BUDGET / 4:
-                break
-        emit(step, seconds=statistics.median(r["total"] for r in runs),
-             backend_seconds=statistics.median(r["backend"] for r in runs), runs=[r["total"] for r in runs],
-             written=runs[-1]["written"])
+        return {"seconds": t2 - t0, "backend_seconds": t2 - t1, "written": result.services_written}
 
     def _service_index(self, affinity: bool) -> Optional[int]:
         """The first service from the middle on with (or without) ClientIP affinity, never the last
@@ -156,27 +144,30 @@ class Run:
         if index is None:
             emit(step, skipped=f"no service {'with' if affinity else 'without'} affinity in this cluster")
             return
-        self._repeat(step, lambda k: self._change([gen.replaced_endpoint(self.objects, index, k)]))
+        emit(step, **sample.repeat(lambda k: self._change([gen.replaced_endpoint(self.objects, index, k)]),
+                                   sample.CHANGE_RUNS))
 
     def add_remove(self) -> None:
         adds: List[Dict[str, float]] = []
         removes: List[Dict[str, float]] = []
-        for k in range(CHANGE_REPEATS):
+        # Added and removed in turn (each removal undoes its add), so sample.repeat's rule is applied to
+        # the pairs by hand: as many runs, the same budget for both steps together, the same summary.
+        for k in range(sample.CHANGE_RUNS):
             svc, eps = gen.extra_service(k, self.pods)
             adds.append(self._change([svc, eps]))
             removes.append(self._change([], [("Service", gen.NAMESPACE, svc["metadata"]["name"]),
                                              ("EndpointSlice", gen.NAMESPACE, eps["metadata"]["name"])]))
-            if adds[-1]["total"] + removes[-1]["total"] > COLD_BUDGET / 2:
+            spent = sum(r["seconds"] for r in adds + removes)
+            if spent + adds[-1]["seconds"] + removes[-1]["seconds"] > sample.BUDGET:
                 break
         for step, runs in (("add", adds), ("remove", removes)):
-            emit(step, seconds=statistics.median(r["total"] for r in runs),
-                 backend_seconds=statistics.median(r["backend"] for r in runs), runs=[r["total"] for r in runs],
-                 written=runs[-1]["written"])
+            emit(step, **sample.summary(runs))
 
     def churn(self) -> None:
         """1,000 one-endpoint changes of one service: memory after the first and the last (nftables)."""
         if self.config.backend != "nftables":
-            emit("churn", skipped="nftables only (each iptables change swaps the table: hours for 1,000)")
+            emit("churn", skipped="nftables only (each iptables change swaps the whole table: 1,000 of them "
+                              "do not fit a run)")
             return
         index = self.n // 3
         emit("churn", **nftsteps.churn(lambda k: self._change([gen.replaced_endpoint(self.objects, index, 100 + k)]),

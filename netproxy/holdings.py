@@ -21,7 +21,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 from netproxy.backends.base import BackendError
 from netproxy.backends.iptables import kubeproxy, names, save
-from netproxy.backends.iptables.restore import RestoreTools, tool
+from netproxy.backends.iptables.kernel.restore import RestoreTools, tool
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 from netproxy.backends.base import Backend, BackendError
 from netproxy.backends.iptables import kubeproxy
 from netproxy.backends.iptables.assemble import JUMPS
-from netproxy.backends.iptables.restore import RestoreTools
+from netproxy.backends.iptables.kernel.restore import RestoreTools
 from netproxy.config import ProxyConfig
 from netproxy.holdings import FLAVOURS, KUBE_PROXY_TABLE, Holdings, Ruleset, read_iptables, survey
 from netproxy.model import Changes, Snapshot
@@ -143,7 +143,7 @@ def verify(backend: Backend) -> List[str]:
     missing: List[str] = []
     if isinstance(backend, IptablesBackend):
         for family, tables in sorted(backend.written_chains().items()):
-            kernel = backend.writer.read(family)
+            kernel = backend.kernel.read(family)
             for table, chains in sorted(tables.items()):
                 have = kernel[table].chains if table in kernel else frozenset()
                 missing.extend(f"IPv{family} {table} chain {c}" for c in sorted(chains - have))
@@ -153,7 +153,7 @@ def verify(backend: Backend) -> List[str]:
                                    for hook, target, _ in JUMPS.get(table, ()) if (hook, target) not in jumps)
         return missing
     if isinstance(backend, NftablesBackend):
-        have = backend.runner.existing_tables()
+        have = backend.kernel.existing_tables()
         missing.extend(f"table {fam} netproxy" for fam in sorted(backend.written_tables() - have))
     return missing
 

@@ -2,7 +2,8 @@
 
 Rendering is pure (:mod:`.render`); :class:`IptablesBackend` caches each service port's rendered
 rules, diffs the desired chains against what it last wrote (partial syncs) or against the kernel
-(full syncs), and hands the same :class:`~.diff.TableChange` list to whichever writer is configured.
+(full syncs), and hands the same :class:`~.diff.TableChange` list to its kernel: whichever writer is
+configured (:mod:`.kernel`), or the in-memory :mod:`.fake` in unit tests.
 """
 
 from __future__ import annotations
@@ -12,19 +13,20 @@ import contextlib
 import gc
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
 
 from netproxy.backends.base import BackendError, BackendUnavailable, Outcome, Packet, SyncResult
 from netproxy.backends.iptables import cleanup as cleanup_mod
-from netproxy.backends.iptables import guard, save
+from netproxy.backends.iptables import guard
 from netproxy.backends.iptables.assemble import JUMPS, TABLES, Memo, assemble
-from netproxy.backends.iptables.diff import KernelTable, TableChange, Writer, full_change, partial_change
+from netproxy.backends.iptables.diff import KernelTable, TableChange, full_change, partial_change
 from netproxy.backends.iptables.ipset import Ipsets, KernelIpsets
+from netproxy.backends.iptables.kernel import Writer, create
+from netproxy.backends.iptables.kernel.restore import supports_random_fully
+from netproxy.backends.iptables.kernel.stamp import Stamp
 from netproxy.backends.iptables.payload import plan_text
 from netproxy.backends.iptables.render import Chains, FamilyRuleset, Rule, ServiceRules, render_service
-from netproxy.backends.iptables.restore import RestoreTools, RestoreWriter, supports_random_fully
 from netproxy.backends.iptables.sets import SetKeeper
-from netproxy.backends.iptables.stamp import Stamp
 from netproxy.backends.iptables.xtlock import XtablesLock
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
@@ -54,12 +56,12 @@ class IptablesBackend:
 
     name = "iptables"
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, kernel: Optional[Writer] = None) -> None:
         self.config = config
         self.on_lock_wait: Callable[[float], None] = lambda seconds: None
         """Told every wait for the xtables lock (``netproxy run`` points it at its histogram)."""
         self.lock = XtablesLock(config.iptables_lock_timeout, waits=lambda seconds: self.on_lock_wait(seconds))
-        self.writer = self._make_writer(config, self.lock)
+        self._kernel = kernel
         self._cache: Dict[ServicePortName, _Rendered] = {}
         self._written: Dict[int, Dict[str, Chains]] = {}
         self._need_full = True
@@ -78,13 +80,13 @@ class IptablesBackend:
         self._commits = 0
         """Notices writes by others between syncs (``netproxy run`` only): see :meth:`tampered`."""
 
-    @staticmethod
-    def _make_writer(config: ProxyConfig, lock: XtablesLock) -> Writer:
-        if config.iptables_writer == "libiptc":
-            from netproxy.backends.iptables.libiptc import LibiptcWriter
-
-            return LibiptcWriter(config.iptables_flavour, lock)
-        return RestoreWriter(config.iptables_flavour, keep_text=not config.one_shot, lock=lock)
+    @property
+    def kernel(self) -> Writer:
+        """The configured writer (``--iptables-writer``), made when first needed."""
+        if self._kernel is None:
+            self._kernel = create(self.config.iptables_writer, self.config.iptables_flavour, self.lock,
+                                  keep_text=not self.config.one_shot)
+        return self._kernel
 
     # -- rendering -------------------------------------------------------------------------------
 
@@ -144,7 +146,7 @@ class IptablesBackend:
     # -- Backend protocol ------------------------------------------------------------------------
 
     def probe(self) -> None:
-        self.writer.probe()
+        self.kernel.probe()
 
     def plan(self, snapshot: Snapshot) -> str:
         desired, _ = self._render(snapshot)
@@ -156,12 +158,11 @@ class IptablesBackend:
     def trace(self, snapshot: Snapshot, packet: Packet) -> List[Outcome]:
         """Where ``packet`` goes in the rules this backend renders for ``snapshot`` (``netproxy trace``):
         the rendered rules interpreted as the kernel would; nothing is read or written."""
-        from netproxy.backends.iptables.trace import Packet as TracedPacket
         from netproxy.backends.iptables.trace import Tracer
 
         desired, _ = self._render(snapshot)
         family = 6 if packet.family == "ip6" else 4
-        outcomes: List[Outcome] = Tracer(desired[family], packet.local).outcomes(TracedPacket.of(packet))
+        outcomes: List[Outcome] = Tracer(desired[family], packet.local).outcomes(packet)
         return outcomes
 
     def sync(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
@@ -201,7 +202,7 @@ class IptablesBackend:
         if self._need_full:
             for family in FAMILIES:
                 try:
-                    read[family] = self.writer.read(family)
+                    read[family] = self.kernel.read(family)
                 except BackendError as exc:
                     read[family] = exc
         desired, rerendered = self._render(snapshot)
@@ -242,7 +243,7 @@ class IptablesBackend:
                 return False
             if any(written[t] != desired[family].chains(t) for t in TABLES):
                 return False
-        return all(self.writer.stamp((f,)) == self._stamps[f] for f in self._written)
+        return all(self.kernel.stamp((f,)) == self._stamps[f] for f in self._written)
 
     def _sync_family(self, ruleset: FamilyRuleset, full: bool,
                      read: Optional[Union[Dict[str, KernelTable], BackendError]] = None) -> Optional[int]:
@@ -251,7 +252,7 @@ class IptablesBackend:
             try:
                 if isinstance(read, BackendError):
                     raise read
-                kernel = read if read is not None else self.writer.read(family)
+                kernel = read if read is not None else self.kernel.read(family)
             except BackendError as exc:
                 if family == 6 and not self._has_family(6):
                     # A node without IPv6 (or ip6tables) still runs IPv4 services.
@@ -277,7 +278,7 @@ class IptablesBackend:
         # the old rules alone needed goes after them (sets.py).
         filled = self._sets.before_write(self.ipsets, ruleset, full)
         try:
-            size = self.writer.apply(family, changed, before_commit=filled) if changed else 0
+            size = self.kernel.apply(family, changed, before_commit=filled) if changed else 0
         except BaseException:
             with contextlib.suppress(Exception):
                 filled()  # the write's own error is the one to report
@@ -290,7 +291,7 @@ class IptablesBackend:
             # taken for ours is this read), and only if the tables hold our chains with our rule
             # counts: a write that went elsewhere (nf_tables behind a "legacy" name) is not trusted.
             expect = {(family, t): {c: len(r) for c, r in ruleset.chains(t).items()} for t in TABLES}
-            self._stamps[family] = self.writer.stamp((family,), expect)
+            self._stamps[family] = self.kernel.stamp((family,), expect)
         return size
 
     # -- rules changed behind our back ---------------------------------------------------------
@@ -298,9 +299,8 @@ class IptablesBackend:
     def _open_watch(self) -> Optional[guard.Watch]:
         if self.config.iptables_flavour == "legacy":
             return guard.LegacyWatch()
-        tools = getattr(self.writer, "tools", None)
         try:
-            return guard.NftWatch(lambda: set(tools.children) if tools is not None else set())
+            return guard.NftWatch(self.kernel.own_pids)
         except OSError as exc:
             log.info("no nftables change notifications (%s): changes behind netproxy's back wait for the "
                      "next full sync", exc)
@@ -334,7 +334,7 @@ class IptablesBackend:
         for family, tables in sorted(self._written.items()):
             for table in TABLES:
                 try:
-                    counts, jumps = self._read_counts(family, table)
+                    counts, jumps = self.kernel.counts(family, table)
                 except (OSError, ValueError, BackendError) as exc:
                     log.warning("cannot read the IPv%d %s table back (%s): rewriting it", family, table, exc)
                     return "unreadable"
@@ -345,26 +345,15 @@ class IptablesBackend:
                     return reason
         return None
 
-    def _read_counts(self, family: int, table: str) -> Tuple[Optional[Dict[str, int]], Set[Tuple[str, str]]]:
-        if self.config.iptables_flavour == "legacy":
-            counts, jumps = guard.legacy_counts(family, table)
-            return dict(counts), set(jumps)
-        parsed = save.parse(RestoreTools(self.config.iptables_flavour, self.lock).save(family, table))
-        if table not in parsed:
-            return None, set()
-        saved = parsed[table]
-        return {c.name: len(c.rules) for c in saved.chains.values()}, set(saved.kernel_table().jumps)
-
     def written_chains(self) -> Dict[int, Dict[str, FrozenSet[str]]]:
         """Per family and table, the chains the kernel holds from our writes (``netproxy migrate``
         checks them against a fresh read of the kernel before it removes the old ruleset)."""
         return {f: {t: frozenset(chains) for t, chains in tables.items()} for f, tables in self._written.items()}
 
     def cleanup(self) -> None:
-        flavour = self.config.iptables_flavour
-        if self.config.iptables_writer == "libiptc" and flavour == "nft":
+        if self.config.iptables_writer == "libiptc" and self.config.iptables_flavour == "nft":
             raise BackendUnavailable("libiptc cannot reach nf_tables; use the restore writer on this node")
-        cleanup_mod.cleanup(RestoreTools(flavour, self.lock))
+        cleanup_mod.cleanup(self.kernel)
         self._sets.destroy_all(self.ipsets)
         self._stamps.clear()
         self._written.clear()

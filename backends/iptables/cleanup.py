@@ -8,8 +8,8 @@ from typing import List
 from netproxy.backends.base import BackendError
 from netproxy.backends.iptables import names, save
 from netproxy.backends.iptables.assemble import TABLES
+from netproxy.backends.iptables.kernel import Text
 from netproxy.backends.iptables.payload import quote
-from netproxy.backends.iptables.restore import RestoreTools
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def cleanup_payload(saved: save.SavedTable) -> List[str]:
     return lines
 
 
-def cleanup(tools: RestoreTools) -> None:
+def cleanup(tools: Text) -> None:
     """Both families, both tables; a family whose tools or kernel support are missing is skipped."""
     for family in (4, 6):
         lines: List[str] = []

@@ -1,21 +1,15 @@
 """What to write: the desired rules against what the kernel (or our record of it) holds.
 
-Both writers apply the same :class:`TableChange`, so they cannot disagree on what a sync means.
+Every writer (kernel/) applies the same :class:`TableChange`, so they cannot disagree on what a sync means.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
-
-try:
-    from typing import Protocol
-except ImportError:  # pragma: no cover
-    from typing_extensions import Protocol  # type: ignore[assignment]
+from typing import Dict, FrozenSet, List, Mapping, Tuple
 
 from netproxy.backends.iptables import names
 from netproxy.backends.iptables.assemble import JUMPS
-from netproxy.backends.iptables.stamp import Expected, Stamp
 from netproxy.backends.iptables.tree import Chains, Rule
 
 
@@ -68,25 +62,3 @@ def partial_change(table: str, desired: Chains, written: Mapping[str, Tuple[Rule
     write = {c: rules for c, rules in desired.items() if written.get(c) != rules}
     delete = sorted(c for c in written if c not in desired)
     return TableChange(table, write, delete, [], frozenset(written))
-
-
-class Writer(Protocol):
-    """What both writers do: read a family's tables for a full sync, apply a list of changes atomically
-    per table."""
-
-    name: str
-
-    def probe(self) -> None: ...
-
-    def read(self, family: int) -> Dict[str, KernelTable]: ...
-
-    def apply(self, family: int, changes: List[TableChange],
-              before_commit: Optional[Callable[[], None]] = None) -> int:
-        """Write ``changes``; ``before_commit`` is called once, before the first table is committed
-        (the ipsets the new rules need are being filled meanwhile, ``sets.py``)."""
-        ...
-
-    def stamp(self, families: Sequence[int], expect: Optional[Expected] = None) -> Optional[Stamp]:
-        """A value that changes whenever anyone changes these families' tables (None: cannot tell
-        here, or the tables do not hold ``expect``'s chains with those rule counts — then nothing is
-        skipped); see :mod:`.stamp`."""

@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover
     from typing_extensions import Protocol  # type: ignore[assignment]
 
 from netproxy.backends.iptables.assemble import JUMPS, TABLES
-from netproxy.backends.iptables.stamp import _GETINFO, LAYOUTS, SO_GET_INFO, _getsockopt
+from netproxy.backends.iptables.kernel.stamp import _GETINFO, LAYOUTS, SO_GET_INFO, _getsockopt
 from netproxy.backends.nftables.monitor import (
     _RCVBUF,
     NETLINK_NETFILTER,
@@ -229,7 +229,7 @@ class Watch(Protocol):
 
 def legacy_counts(family: int, table: str) -> Counts:
     """Chain rule counts and built-in jumps of a legacy table, from its blob."""
-    from netproxy.backends.iptables.stamp import chains_and_jumps, table_fingerprint
+    from netproxy.backends.iptables.kernel.stamp import chains_and_jumps, table_fingerprint
 
     counts = table_fingerprint(family, table).chains
     return counts, set(chains_and_jumps(family, table)[1])

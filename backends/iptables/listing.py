@@ -14,8 +14,8 @@ from typing import Dict, Iterable, List, Set, Tuple
 from netproxy.backends.base import Outcome, Packet
 from netproxy.backends.iptables import ipset
 from netproxy.backends.iptables.ipset import KernelIpsets
+from netproxy.backends.iptables.kernel.restore import tool
 from netproxy.backends.iptables.render import FamilyRuleset
-from netproxy.backends.iptables.restore import tool
 from netproxy.backends.listing import run
 from netproxy.config import ProxyConfig
 
@@ -69,11 +69,9 @@ class IptablesListing:
         return programmed(self.kernel())
 
     def trace(self, packet: Packet) -> List[Outcome]:
-        from netproxy.backends.iptables.trace import Packet as TracedPacket
         from netproxy.backends.iptables.trace import Tracer
 
         family = 6 if packet.family == "ip6" else 4
-        traced = TracedPacket.of(packet)
         ruleset = kernel_ruleset(self.kernel(), family)
         sets = KernelIpsets()
         present = sets.sets()
@@ -82,7 +80,7 @@ class IptablesListing:
             ruleset.hairpin = frozenset(sets.elements(ipset.hairpin_set(family)))
         if ipset.cluster_ip_set(family) in present:
             ruleset.cluster_ips = frozenset(sets.elements(ipset.cluster_ip_set(family)))
-        outcomes: List[Outcome] = Tracer(ruleset, packet.local).outcomes(traced)
+        outcomes: List[Outcome] = Tracer(ruleset, packet.local).outcomes(packet)
         return outcomes
 
     def rendered(self, plan: str) -> List[str]:

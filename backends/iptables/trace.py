@@ -44,15 +44,6 @@ class Packet:
 
 
 @dataclass(frozen=True)
-class Outcome:
-    verdict: str
-    """"accept", "drop" or "reject"."""
-    endpoint: Optional[str] = None
-    """"ip:port" it was DNAT-ed to, if any."""
-    masqueraded: bool = False
-
-
-@dataclass(frozen=True)
 class _State:
     mark: int = 0
     dnat: Optional[str] = None
@@ -80,43 +71,39 @@ class Tracer:
 
     # -- public ----------------------------------------------------------------------------------
 
-    def trace(self, pkt: Packet) -> Set[Outcome]:
-        out: Set[Outcome] = set()
-        for state, verdict in self._run("nat", names.SERVICES, pkt, pkt.dst, _State(), "NEW"):
-            if verdict not in (None, "DNAT"):
-                raise AssertionError(f"nat KUBE-SERVICES ended in {verdict}")
-            dst = _dest_ip(state.dnat) if state.dnat else pkt.dst
-            filtered = self._run("filter", names.SERVICES, pkt, dst, state, "NEW")
-            for fstate, fverdict in filtered:
-                if fverdict in ("DROP", "REJECT"):
-                    out.add(Outcome(fverdict.lower(), state.dnat))
-                    continue
-                ctstate = "DNAT" if state.dnat else "NEW"
-                post = self._run("nat", names.POSTROUTING, pkt, dst, fstate, ctstate)
-                masq = {v == "MASQUERADE" for _, v in post}
-                assert len(masq) == 1, "postrouting must not depend on chance"
-                out.add(Outcome("accept", state.dnat, masq.pop()))
-        return out
+    def trace(self, pkt: Packet) -> Set[base.Outcome]:
+        """Every outcome of ``pkt`` without its chains and shares (the unit tests' view); stricter than
+        :meth:`outcomes`: nat ending in anything but DNAT, or a masquerade left to chance, is a bug."""
+        return {replace(o, chains=(), share=1.0) for o in self._walk(pkt, strict=True)}
 
-    def outcomes(self, pkt: Packet) -> List[base.Outcome]:
-        """Every way ``pkt`` can go, with its chains and share (``netproxy trace``)."""
+    def outcomes(self, packet: base.Packet) -> List[base.Outcome]:
+        """Every way ``packet`` can go, with its chains and share: what ``netproxy trace`` prints, for
+        the rendered rules and the kernel's alike (the one place the shared packet is converted)."""
+        return self._walk(Packet.of(packet), strict=False)
+
+    def endpoints(self, pkt: Packet) -> Set[Optional[str]]:
+        return {o.target for o in self.trace(pkt)}
+
+    def _walk(self, pkt: Packet, strict: bool) -> List[base.Outcome]:
         out: List[base.Outcome] = []
         start = _State(chains=("nat/" + ("OUTPUT" if pkt.from_node else "PREROUTING"),))
-        for state, _ in self._run("nat", names.SERVICES, pkt, pkt.dst, start, "NEW"):
+        for state, nat_verdict in self._run("nat", names.SERVICES, pkt, pkt.dst, start, "NEW"):
+            if strict and nat_verdict not in (None, "DNAT"):
+                raise AssertionError(f"nat KUBE-SERVICES ended in {nat_verdict}")
             dst = _dest_ip(state.dnat) if state.dnat else pkt.dst
             for fstate, fverdict in self._run("filter", names.SERVICES, pkt, dst, state, "NEW"):
                 if fverdict in ("DROP", "REJECT"):
                     out.append(base.Outcome(fverdict.lower(), state.dnat, False, fstate.chains, fstate.share))
                     continue
                 post = self._run("nat", names.POSTROUTING, pkt, dst, fstate, "DNAT" if state.dnat else "NEW")
-                masq = any(v == "MASQUERADE" for _, v in post)
+                masqs = {v == "MASQUERADE" for _, v in post}
+                if strict and len(masqs) != 1:
+                    raise AssertionError("postrouting must not depend on chance")
+                masq = True in masqs
                 verdict = "dnat" if state.dnat else "accept"
                 chains = fstate.chains + (("nat/" + names.POSTROUTING,) if masq else ())
                 out.append(base.Outcome(verdict, state.dnat, masq, chains, fstate.share))
         return out
-
-    def endpoints(self, pkt: Packet) -> Set[Optional[str]]:
-        return {o.endpoint for o in self.trace(pkt)}
 
     def remember(self, pkt: Packet) -> None:
         """Run the packet and keep what its ``-j SET --add-set`` added, as the kernel would (affinity).

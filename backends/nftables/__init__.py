@@ -47,21 +47,22 @@ def _name_key(name: ServicePortName) -> Tuple[str, str, str]:
 class NftablesBackend:
     name = "nftables"
 
-    def __init__(self, config: ProxyConfig, runner: Optional[Runner] = None) -> None:
+    def __init__(self, config: ProxyConfig, kernel: Optional[Runner] = None) -> None:
         self.config = config
-        self._runner = runner
+        self._kernel = kernel
         self._state: Optional[State] = None
         """What netproxy last wrote; None until a full sync succeeded (and after any failure)."""
         self.last_transaction: Optional[Transaction] = None
 
     @property
-    def runner(self) -> Runner:
-        if self._runner is None:
-            self._runner = kernel.create(self.config.nftables_writer)
-        return self._runner
+    def kernel(self) -> Runner:
+        """The configured writer (``--nftables-writer``), made when first needed."""
+        if self._kernel is None:
+            self._kernel = kernel.create(self.config.nftables_writer)
+        return self._kernel
 
     def probe(self) -> None:
-        self.runner.probe()
+        self.kernel.probe()
 
     def plan(self, snapshot: Snapshot) -> str:
         """The commands that create netproxy's tables for ``snapshot`` from nothing."""
@@ -84,11 +85,11 @@ class NftablesBackend:
         rules' own kernel expressions run against a fake kernel (nothing is read or written)."""
         from netproxy.backends.nftables.trace import Tracer
 
-        kernel = FakeNft()
-        NftablesBackend(self.config, runner=kernel).sync(snapshot, Changes(full=True))
-        if packet.family not in kernel.tables:
+        fake = FakeNft()
+        NftablesBackend(self.config, kernel=fake).sync(snapshot, Changes(full=True))
+        if packet.family not in fake.tables:
             return [Outcome("accept")]
-        outcomes: List[Outcome] = Tracer(kernel, packet.family).trace(packet)
+        outcomes: List[Outcome] = Tracer(fake, packet.family).trace(packet)
         return outcomes
 
     def tampered(self) -> Optional[str]:
@@ -99,15 +100,15 @@ class NftablesBackend:
         state = self._state
         if state is None or state.generation is None:
             return None  # no trusted record: the next full sync rewrites anyway
-        gen = self.runner.generation()
+        gen = self.kernel.generation()
         if gen is None or gen == state.generation:
             return None
-        touched = self.runner.others_touched(state.own)
+        touched = self.kernel.others_touched(state.own)
         state.own.clear()
         if touched is False:
             state.generation = gen  # others wrote elsewhere: the record holds (as _full_sync decides)
             return None
-        missing = state.tables - self.runner.existing_tables()
+        missing = state.tables - self.kernel.existing_tables()
         self._state = None
         if missing:
             log.warning("nftables: table %s netproxy deleted by someone else", ", ".join(sorted(missing)))
@@ -122,7 +123,7 @@ class NftablesBackend:
         return self._state.tables if self._state is not None else frozenset()
 
     def cleanup(self) -> None:
-        gone = self.runner.delete_tables()
+        gone = self.kernel.delete_tables()
         log.info("deleted nftables tables: %s", ", ".join(gone) or "none")
         self._state = None
 
@@ -161,13 +162,13 @@ class NftablesBackend:
                 gc.enable()
 
     def _full_sync(self, snapshot: Snapshot) -> SyncResult:
-        before = self.runner.generation()
+        before = self.kernel.generation()
         state = self._state
         if state is not None and before is not None and state.generation is not None:
             # The kernel held exactly our record at state.generation.  If nobody committed since,
             # or others did but (says the kernel's change notifications) not to our tables, the
             # record still holds: "re-read and rewrite" reduces to writing what changed.
-            intact = before == state.generation or self.runner.others_touched(state.own) is False
+            intact = before == state.generation or self.kernel.others_touched(state.own) is False
             state.own.clear()
             if intact:
                 state.generation = before
@@ -180,17 +181,17 @@ class NftablesBackend:
     def _rewrite(self, snapshot: Snapshot, before: Optional[int]) -> SyncResult:
         """Delete and recreate netproxy's tables with everything in ``snapshot``, in one transaction."""
         state = self._build_state(snapshot, self._state)
-        existing = self.runner.existing_tables()
+        existing = self.kernel.existing_tables()
         affinity = {fam: self._affinity_to_keep(fam, state) for fam in existing}
         tx = full_transaction(state, existing, self.config, affinity)
         self.last_transaction = tx
         # Our own rewrite notifies every element (100k at 10k services): stop listening while it
         # commits, listen again after, and trust the record only if no one committed in between.
-        self.runner.watch(False)
-        written = self.runner.apply(tx.ops)
-        self.runner.watch(True)
+        self.kernel.watch(False)
+        written = self.kernel.apply(tx.ops)
+        self.kernel.watch(True)
         state.tables = frozenset(op[1] for op in tx.phases["tables"] if op[0] == "add")
-        after = self.runner.generation()
+        after = self.kernel.generation()
         state.generation = after if before is not None and after == before + 1 else None
         self._state = state
         return SyncResult(full=True, services_written=len(snapshot.services), bytes_written=written)
@@ -206,7 +207,7 @@ class NftablesBackend:
             return keep
         for proto, name in affinity_maps():
             try:
-                found = self.runner.read_elements(fam, name)
+                found = self.kernel.read_elements(fam, name)
             except SyncError as err:
                 log.warning("cannot read %s (%s): ClientIP affinity restarts", name, err)
                 continue
@@ -225,7 +226,7 @@ class NftablesBackend:
         if not wanted:
             return []
         try:
-            found = self.runner.read_sets(fam)
+            found = self.kernel.read_sets(fam)
         except SyncError as err:
             log.warning("cannot read affinity sets (%s): ClientIP affinity restarts", err)
             return []
@@ -242,14 +243,14 @@ class NftablesBackend:
 
     def _apply_incremental(self, tx: Transaction, state: State) -> int:
         """Apply ``tx`` and keep the record's generation: what the kernel vouches for."""
-        before = self.runner.generation()
+        before = self.kernel.generation()
         # Read the generation first, then the notifications: those cover every commit up to it.
-        touched = self.runner.others_touched(state.own)
+        touched = self.kernel.others_touched(state.own)
         state.own.clear()
         if before is None or (before != state.generation and touched is not False):
             state.generation = None  # someone else may have touched our tables: next full sync rebuilds
-        written: int = self.runner.apply(tx.ops)
-        after = self.runner.generation()
+        written: int = self.kernel.apply(tx.ops)
+        after = self.kernel.generation()
         if before is not None and after == before + 1:
             state.own.add(after)
             if state.generation is not None:
@@ -294,7 +295,7 @@ class NftablesBackend:
             if any(fam not in state.tables for fam in entry.rendered):
                 # First service of a new family: create its table (a rewrite, in the same transaction).
                 self._state = None
-                return self._rewrite(snapshot, self.runner.generation())
+                return self._rewrite(snapshot, self.kernel.generation())
             for fam, objs in entry.rendered.items():
                 entry.objects[fam] = written = claim(state, fam, name, objs)
                 self._count(state, fam, written.refs, 1, ref_before)
@@ -328,7 +329,7 @@ class NftablesBackend:
             if not old:
                 continue
             new = affinity_index(e.objects[fam] for e in new_entries.values() if e is not None and fam in e.objects)
-            for element in stale_affinity(lambda name, f=fam: self.runner.read_elements(f, name), old, new):
+            for element in stale_affinity(lambda name, f=fam: self.kernel.read_elements(f, name), old, new):
                 tx.put("delete-elements", "delete", fam, element)
 
     @staticmethod

@@ -85,7 +85,7 @@ def _nfts(debug: str) -> List[str]:
 def test_every_rendered_rule_is_the_expression_sequence_nft_emits(namespaces: Tuple[str, str], config: str) -> None:
     ns, _ = namespaces
     cfg = nft_scenarios.CONFIGS[config]
-    backend = NftablesBackend(cfg, runner=FakeNft())
+    backend = NftablesBackend(cfg, kernel=FakeNft())
     snapshot, _ = nft_scenarios.steps()[0]
     state = backend._build_state(snapshot, None)
     tx = full_transaction(state, (), cfg)
@@ -185,7 +185,7 @@ def test_element_lists_larger_than_one_attribute_are_split(namespaces: Tuple[str
                               {ServicePortName("default", "big", "p"): tuple(
                                   Endpoint(ipaddress.ip_address(a), 8080) for a in addrs)})
     cfg = nft_scenarios.CONFIGS["default"]
-    tx = full_transaction(NftablesBackend(cfg, runner=FakeNft())._build_state(snapshot, None), (), cfg)
+    tx = full_transaction(NftablesBackend(cfg, kernel=FakeNft())._build_state(snapshot, None), (), cfg)
     sizes = [len(m[3]) for m, _ in encode.Encoder().messages(tx.ops) if m[0] == wire.NEWSETELEM]
     assert len(sizes) >= 3 and max(sizes) < 65535, sizes
 

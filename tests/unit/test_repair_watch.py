@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import ipaddress
 import struct
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Tuple
 
 import pytest
 from prometheus_client import REGISTRY
 
 from netproxy.backends.fake import FakeBackend
 from netproxy.backends.iptables import IptablesBackend, guard, names
+from netproxy.backends.iptables.fake import FakeIptables
 from netproxy.backends.nftables import NftablesBackend
 from netproxy.backends.nftables.fake import FakeNft
 from netproxy.config import ProxyConfig
@@ -143,42 +144,34 @@ class FakeWatch:
         return None
 
 
-def _iptables() -> Tuple[IptablesBackend, FakeWatch, Dict[Tuple[int, str], Dict[str, int]]]:
-    """A backend over an in-memory kernel (the unit backend tests' RecordingWriter) and a fake watch;
-    ``counts`` is what reading the kernel back returns (a test edits it to play a flush)."""
-    from tests.unit.iptables.test_backend import RecordingWriter
-
-    b = IptablesBackend(ProxyConfig(hostname="node"))
-    writer = RecordingWriter()
-    b.writer = writer
+def _iptables() -> Tuple[IptablesBackend, FakeWatch, FakeIptables]:
+    """A backend over the fake kernel and a fake watch; a test plays another program by giving the
+    fake kernel its own restore text."""
+    kernel = FakeIptables()
+    b = IptablesBackend(ProxyConfig(hostname="node"), kernel=kernel)
     watch = FakeWatch()
     b._watch = watch
-    counts: Dict[Tuple[int, str], Dict[str, int]] = {}
-
-    def read_counts(family: int, table: str) -> Tuple[Optional[Dict[str, int]], Set[Tuple[str, str]]]:
-        kernel = writer.kernel.get((family, table), {})
-        got = counts.get((family, table), {c: len(r) for c, r in kernel.items()})
-        jumps = {(hook, target) for hook, target, _ in guard.JUMPS[table]}
-        return got, jumps
-
-    b._read_counts = read_counts  # type: ignore[method-assign]
-    return b, watch, counts
+    return b, watch, kernel
 
 
 def test_iptables_looks_only_when_its_watch_suspects_and_repairs_only_a_real_difference() -> None:
-    b, watch, counts = _iptables()
+    b, watch, kernel = _iptables()
     b.sync(_snapshot(), Changes(full=True))
     assert watch.rebases == 1  # the tables as just written are the reference
     assert b.tampered() is None
-    watch.dirty = True  # someone else wrote (e.g. Docker added its own rule): ours are intact
+    kernel.restore(4, "*nat\n:DOCKER - [0:0]\n-A DOCKER -j RETURN\n-I PREROUTING 1 -j DOCKER\nCOMMIT\n")
+    watch.dirty = True  # someone else wrote (Docker added its own chain and jump): ours are intact
     assert b.tampered() is None and not b._need_full and watch.rebases == 2
+    kernel.restore(4, "*nat\n-F\nCOMMIT\n")  # iptables -t nat -F
     watch.dirty = True
-    counts[(4, "nat")] = {c: 0 for c in b._written[4]["nat"]}  # iptables -t nat -F
     assert b.tampered() == "rules-deleted" and b._need_full
-    writer = b.writer
-    reads = writer.reads  # type: ignore[attr-defined]
+    reads = kernel.reads
     b.sync(_snapshot(), Changes(full=False))  # the next sync, even a partial one, re-reads and rewrites
-    assert writer.reads > reads  # type: ignore[attr-defined]
+    assert kernel.reads > reads
+    assert kernel.chains(4, "nat") == {**kernel.chains(4, "nat"), **b._written[4]["nat"]}
+    b._need_full = False
+    watch.dirty = True
+    assert b.tampered() is None  # as written again
 
 
 def test_iptables_without_a_watch_never_claims_tampering() -> None:
@@ -221,7 +214,7 @@ def test_nft_watch_suspects_only_other_processes_commits_to_nat_or_filter() -> N
 
 def _nftables() -> Tuple[NftablesBackend, FakeNft]:
     fake = FakeNft()
-    b = NftablesBackend(ProxyConfig(hostname="node"), runner=fake)
+    b = NftablesBackend(ProxyConfig(hostname="node"), kernel=fake)
     b.sync(_snapshot(), Changes(full=True))
     return b, fake
 

@@ -16,12 +16,12 @@ from netproxy.backends.iptables import IptablesBackend, names, save
 from netproxy.backends.iptables.assemble import assemble
 from netproxy.backends.iptables.cleanup import cleanup_payload
 from netproxy.backends.iptables.diff import KernelTable, full_change, partial_change
+from netproxy.backends.iptables.fake import FakeIptables
 from netproxy.backends.iptables.render import FamilyRuleset, Rule, render_service
 from netproxy.backends.iptables.tree import LEAF_SIZE, DispatchEntry, build_port_tree, port_key
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
 from tests.unit.iptables.iptables_tracer import Outcome, Packet, Tracer
-from tests.unit.iptables.test_backend import RecordingWriter
 
 ip = ipaddress.ip_address
 NODE_IP = "192.168.1.10"
@@ -197,42 +197,42 @@ def snapshot(svcs: Sequence[ServicePort]) -> Snapshot:
 
 
 def test_a_one_nodeport_change_rewrites_only_the_chains_on_its_paths() -> None:
-    backend = IptablesBackend(CFG)
-    writer = backend.writer = RecordingWriter()
+    kernel = FakeIptables()
+    backend = IptablesBackend(CFG, kernel=kernel)
     svcs = services(600)
     backend.sync(snapshot(svcs), Changes(full=True))
-    before = dict(writer.kernel[(4, "nat")])
+    before = kernel.chains(4, "nat")
+    commits = len(kernel.commits)
     old_port, new_port = node_port_of(10), 32760
     moved = list(svcs)
     moved[10] = dataclasses.replace(svcs[10], node_port=new_port)
     result = backend.sync(snapshot(moved), Changes(full=False))
     assert not result.full
-    (_, changes), = writer.applied[-1:]
-    nat = [c for c in changes if c.table == "nat"][0]
+    (nat,) = kernel.commits[commits:]  # nat only: filter is not written
+    assert nat.table == "nat"
     on_paths = set(path(before, names.NODEPORTS, "tcp", old_port)) | \
-        set(path(writer.kernel[(4, "nat")], names.NODEPORTS, "tcp", new_port))
-    assert set(nat.write) <= on_paths | {names.NODEPORTS} and nat.write
-    assert len(nat.write) <= 4 and nat.delete == []
-    assert not [c for c in changes if c.table == "filter" and not c.empty()]
+        set(path(kernel.chains(4, "nat"), names.NODEPORTS, "tcp", new_port))
+    assert nat.written <= on_paths | {names.NODEPORTS} and nat.written
+    assert len(nat.written) <= 4 and nat.deleted == ()
+    commits = len(kernel.commits)
     # An endpoint change of a NodePort service leaves the tree alone.
     eps = {s.name: [endpoint_of(i)] for i, s in enumerate(moved)}
     eps[moved[20].name] = [endpoint_of(599 - 20)]
     backend.sync(Snapshot.build(moved, eps, NODE), Changes(full=False))
-    (_, changes), = writer.applied[-1:]
-    assert not any(tree_chains(c.write) or names.NODEPORTS in c.write for c in changes)
+    assert kernel.commits[commits:]
+    assert not [c for commit in kernel.commits[commits:] for c in commit.written
+                if c.startswith(names.NODEPORT_PREFIX) or c == names.NODEPORTS]
 
 
 def test_shrinking_below_leaf_size_deletes_the_tree_chains() -> None:
-    backend = IptablesBackend(CFG)
-    writer = backend.writer = RecordingWriter()
+    kernel = FakeIptables()
+    backend = IptablesBackend(CFG, kernel=kernel)
     backend.sync(snapshot(services(100)), Changes(full=True))
-    grown = tree_chains(writer.kernel[(4, "nat")])
+    grown = tree_chains(kernel.chains(4, "nat"))
     assert grown
     backend.sync(snapshot(services(10)), Changes(full=False))
-    (_, changes), = writer.applied[-1:]
-    nat = [c for c in changes if c.table == "nat"][0]
-    assert grown <= set(nat.delete)
-    assert not tree_chains(writer.kernel[(4, "nat")])
+    assert grown <= set(kernel.last(4, "nat").deleted)
+    assert not tree_chains(kernel.chains(4, "nat"))
 
 
 def test_stale_tree_chains_are_deleted_by_a_full_sync_and_by_cleanup() -> None:

@@ -113,7 +113,7 @@ def test_hairpin_through_a_deep_tree() -> None:
     big = Tracer(ruleset(svcs, eps), local_addresses=(NODE_IP,))
     assert len(big.ruleset.hairpin) == 2000  # one set element per endpoint, no rule per endpoint
     chosen = eps[1234]
-    seen = {o for o in reach(big, str(chosen.ip), CLUSTER_IP) if o.masqueraded}
+    seen = {o for o in reach(big, str(chosen.ip), CLUSTER_IP) if o.masquerade}
     assert seen == {Outcome("accept", f"{chosen.ip}:8080", True)}
 
 

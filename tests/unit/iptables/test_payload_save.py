@@ -8,8 +8,8 @@ import pytest
 
 from netproxy.backends.iptables import save
 from netproxy.backends.iptables.diff import KernelTable, TableChange, full_change, partial_change
+from netproxy.backends.iptables.kernel.restore import failing_line
 from netproxy.backends.iptables.payload import quote, restore_payload, rule_line
-from netproxy.backends.iptables.restore import failing_line
 
 
 def restore_tokens(line: str) -> List[str]:

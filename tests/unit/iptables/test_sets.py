@@ -8,10 +8,10 @@ import ipaddress
 from typing import List
 
 from netproxy.backends.iptables import IptablesBackend, affinity, ipset
+from netproxy.backends.iptables.fake import FakeIptables
 from netproxy.backends.iptables.ipset import FakeIpsets, element
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
-from tests.unit.iptables.test_backend import RecordingWriter
 
 VIP = "10.96.0.10"
 
@@ -34,8 +34,7 @@ def snap(eps: List[str], affinity_on: bool = True) -> Snapshot:
 
 
 def backend() -> IptablesBackend:
-    b = IptablesBackend(ProxyConfig(hostname="node"))
-    b.writer = RecordingWriter()
+    b = IptablesBackend(ProxyConfig(hostname="node"), kernel=FakeIptables())
     assert isinstance(b.ipsets, FakeIpsets)
     return b
 
@@ -94,14 +93,16 @@ def test_a_large_hairpin_fill_runs_beside_the_write_and_ends_before_the_commit()
     assert isinstance(sets, FakeIpsets)
     seen_at_commit: List[int] = []
 
-    class CommitWatcher(RecordingWriter):
+    class CommitWatcher(FakeIptables):
         def apply(self, family, changes, before_commit=None):  # type: ignore[no-untyped-def]
-            if before_commit is not None:
-                before_commit()
-            seen_at_commit.append(len(sets.content.get(ipset.hairpin_set(4), ())))
-            return super().apply(family, changes)
+            def at_commit() -> None:  # the fake calls it at the payload's first COMMIT line
+                if before_commit is not None:
+                    before_commit()
+                seen_at_commit.append(len(sets.content.get(ipset.hairpin_set(4), ())))
 
-    b.writer = CommitWatcher()
+            return super().apply(family, changes, at_commit)
+
+    b._kernel = CommitWatcher()
     eps = [f"10.1.{i // 250}.{i % 250 + 1}" for i in range(3000)]  # above IN_BACKGROUND
     b.sync(snap(eps, affinity_on=False), Changes(full=True))
     assert seen_at_commit[0] == 3000

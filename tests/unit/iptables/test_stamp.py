@@ -1,4 +1,4 @@
-"""The legacy-table fingerprint's entry walk (backends/iptables/stamp.py), without a kernel."""
+"""The legacy-table fingerprint's entry walk (backends/iptables/kernel/stamp.py), without a kernel."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from netproxy.backends.iptables import stamp
+from netproxy.backends.iptables.kernel import stamp
 
 
 @pytest.mark.parametrize("family", [4, 6])

@@ -12,7 +12,7 @@ from typing import Iterator, List
 import pytest
 
 from netproxy.backends.base import SyncError
-from netproxy.backends.iptables import restore
+from netproxy.backends.iptables.kernel import restore
 from netproxy.backends.iptables.xtlock import XtablesLock, holder, lock_path
 
 _HOLD = "import fcntl,sys,time;f=open(sys.argv[1],'a');fcntl.flock(f,fcntl.LOCK_EX);print('held',flush=True);" \
@@ -121,14 +121,14 @@ def test_the_flag_reaches_both_writers_and_defaults_to_kube_proxys_5s() -> None:
     config = _config(args, "iptables", "legacy")
     assert config.iptables_lock_timeout == 2.0
     restore_backend = IptablesBackend(config)
-    assert restore_backend.writer.tools.lock is restore_backend.lock  # type: ignore[attr-defined]
+    assert restore_backend.kernel.tools.lock is restore_backend.lock  # type: ignore[attr-defined]
     assert restore_backend.lock.timeout == 2.0
     default = _config(build_parser().parse_args(["sync", "--source", "x"]), "iptables", "legacy")
     assert default.iptables_lock_timeout == 5.0
     from netproxy.config import ProxyConfig
 
     libiptc = IptablesBackend(ProxyConfig(iptables_writer="libiptc", iptables_lock_timeout=3.0, hostname="n"))
-    assert libiptc.writer.lock is libiptc.lock and libiptc.lock.timeout == 3.0  # type: ignore[attr-defined]
+    assert libiptc.kernel.lock is libiptc.lock and libiptc.lock.timeout == 3.0  # type: ignore[attr-defined]
 
 
 class _NoSocket:
@@ -152,7 +152,7 @@ def test_a_table_blob_changed_between_its_two_reads_is_read_again(monkeypatch: p
     back another size); the reader tries again instead of failing the sync."""
     import errno
 
-    from netproxy.backends.iptables import stamp
+    from netproxy.backends.iptables.kernel import stamp
 
     answers = [OSError(errno.EAGAIN, "changed"), 0, None]  # EAGAIN, then a short read, then a good one
     calls: List[int] = []

@@ -31,7 +31,7 @@ def snap(*items: Tuple[ServicePort, Iterable[Endpoint]], node: str = "") -> Snap
 
 def backend(config: Optional[ProxyConfig] = None) -> Tuple[NftablesBackend, FakeNft]:
     fake = FakeNft()
-    return NftablesBackend(config or ProxyConfig(hostname="node-a"), runner=fake), fake
+    return NftablesBackend(config or ProxyConfig(hostname="node-a"), kernel=fake), fake
 
 
 def fresh_dumps(snapshot: Snapshot, config: Optional[ProxyConfig] = None) -> Dict[str, str]:

@@ -1,4 +1,4 @@
-"""Writer 1: ``iptables-save`` to read, one ``iptables-restore --noflush --counters -w S -W U`` to write.
+"""The restore writer: ``iptables-save`` to read, one ``iptables-restore --noflush --counters -w S -W U`` to write.
 
 The payload for one family covers every table that changes; each table's block applies atomically
 (the legacy kernel API swaps whole tables), so a refused line leaves that table as it was.
@@ -15,14 +15,15 @@ import signal
 import subprocess
 import tempfile
 import threading
-from typing import Callable, Deque, Dict, Iterable, List, Optional, Sequence
+from typing import AbstractSet, Callable, Deque, Dict, Iterable, List, Optional, Sequence
 
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.iptables import save
 from netproxy.backends.iptables.assemble import TABLES
 from netproxy.backends.iptables.diff import KernelTable, TableChange
+from netproxy.backends.iptables.kernel import Counts, blob_counts, saved_counts
+from netproxy.backends.iptables.kernel.stamp import Expected, Stamp, chains_and_jumps, fingerprint
 from netproxy.backends.iptables.payload import ChainTextCache, restore_chunks
-from netproxy.backends.iptables.stamp import Expected, Stamp, chains_and_jumps, fingerprint
 from netproxy.backends.iptables.xtlock import EXIT_RESOURCE, XtablesLock, timeout_error
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,20 @@ class RestoreWriter:
     def stamp(self, families: Sequence[int], expect: Optional[Expected] = None) -> Optional[Stamp]:
         # Legacy tables only: iptables-nft's live in nf_tables, which this fingerprint cannot see.
         return fingerprint(families, TABLES, expect) if self.tools.flavour == "legacy" else None
+
+    def counts(self, family: int, table: str) -> Counts:
+        if self.tools.flavour == "legacy":
+            return blob_counts(family, table)
+        return saved_counts(self.tools, family, table)
+
+    def own_pids(self) -> AbstractSet[int]:
+        return set(self.tools.children)
+
+    def save(self, family: int, table: str) -> str:
+        return self.tools.save(family, table)
+
+    def restore(self, family: int, payload: str) -> None:
+        self.tools.restore(family, payload)
 
     def apply(self, family: int, changes: List[TableChange],
               before_commit: Optional[Callable[[], None]] = None) -> int:

@@ -1,4 +1,4 @@
-"""Writer 2: libiptc in process, through python-iptables (``iptc``), fenced.
+"""The libiptc writer: libiptc in process, through python-iptables (``iptc``), fenced.
 
 python-iptables' traps, and what this module does about each:
 
@@ -36,13 +36,15 @@ import os
 import shutil
 import struct
 import tempfile
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.iptables.assemble import TABLES
 from netproxy.backends.iptables.diff import KernelTable, TableChange
+from netproxy.backends.iptables.kernel import Counts, blob_counts
+from netproxy.backends.iptables.kernel.restore import RestoreTools
+from netproxy.backends.iptables.kernel.stamp import Expected, Stamp, chains_and_jumps, fingerprint
 from netproxy.backends.iptables.payload import rule_line
-from netproxy.backends.iptables.stamp import Expected, Stamp, chains_and_jumps, fingerprint
 from netproxy.backends.iptables.xtlock import XtablesLock
 
 log = logging.getLogger(__name__)
@@ -395,6 +397,8 @@ class LibiptcWriter:
         self.flavour = flavour
         self._builders: Dict[int, RuleBuilder] = {}
         self.lock = lock if lock is not None else XtablesLock(5.0)
+        self.tools = RestoreTools(flavour, self.lock)
+        """The tables as text (cleanup): iptables-legacy-save/-restore, beside every legacy libiptc."""
 
     def _refuse_nft(self) -> None:
         if self.flavour == "nft":
@@ -422,6 +426,21 @@ class LibiptcWriter:
 
     def stamp(self, families: Sequence[int], expect: Optional[Expected] = None) -> Optional[Stamp]:
         return fingerprint(families, TABLES, expect)
+
+    def counts(self, family: int, table: str) -> Counts:
+        self._refuse_nft()
+        return blob_counts(family, table)
+
+    def own_pids(self) -> AbstractSet[int]:
+        return set()  # commits in this process; legacy tables send no nf_tables notifications anyway
+
+    def save(self, family: int, table: str) -> str:
+        text: str = self.tools.save(family, table)
+        return text
+
+    def restore(self, family: int, payload: str) -> None:
+        self._refuse_nft()
+        self.tools.restore(family, payload)
 
     def apply(self, family: int, changes: List[TableChange],
               before_commit: Optional[Callable[[], None]] = None) -> int:

@@ -1,0 +1,76 @@
+"""The benchmark reports only what a run measured (issue 19): sampling, timeouts, data-plane failures."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List
+
+import pytest
+
+from bench import dataplane, latency, report, sample, targets
+
+
+def test_repeat_takes_the_median_with_min_max_and_every_run() -> None:
+    got = sample.repeat(lambda k: {"seconds": [0.3, 0.1, 0.2][k], "bytes": k}, 3, budget=100.0)
+    assert got["seconds"] == 0.2
+    assert (got["min"], got["max"], got["runs"]) == (0.1, 0.3, [0.3, 0.1, 0.2])
+    assert got["bytes"] == 2  # the last run's other fields
+
+
+def test_repeat_stops_when_the_next_run_would_not_fit_the_budget() -> None:
+    calls: List[int] = []
+
+    def once(k: int) -> Dict[str, Any]:
+        calls.append(k)
+        return {"seconds": 3.0}
+
+    got = sample.repeat(once, 3, budget=5.0)
+    assert calls == [0] and got["runs"] == [3.0]
+
+
+def test_repeat_returns_the_first_failure_as_it_is() -> None:
+    got = sample.repeat(lambda k: {"seconds": 0.1} if k == 0 else {"timeout": 9}, 3, budget=100.0)
+    assert got == {"timeout": 9}
+
+
+def test_summary_takes_the_median_of_every_seconds_field() -> None:
+    got = sample.summary([{"seconds": 1.0, "backend_seconds": 0.5}, {"seconds": 3.0, "backend_seconds": 0.1},
+                          {"seconds": 2.0, "backend_seconds": 0.3}])
+    assert (got["seconds"], got["backend_seconds"]) == (2.0, 0.3)
+
+
+def test_latency_counts_a_timeout_as_a_failure_and_as_infinity() -> None:
+    got = latency.summary([0.1, 0.2, math.inf, 0.3], change_deadline=31.0)
+    assert (got["n"], got["failures"]) == (4, 1)
+    assert got["p95"] is None  # the slowest change never landed: p95 is over the deadline
+    assert got["median"] == pytest.approx(0.25)
+    assert got["runs"] == [0.1, 0.2, 0.3]
+    assert "1 FAILED" in latency.describe(got) and "over the deadline" in latency.describe(got)
+
+
+def test_latency_median_is_over_the_deadline_when_most_changes_timed_out() -> None:
+    got = latency.summary([0.1, math.inf, math.inf], change_deadline=31.0)
+    assert got["median"] is None and got["failures"] == 2
+
+
+def test_a_failed_change_misses_the_event_to_kernel_target_whatever_the_p95() -> None:
+    cell = {**latency.summary([0.2] * 19 + [math.inf], change_deadline=31.0), "min_sync_period": 1.0,
+            "wanted": 20}
+    assert cell["p95"] == 0.2  # the percentile alone would pass the 1.05 s limit
+    got = targets.event_to_kernel({"latency": {targets.NFT: {"10000": cell}}, "meta": {"sizes": [10000]}})
+    assert got["met"] is False
+
+
+def test_failed_connections_are_a_data_plane_failure() -> None:
+    batch = {"ok": 90, "errors": 10, "p50_us": 20.0, "p99_us": 40.0, "rate": 1000.0}
+    cell = dataplane.summarise([batch, dict(batch)])
+    assert "warning" not in cell
+    assert dataplane.failure(cell) == "20 of 200 connections failed"
+    assert "FAILED: 20 of 200 connections" in report._dp(cell)
+
+
+def test_a_clean_data_plane_cell_is_no_failure_and_a_missing_figure_is_one() -> None:
+    batch = {"ok": 100, "errors": 0, "p50_us": 20.0, "p99_us": 40.0, "rate": 1000.0}
+    assert dataplane.failure(dataplane.summarise([batch])) == ""
+    assert dataplane.failure({"error": "not reachable"}) == "not reachable"
+    assert "did not finish" in dataplane.failure({"timeout": 21.0})
