@@ -13,9 +13,10 @@ import shutil
 import sys
 from typing import List, Optional, Sequence
 
-from bench import combos as combos_mod
-from bench import netns, report, targets
-from bench.run import Bench, new_workdir
+from bench import report, targets
+from bench.run import Bench, combo_record, new_workdir
+from netproxy.lab import combos as combos_mod
+from netproxy.lab import netns
 
 DEFAULT_SIZES = (100, 1000, 10000)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,7 +36,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--max-services", type=int, default=10000,
                    help="largest N (default 10000; 30000 for a longer run); sizes are 100, 1000, 10000 up to it")
     p.add_argument("--backends", default="",
-                   help="comma-separated: " + ", ".join(combos_mod.BY_KEY) + " (or nft, legacy, libiptc, "
+                   help="comma-separated: " + ", ".join(combos_mod.COMBOS) + " (or nft, legacy, libiptc, "
                    "iptables-nft); default all")
     p.add_argument("--smoke", action="store_true",
                    help="N=100, one backend (nftables if available, else iptables-legacy/restore), seconds; "
@@ -52,7 +53,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def choose(args: argparse.Namespace) -> List[combos_mod.Combo]:
     if args.smoke and not args.backends:
-        return [combos_mod.BY_KEY["nftables"], combos_mod.BY_KEY["iptables-legacy/restore"]]
+        return [combos_mod.COMBOS["nftables"], combos_mod.COMBOS["iptables-legacy/restore"]]
     return combos_mod.parse(args.backends)
 
 
@@ -83,7 +84,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.smoke:
         bench.progress("smoke run: N=100, the first available of nftables, iptables-legacy/restore")
     else:
-        bench.progress(f"full run: N in {sizes}, backends {', '.join(c.key for c in wanted)}, budget {budget:.0f} s")
+        bench.progress(f"full run: N in {sizes}, backends {', '.join(c.name for c in wanted)}, budget {budget:.0f} s")
     try:
         if args.smoke:
             bench.meta()
@@ -95,7 +96,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 return 1
             bench.combos = chosen
             bench.results["unavailable"] = {}
-            bench.results["meta"]["combos"] = [c.__dict__ for c in chosen]
+            bench.results["meta"]["combos"] = [combo_record(c) for c in chosen]
         results = bench.run()
     finally:
         netns.cleanup_all()

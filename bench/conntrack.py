@@ -117,7 +117,7 @@ def child(entries: int = ENTRIES, with_pyroute2: bool = True) -> Dict[str, Any]:
 
 def measure(timeout: float = 300.0, entries: int = ENTRIES) -> Dict[str, Any]:
     """The child in a namespace of its own, deleted afterwards."""
-    from bench import netns
+    from netproxy.lab import netns
 
     with netns.namespace("ct") as ns:
         proc = subprocess.run(netns.exec_args(ns, [sys.executable, "-m", "bench.conntrack", "--child",

@@ -17,8 +17,9 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from bench import gen, kubeproxy_layout, netns, sample
-from bench.combos import Combo
+from bench import gen, kubeproxy_layout, sample
+from netproxy.lab import netns
+from netproxy.lab.combos import Combo
 
 Step = Dict[str, Any]
 WORKER_STEPS = ("source", "cold", "resync", "endpoint", "add", "remove", "churn", "plan", "raw-netlink")

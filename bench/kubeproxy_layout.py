@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 MASQ_MARK = "0x4000"
-CLUSTER_CIDR = "10.244.0.0/16"  # the sandbox's pod network (netproxy.sandbox.CLUSTER_CIDR4)
+CLUSTER_CIDR = "10.244.0.0/16"  # the sandbox's pod network (netproxy.lab.topology.CLUSTER_CIDR4)
 
 
 @dataclass(frozen=True)

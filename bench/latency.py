@@ -31,8 +31,9 @@ import subprocess
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from bench import gen, netns
-from netproxy.sandbox import netproxy_command
+from bench import gen
+from netproxy.lab import netns
+from netproxy.lab.topology import netproxy_command
 
 CHANGES = 20
 POLL_ATTEMPT_MS = 2
@@ -140,14 +141,14 @@ def measure(sandbox: Any, combo: Any, n: int, client: Sequence[str], workdir: st
 
     No new change starts after ``deadline`` (monotonic); the result then says how many were made.
     """
-    src = os.path.join(workdir, f"latency-{combo.key.replace('/', '-')}-{n}")
+    src = os.path.join(workdir, f"latency-{combo.name.replace('/', '-')}-{n}")
     os.makedirs(src, exist_ok=True)
     pods = [(p.ip, 8080) for p in sandbox.pods]
     _write_atomic(os.path.join(src, "base.json"), gen.cluster(n, "uniform", pods))
     _write_atomic(os.path.join(src, "extra.json"), [])
-    args = ["run", "--source", src, *combo.cli_args(), "--min-sync-period", f"{min_sync}s",
+    args = ["run", "--source", src, *combo.flags, "--min-sync-period", f"{min_sync}s",
             "--metrics-bind-address", "", "--hostname-override", node_name, "--log-level", "info"]
-    log_path = os.path.join(workdir, f"netproxy-run-{combo.key.replace('/', '-')}-{n}.log")
+    log_path = os.path.join(workdir, f"netproxy-run-{combo.name.replace('/', '-')}-{n}.log")
     env = dict(os.environ)
     env["PATH"] = sandbox.iptables_bindir(combo.flavour) + os.pathsep + env.get("PATH", "/usr/sbin:/usr/bin")
     with open(log_path, "wb") as log:

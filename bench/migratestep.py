@@ -25,8 +25,9 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from bench import gen, kubeproxy_layout, netns
+from bench import gen, kubeproxy_layout
 from bench.control import _bench_env, _python
+from netproxy.lab import netns
 
 Step = Dict[str, Any]
 STEPS = ("iptables-to-nftables", "nftables-to-iptables", "kube-proxy-to-nftables")

@@ -14,14 +14,14 @@ import os
 import time
 from typing import Any, Dict
 
-from bench import netns
 from bench.latency import vm_hwm_kib
-from netproxy.sandbox import netproxy_command
+from netproxy.lab import netns
+from netproxy.lab.topology import netproxy_command
 
 
 def measure_sync(sandbox: Any, combo: Any, source: str, timeout: float, log_path: str,
                  node_name: str = "np-node") -> Dict[str, Any]:
-    args = [*netproxy_command(), "sync", "--source", source, *combo.cli_args(), "--hostname-override", node_name,
+    args = [*netproxy_command(), "sync", "--source", source, *combo.flags, "--hostname-override", node_name,
             "--log-level", "warning"]
     env = dict(os.environ)
     env["PATH"] = sandbox.iptables_bindir(combo.flavour) + os.pathsep + env.get("PATH", "/usr/sbin:/usr/bin")

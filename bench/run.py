@@ -1,6 +1,6 @@
 """The benchmark's plan: which measure runs where, in what order, within what time budget.
 
-One :class:`netproxy.sandbox.Sandbox` (client, node, 10 pods) serves every measure; the node's
+One :class:`netproxy.lab.topology.Sandbox` (client, node, 10 pods) serves every measure; the node's
 netfilter state is reset between measures.  Phases, most important first, so that a run that hits
 its time budget loses the least important figures: (A) control plane + data plane + RSS per
 backend/writer and N, (B) kube-proxy's layout, (C) event → kernel, (D) the mixed variant.
@@ -20,8 +20,9 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from bench import client as client_mod
-from bench import conntrack, control, dataplane, gen, latency, netns, report, rss
-from bench.combos import Combo
+from bench import conntrack, control, dataplane, gen, latency, report, rss
+from netproxy.lab import netns
+from netproxy.lab.combos import Combo
 
 DP_EXTRA = 1  # the data plane also runs at N=1
 # Run at the largest N after everything else: iptables-nft's kernel cost grows faster than linearly
@@ -45,6 +46,12 @@ class Budget:
 
     def timeout(self, wanted: float) -> float:
         return max(0.0, min(wanted, self.left()))
+
+
+def combo_record(combo: Combo) -> Dict[str, str]:
+    """``combo`` as the results' ``meta.combos`` list holds it; ``key`` is its name (the field name
+    every results file, old ones included, uses)."""
+    return {"key": combo.name, "backend": combo.backend, "writer": combo.writer, "flavour": combo.flavour}
 
 
 class Bench:
@@ -123,7 +130,7 @@ class Bench:
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "cpus": os.cpu_count(),
             "kernel": platform.release(), "python": platform.python_version(), "commit": commit,
             "iptables": tool(["iptables-legacy", "--version"]), "nft": tool(["nft", "--version"]),
-            "sizes": self.sizes, "dp_sizes": self.dp_sizes, "combos": [c.__dict__ for c in self.combos],
+            "sizes": self.sizes, "dp_sizes": self.dp_sizes, "combos": [combo_record(c) for c in self.combos],
             "smoke": self.smoke, "min_sync_period": self.min_sync, "latency_changes": self.changes,
             "loadavg": [os.getloadavg()[0]],
             "dp_count": dataplane.SMOKE_COUNT if self.smoke else dataplane.COUNT,
@@ -143,13 +150,13 @@ class Bench:
             cell = steps["probe"]
             if not cell.get("ok"):
                 why = str(cell.get("error") or cell)[:300]
-                self.results["unavailable"][combo.key] = why
-                self.progress(f"{combo.key}: unavailable — {why}")
+                self.results["unavailable"][combo.name] = why
+                self.progress(f"{combo.name}: unavailable — {why}")
             else:
-                self.progress(f"{combo.key}: available")
+                self.progress(f"{combo.name}: available")
 
     def available(self) -> List[Combo]:
-        return [c for c in self.combos if c.key not in self.results["unavailable"]]
+        return [c for c in self.combos if c.name not in self.results["unavailable"]]
 
     # -- phase A ------------------------------------------------------------------------------------
 
@@ -158,7 +165,7 @@ class Bench:
 
     def phase_control(self, combo: Combo, n: int) -> None:
         sb = self.sandbox
-        cell = self._cell("control", combo.key, n, "uniform")
+        cell = self._cell("control", combo.name, n, "uniform")
         timeout = self.budget.timeout(self.worker_timeout(n))
         if timeout < 10:
             cell["cold"] = self._skip("out of time budget")
@@ -168,16 +175,16 @@ class Bench:
         steps = control.run_worker(sb.node, combo, n, "uniform", control.pods_of(sb), plan, timeout,
                                    os.path.join(self.workdir, "worker.log"))
         cell.update(steps)
-        self._note_errors(f"{combo.key} N={n}", steps)
-        self.progress(f"{combo.key} N={n:,}: cold {control.describe(steps.get('cold'))}, resync "
+        self._note_errors(f"{combo.name} N={n}", steps)
+        self.progress(f"{combo.name} N={n:,}: cold {control.describe(steps.get('cold'))}, resync "
                       f"{control.describe(steps.get('resync'))}, endpoint {control.describe(steps.get('endpoint'))}, "
                       f"add {control.describe(steps.get('add'))}, remove {control.describe(steps.get('remove'))}")
         if combo.backend == "iptables":  # on the table the worker left loaded
-            cell["floor"] = self.measure_floor(combo, steps, f"{combo.key} N={n:,}")
+            cell["floor"] = self.measure_floor(combo, steps, f"{combo.name} N={n:,}")
         if "seconds" not in steps.get("cold", {}):
             return
         if n in self.dp_sizes:
-            self.measure_dataplane(combo.key, n, self.base_netproxy(combo))
+            self.measure_dataplane(combo.name, n, self.base_netproxy(combo))
         self.measure_rss(combo, n, steps)
         sb.reset_netfilter()
         if "seconds" not in steps.get("plan", {}):
@@ -186,8 +193,8 @@ class Bench:
         raw = control.raw_own_payload(combo, plan, self.workdir, self.budget.timeout(timeout),
                                       reset=sb.reset_netfilter, ns=sb.node)
         cell["raw"] = raw
-        self._note_errors(f"{combo.key} N={n}", {"raw": raw})
-        self.progress(f"{combo.key} N={n:,}: raw apply of its own payload {control.describe(raw)}")
+        self._note_errors(f"{combo.name} N={n}", {"raw": raw})
+        self.progress(f"{combo.name} N={n:,}: raw apply of its own payload {control.describe(raw)}")
 
     def measure_dataplane(self, key: str, n: int, load_base: Callable[[], bool]) -> None:
         """Connections to the last of ``n`` services, alternating with the one-service baseline."""
@@ -229,7 +236,7 @@ class Bench:
             gen.write_json(source, gen.cluster(1, "uniform", control.pods_of(self.base)))
             res = rss.measure_sync(self.base, combo, source, self.budget.timeout(60),
                                    os.path.join(self.workdir, "rss.log"))
-            self._cell("rss", combo.key, 1).update(res)
+            self._cell("rss", combo.name, 1).update(res)
             return "seconds" in res
         return load
 
@@ -243,7 +250,7 @@ class Bench:
 
     def measure_rss(self, combo: Combo, n: int, steps: Dict[str, Any]) -> None:
         cold = steps["cold"]["seconds"]
-        cell = self._cell("rss", combo.key, n)
+        cell = self._cell("rss", combo.name, n)
         if cold > 15 and n > 1000:
             cell.update(self._skip(f"cold sync took {cold:.0f} s"))
             return
@@ -253,9 +260,9 @@ class Bench:
         res = rss.measure_sync(self.sandbox, combo, source, self.budget.timeout(self.worker_timeout(n)),
                                os.path.join(self.workdir, "rss.log"))
         cell.update(res)
-        self._note_errors(f"{combo.key} N={n} netproxy sync", {"rss": res})
+        self._note_errors(f"{combo.name} N={n} netproxy sync", {"rss": res})
         if "maxrss_mib" in res and "seconds" in res:
-            self.progress(f"{combo.key} N={n:,}: `netproxy sync` peak RSS {res['maxrss_mib']:.0f} MiB "
+            self.progress(f"{combo.name} N={n:,}: `netproxy sync` peak RSS {res['maxrss_mib']:.0f} MiB "
                           f"({res['seconds']:.1f} s)")
             self.measure_restart(combo, n, source)
 
@@ -270,10 +277,10 @@ class Bench:
         gen.write_json(changed, objects)
         res = rss.measure_sync(self.sandbox, combo, changed, self.budget.timeout(self.worker_timeout(n)),
                                os.path.join(self.workdir, "rss.log"))
-        self._cell("rss", combo.key, n)["restart"] = res
-        self._note_errors(f"{combo.key} N={n} restart", {"restart": res})
+        self._cell("rss", combo.name, n)["restart"] = res
+        self._note_errors(f"{combo.name} N={n} restart", {"restart": res})
         if "seconds" in res:
-            self.progress(f"{combo.key} N={n:,}: restart with one endpoint changed {res['seconds']:.2f} s")
+            self.progress(f"{combo.name} N={n:,}: restart with one endpoint changed {res['seconds']:.2f} s")
 
     # -- phase B ------------------------------------------------------------------------------------
 
@@ -298,7 +305,7 @@ class Bench:
     # -- the whole run ------------------------------------------------------------------------------
 
     def run(self) -> Dict[str, Any]:
-        from netproxy.sandbox import Sandbox
+        from netproxy.lab.topology import Sandbox
 
         if not self.results["meta"]:
             self.meta()
@@ -315,11 +322,11 @@ class Bench:
             self.sandbox, self.base = sb, base
             self.progress(f"sandbox up: node {sb.node}; one-service baseline in {base.node}")
             big = max(n for n in self.sizes if n <= LARGE)  # the largest N every combination runs
-            late = [c for c in self.available() if c.key in DEFERRED] if big > 1000 else []
+            late = [c for c in self.available() if c.name in DEFERRED] if big > 1000 else []
             for combo in self.available():
                 for n in self.sizes:
-                    if n > LARGE and combo.key not in AT_LARGE:
-                        self._cell("control", combo.key, n, "uniform")["cold"] = self._skip(
+                    if n > LARGE and combo.name not in AT_LARGE:
+                        self._cell("control", combo.name, n, "uniform")["cold"] = self._skip(
                             f"beyond {LARGE:,} services only {', '.join(AT_LARGE)} runs (issue 14's 44k target)")
                     elif not (n == big and combo in late):
                         self.phase_control(combo, n)
@@ -361,7 +368,7 @@ class Bench:
         """Issue 20: ``netproxy migrate`` both ways at the largest N (bench/migratestep.py)."""
         from bench import migratestep
 
-        keys = {c.key for c in self.available()}
+        keys = {c.name for c in self.available()}
         if self.smoke or not {"nftables", "iptables-legacy/restore"} <= keys:
             return
         if self._out_of_time(120.0):
@@ -400,33 +407,33 @@ class Bench:
     def phase_latency(self) -> None:
         for n in self.latency_sizes:
             for combo in self.available():
-                if n > 1000 and combo.key != "nftables" and not self.smoke:
+                if n > 1000 and combo.name != "nftables" and not self.smoke:
                     continue  # at 10k only the backend the target is about (each change re-reads 10k services)
-                cell = self._cell("latency", combo.key, n)
-                ep = report.seconds(report.control_cell(self.results, combo.key, n, "endpoint"))
+                cell = self._cell("latency", combo.name, n)
+                ep = report.seconds(report.control_cell(self.results, combo.name, n, "endpoint"))
                 if ep is None or ep > 5:
                     cell.update(self._skip("no partial sync figure under 5 s at this N"))
                     continue
-                source = report.seconds(report.control_cell(self.results, combo.key, n, "source")) or 0.0
-                cold = report.seconds(report.control_cell(self.results, combo.key, n, "cold")) or 0.0
+                source = report.seconds(report.control_cell(self.results, combo.name, n, "source")) or 0.0
+                cold = report.seconds(report.control_cell(self.results, combo.name, n, "cold")) or 0.0
                 # Each change waits 0-1.5 min-sync-periods, then the file source re-reads the changed file.
                 need = self.changes * (self.min_sync * 0.75 + 0.3 * source + ep) + 2 * (source + cold) + 20
                 if self._out_of_time(need):
                     cell.update(self._skip("out of time budget"))
                     continue
                 self.sandbox.reset_netfilter()
-                self.progress(f"{combo.key} N={n:,}: event → kernel, {self.changes} changes …")
+                self.progress(f"{combo.name} N={n:,}: event → kernel, {self.changes} changes …")
                 res = latency.measure(self.sandbox, combo, n, self.client, self.workdir, changes=self.changes,
                                       min_sync=self.min_sync, start_timeout=min(300.0, self.budget.timeout(300)),
                                       deadline=time.monotonic() + self.budget.timeout(2 * need))
                 cell.update(res)
                 if "n" in res:
-                    self.progress(f"{combo.key} N={n:,}: event → kernel {latency.describe(res)}")
+                    self.progress(f"{combo.name} N={n:,}: event → kernel {latency.describe(res)}")
                     if res["failures"]:
-                        self.results["errors"].append(f"latency {combo.key} N={n}: {latency.describe(res)}")
+                        self.results["errors"].append(f"latency {combo.name} N={n}: {latency.describe(res)}")
                 else:
-                    self.results["errors"].append(f"latency {combo.key} N={n}: {res}")
-                    self.progress(f"{combo.key} N={n:,}: event → kernel {res}")
+                    self.results["errors"].append(f"latency {combo.name} N={n}: {res}")
+                    self.progress(f"{combo.name} N={n:,}: event → kernel {res}")
 
     def phase_mixed(self) -> None:
         """Issue 8's features switched on: the mixed cluster (NodePorts, Local policies, affinity, UDP).
@@ -440,15 +447,15 @@ class Bench:
         for n in [n for n in self.sizes if n <= LARGE]:
             combos = self.available()
             if n == big:  # the combinations whose figures are targets first, the reference writers last
-                combos.sort(key=lambda c: MIXED_ORDER.index(c.key) if c.key in MIXED_ORDER else len(MIXED_ORDER))
+                combos.sort(key=lambda c: MIXED_ORDER.index(c.name) if c.name in MIXED_ORDER else len(MIXED_ORDER))
             for combo in combos:
-                cell = self._cell("control", combo.key, n, "mixed")
-                cold = report.seconds(report.control_cell(self.results, combo.key, n, "cold"))
+                cell = self._cell("control", combo.name, n, "mixed")
+                cold = report.seconds(report.control_cell(self.results, combo.name, n, "cold"))
                 if cold is None:
                     cell["cold"] = self._skip("no uniform cold sync figure")
                     continue
-                if n == big and n > 1000 and combo.key not in MIXED_AT_LARGEST:
-                    cell["cold"] = self._skip(MIXED_AT_LARGEST_WHY.get(combo.key, "not run at the largest N"))
+                if n == big and n > 1000 and combo.name not in MIXED_AT_LARGEST:
+                    cell["cold"] = self._skip(MIXED_AT_LARGEST_WHY.get(combo.name, "not run at the largest N"))
                     continue
                 # 2.6x the endpoints; iptables-nft's cold sync of it is the slowest (issue 15 allows 60 s).
                 limit = min(400.0, 60 * cold + 60)
@@ -466,8 +473,8 @@ class Bench:
                                          steps=steps)
                 cell.update(got)
                 if combo.backend == "iptables":
-                    cell["floor"] = self.measure_floor(combo, got, f"{combo.key} mixed N={n:,}")
-                self._note_errors(f"{combo.key} mixed N={n}", got)
+                    cell["floor"] = self.measure_floor(combo, got, f"{combo.name} mixed N={n:,}")
+                self._note_errors(f"{combo.name} mixed N={n}", got)
                 self.sandbox.reset_netfilter()
                 if "seconds" not in got.get("plan", {}):
                     cell["raw"] = self._skip("no plan payload: the plan step did not finish")
@@ -476,18 +483,18 @@ class Bench:
                 else:
                     cell["raw"] = control.raw_own_payload(combo, plan, self.workdir, self.budget.timeout(limit),
                                                           reset=self.sandbox.reset_netfilter, ns=self.sandbox.node)
-                    self._note_errors(f"{combo.key} mixed N={n}", {"raw": cell["raw"]})
+                    self._note_errors(f"{combo.name} mixed N={n}", {"raw": cell["raw"]})
                     self.sandbox.reset_netfilter()
-                if combo.key in RSS_MIXED and n == big and "seconds" in got.get("cold", {}):
+                if combo.name in RSS_MIXED and n == big and "seconds" in got.get("cold", {}):
                     self.measure_rss_mixed(combo, n, limit)
-                self.progress(f"{combo.key} mixed N={n:,}: cold {control.describe(got.get('cold'))}, raw "
+                self.progress(f"{combo.name} mixed N={n:,}: cold {control.describe(got.get('cold'))}, raw "
                               f"{control.describe(cell.get('raw'))}, endpoint {control.describe(got.get('endpoint'))}, "
                               f"affinity endpoint {control.describe(got.get('endpoint-affinity'))}")
 
     def measure_rss_mixed(self, combo: Combo, n: int, limit: float) -> None:
         """`netproxy sync` of the mixed cluster: the memory issue 8's features cost at the largest N."""
         if self._out_of_time(limit / 2):
-            self._cell("rss", combo.key + report.MIXED_SUFFIX, n).update(self._skip("out of time budget"))
+            self._cell("rss", combo.name + report.MIXED_SUFFIX, n).update(self._skip("out of time budget"))
             return
         source = os.path.join(self.workdir, f"cluster-mixed-{n}.json")
         gen.write_json(source, gen.cluster(n, "mixed", control.pods_of(self.sandbox)))
@@ -495,10 +502,10 @@ class Bench:
         res = rss.measure_sync(self.sandbox, combo, source, self.budget.timeout(limit),
                                os.path.join(self.workdir, "rss.log"))
         self.sandbox.reset_netfilter()
-        self._cell("rss", combo.key + report.MIXED_SUFFIX, n).update(res)
-        self._note_errors(f"{combo.key} mixed N={n} netproxy sync", {"rss": res})
+        self._cell("rss", combo.name + report.MIXED_SUFFIX, n).update(res)
+        self._note_errors(f"{combo.name} mixed N={n} netproxy sync", {"rss": res})
         if "maxrss_mib" in res:
-            self.progress(f"{combo.key} mixed N={n:,}: `netproxy sync` peak RSS {res['maxrss_mib']:.0f} MiB")
+            self.progress(f"{combo.name} mixed N={n:,}: `netproxy sync` peak RSS {res['maxrss_mib']:.0f} MiB")
 
 
 MIXED_AT_LARGEST = ("nftables", "nftables/libnftables", "iptables-legacy/restore", "iptables-legacy/libiptc",

@@ -29,8 +29,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import yaml
 
+from netproxy.lab.topology import Sandbox
+from netproxy.lab.traffic import ConnectResult
 from netproxy.model import ServicePort
-from netproxy.sandbox import ConnectResult, Sandbox
 from netproxy.source.files import flatten, load, read_documents
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "cluster.yaml")

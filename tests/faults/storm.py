@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from netproxy.lab.manifests import endpoint_slice, port, service, slice_port
+
 Obj = Dict[str, Any]
 SYNCED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO netproxy\.proxier: synced (full|partial)", re.M)
 
@@ -25,19 +27,13 @@ def cluster(count: int, pods: Sequence[str], first_ip: str = "10.96.3.1", rng: O
     out: List[Obj] = []
     for i in range(count):
         name = f"{prefix}-{i}"
-        out.append({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "default"},
-                    "spec": {"clusterIP": str(base + i), "ports": [{"name": "http", "port": 80,
-                                                                    "targetPort": 8080}]}})
+        out.append(service(name, str(base + i), [port(80, name="http")]))
         out.append(slice_of(name, rng.sample(list(pods), rng.randint(1, len(pods)))))
     return out
 
 
-def slice_of(service: str, addresses: Sequence[str]) -> Obj:
-    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": f"{service}-a", "namespace": "default",
-                         "labels": {"kubernetes.io/service-name": service}},
-            "addressType": "IPv4", "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
-            "endpoints": [{"addresses": [a], "conditions": {"ready": True}} for a in addresses]}
+def slice_of(service_name: str, addresses: Sequence[str]) -> Obj:
+    return endpoint_slice(service_name, addresses, [slice_port(name="http")])
 
 
 def write_atomically(path: str, objects: Sequence[Obj]) -> None:

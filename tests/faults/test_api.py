@@ -14,25 +14,27 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import pytest
-from figures import figure
-from harness import Combo, Proxy, endpoint_slice, port, service
-from storm import netproxy_pid, wait_until
-from test_kube_source import kubeconfig as _kubeconfig
 
-from netproxy.sandbox import NODE_NAME, Pod, Sandbox
+from netproxy.lab.cleanup import stop_process
+from netproxy.lab.combos import Combo
+from netproxy.lab.manifests import api_object, port, service
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.topology import NODE_NAME, Pod, Sandbox
+from tests.faults.figures import figure
+from tests.faults.storm import netproxy_pid, wait_until
+from tests.kernel.test_kube_source import kubeconfig as _kubeconfig
+from tests.kernel.test_kube_source import web_slice
+from tests.unit.kube.kube_process import StandInProcess
 
 pytestmark = pytest.mark.kernel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "unit", "kube"))
-from kube_process import StandInProcess  # noqa: E402
 
 DOWN = float(os.environ.get("NETPROXY_API_DOWN_SECONDS", "15"))
 WEB_IP = "10.96.0.10"
@@ -72,16 +74,6 @@ else:
 """
 
 
-def _api(obj: Dict[str, Any]) -> Dict[str, Any]:
-    return {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}
-
-
-def web_slice(pods: Sequence[Pod]) -> Dict[str, Any]:
-    return _api(endpoint_slice("web", pods, [{"name": "http", "port": 8080, "protocol": "TCP"}]))
-
-
-
-
 class Api:
     """Drives the stand-in from inside the node namespace (it listens on the node's loopback)."""
 
@@ -115,7 +107,7 @@ def healthz_codes(path: str, since: float, until: float) -> List[int]:
 
 def test_the_api_going_away(proxy: Proxy, sandbox: Sandbox, combo: Combo, tmp_path: Any) -> None:
     a, b, c = sandbox.pods[:1], sandbox.pods[1:2], sandbox.pods[2:3]
-    objects = {"services": [_api(service("web", WEB_IP, [port(80, 8080, name="http")]))],
+    objects = {"services": [api_object(service("web", WEB_IP, [port(80, 8080, name="http")]))],
                "endpointslices": [web_slice(a)], "nodes": [{"metadata": {"name": NODE_NAME}}]}
     samples = str(tmp_path / "healthz")
     with StandInProcess(objects, prefix=["ip", "netns", "exec", sandbox.node]) as url:
@@ -164,13 +156,7 @@ def test_the_api_going_away(proxy: Proxy, sandbox: Sandbox, combo: Combo, tmp_pa
         finally:
             sampler.kill()
             sampler.wait()
-            if run.poll() is None:
-                run.send_signal(signal.SIGTERM)
-                try:
-                    run.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    run.kill()
-                    run.wait()
+            stop_process(run, timeout=15)
     log = proxy.run_output()
     codes = healthz_codes(samples, down_at, end)
     bad = [code for code in codes if code != 200]

@@ -12,27 +12,27 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from typing import Any, Dict, List, Sequence
 
 import pytest
-from figures import figure
-from harness import Combo, Proxy, assert_only_and_all, endpoint_slice, port, service, wait_for
-from test_kube_source import kubeconfig as _kubeconfig
 
-from netproxy.sandbox import NODE_NAME, Sandbox
+from netproxy.lab.checks import assert_only_and_all, wait_for
+from netproxy.lab.cleanup import stop_process
+from netproxy.lab.combos import Combo
+from netproxy.lab.manifests import endpoint_slice, port, service
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.topology import NODE_NAME, Sandbox
+from tests.faults.figures import figure
+from tests.kernel.test_kube_source import kubeconfig as _kubeconfig
+from tests.unit.hostile_cases import MARK, Case, batch
+from tests.unit.kube.kube_process import StandInProcess
 
 pytestmark = pytest.mark.kernel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "unit"))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "unit", "kube"))
 
-from hostile_cases import MARK, Case, batch  # noqa: E402
-from kube_process import StandInProcess  # noqa: E402
 
 GOOD_IP = "10.96.0.10"
 BATCH = 80
@@ -151,13 +151,7 @@ def test_hostile_api_objects_are_logged_counted_and_the_rest_applied(proxy: Prox
             assert_clean(proxy.ruleset(), cases)
             assert run.poll() is None, "netproxy run exited"
         finally:
-            if run.poll() is None:
-                run.send_signal(signal.SIGTERM)
-                try:
-                    run.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    run.kill()
-                    run.wait()
+            stop_process(run, timeout=15)
             with open(log_path, errors="replace") as f:
                 log = f.read()
     logged = [ln for ln in log.splitlines() if "rejected " in ln]

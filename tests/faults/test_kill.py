@@ -19,10 +19,13 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
-from figures import figure
-from harness import Combo, Manifest, Proxy, endpoint_slice, port, service, wait_for
 
-from netproxy.sandbox import Pod, Sandbox
+from netproxy.lab.checks import wait_for
+from netproxy.lab.combos import Combo
+from netproxy.lab.manifests import Manifest, endpoint_slice, port, service
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.topology import Pod, Sandbox
+from tests.faults.figures import figure
 
 pytestmark = pytest.mark.kernel
 

@@ -25,22 +25,15 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import pytest
-from figures import figure
-from harness import (
-    Combo,
-    Proxy,
-    driven,
-    endpoint_slice,
-    port,
-    require,
-    selected_combos,
-    service,
-    wait_for,
-    write_manifests,
-)
-from test_parity import http_get
 
-from netproxy.sandbox import Pod, Sandbox
+from netproxy.lab.checks import wait_for
+from netproxy.lab.combos import Combo, selected
+from netproxy.lab.manifests import endpoint_slice, port, service, write_manifests
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.pytest_plugin import driven, require_combo
+from netproxy.lab.topology import Pod, Sandbox
+from tests.faults.figures import figure
+from tests.kernel.test_parity import http_get
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOCK = "/run/xtables.lock"
@@ -51,15 +44,12 @@ SYNCS = int(os.environ.get("NETPROXY_FOREIGN_SYNCS", "0") or "0")
 """A fixed number of syncs instead (the issue's 1,000: ``NETPROXY_FOREIGN_SYNCS=1000``, ~20 min a writer)."""
 HOLD = 3.0
 _COUNTERS = re.compile(r"\[\d+:\d+\]")
-IPTABLES_COMBOS = [c for c in selected_combos() if c.backend == "iptables"]
+IPTABLES_COMBOS = [c for c in selected() if c.backend == "iptables"]
 
 
 @pytest.fixture(scope="module", params=IPTABLES_COMBOS, ids=[c.name for c in IPTABLES_COMBOS])
 def ipt(request: pytest.FixtureRequest, kernel_env: None) -> Combo:
-    chosen: Combo = request.param
-    why = chosen.missing()
-    require(why is None, f"{chosen.name}: {why}")
-    return chosen
+    return require_combo(request.param)
 
 
 @pytest.fixture(scope="module")

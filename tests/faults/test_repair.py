@@ -13,11 +13,13 @@ import re
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from figures import figure
-from harness import TIME_SCALE, Combo, Proxy, endpoint_slice, port, service, wait_for
-from test_parity import http_get
-
-from netproxy.sandbox import Sandbox
+from netproxy.lab.checks import TIME_SCALE, wait_for
+from netproxy.lab.combos import Combo
+from netproxy.lab.manifests import endpoint_slice, port, service
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.topology import Sandbox
+from tests.faults.figures import figure
+from tests.kernel.test_parity import http_get
 
 WEB_IP = "10.96.0.10"
 METRICS = "127.0.0.1:10249"

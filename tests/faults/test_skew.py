@@ -16,10 +16,13 @@ import subprocess
 from typing import List
 
 import pytest
-from figures import figure
-from harness import assert_only_and_all, endpoint_slice, port, require, service, write_manifests
 
-from netproxy.sandbox import NODE_NAME, Sandbox, has_iptables
+from netproxy.lab.checks import assert_only_and_all
+from netproxy.lab.combos import has_iptables
+from netproxy.lab.manifests import endpoint_slice, port, service, write_manifests
+from netproxy.lab.pytest_plugin import require
+from netproxy.lab.topology import NODE_NAME, Sandbox
+from tests.faults.figures import figure
 
 pytestmark = pytest.mark.kernel
 

@@ -14,25 +14,35 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
-import sys
 import time
 from typing import Any, Dict, List, Optional
 
 import pytest
-from figures import figure
-from harness import Combo, Proxy, assert_only_and_all
-from storm import cluster, file_storm, netproxy_pid, rss_kb, slice_of, sync_times, wait_until, write_atomically
-from test_kube_source import kubeconfig as _kubeconfig
 
-from netproxy.sandbox import NODE_NAME, Pod, Sandbox
+from netproxy.lab.checks import assert_only_and_all
+from netproxy.lab.cleanup import stop_process
+from netproxy.lab.combos import Combo
+from netproxy.lab.manifests import api_object
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.topology import NODE_NAME, Pod, Sandbox
+from tests.faults.figures import figure
+from tests.faults.storm import (
+    cluster,
+    file_storm,
+    netproxy_pid,
+    rss_kb,
+    slice_of,
+    sync_times,
+    wait_until,
+    write_atomically,
+)
+from tests.kernel.test_kube_source import kubeconfig as _kubeconfig
+from tests.unit.kube.kube_process import StandInProcess
 
 pytestmark = pytest.mark.kernel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "unit", "kube"))
-from kube_process import StandInProcess  # noqa: E402
 
 SECONDS = float(os.environ.get("NETPROXY_STORM_SECONDS", "10"))
 RATE = float(os.environ.get("NETPROXY_STORM_RATE", "1000"))
@@ -155,17 +165,13 @@ def test_rss_stays_flat_over_sync_cycles(proxy: Proxy, sandbox: Sandbox, combo: 
     assert rss_end - rss_first <= RSS_SLACK_KB, f"RSS grew {(rss_end - rss_first) / 1024:.1f} MB over {CYCLES} cycles"
 
 
-def _api(obj: Dict[str, Any]) -> Dict[str, Any]:
-    return {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}
-
-
 
 
 def test_an_api_storm_coalesces_and_ends_exact(proxy: Proxy, sandbox: Sandbox, combo: Combo, tmp_path: Any) -> None:
     pods = [p.ip for p in sandbox.pods[:3]]
     objects = cluster(HOT, pods) + cluster(SERVICES - HOT, pods, first_ip="10.97.0.1", prefix="cold")
-    load = {"services": [_api(o) for o in objects if o["kind"] == "Service"],
-            "endpointslices": [_api(o) for o in objects if o["kind"] == "EndpointSlice"],
+    load = {"services": [api_object(o) for o in objects if o["kind"] == "Service"],
+            "endpointslices": [api_object(o) for o in objects if o["kind"] == "EndpointSlice"],
             "nodes": [{"metadata": {"name": NODE_NAME}}]}
     final = str(tmp_path / "final.json")
     go = str(tmp_path / "go")
@@ -192,10 +198,4 @@ def test_an_api_storm_coalesces_and_ends_exact(proxy: Proxy, sandbox: Sandbox, c
             check_storm(proxy, sandbox, combo, final, items, started, ended, result["changes"], rss_first, pid,
                         "API source", run)
         finally:
-            if run.poll() is None:
-                run.send_signal(signal.SIGTERM)
-                try:
-                    run.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    run.kill()
-                    run.wait()
+            stop_process(run, timeout=15)

@@ -1,9 +1,9 @@
 """Runs an NftablesBackend inside a network namespace for tests/kernel/test_nftables_*.py.
 
 libnftables talks to the network namespace of the process that calls it, so the tests start this
-module with ``ip netns exec <ns> python nft_driver.py`` and talk to it over stdin/stdout, one JSON
-request and one JSON reply per line.  One process per test keeps the backend's own record across
-syncs, which is what the incremental path needs.
+module with ``ip netns exec <ns> python -m tests.kernel.nft_driver`` (from the repository root) and
+talk to it over stdin/stdout, one JSON request and one JSON reply per line.  One process per test
+keeps the backend's own record across syncs, which is what the incremental path needs.
 
 Request: {"op": "sync"|"plan"|"cleanup"|"scenario", "full": bool, "changed": [names], "services": [svc...]}
 with svc = {"name", "ip", "port", "proto", "eps": [ip...], "affinity": seconds or 0, "external": [ip...]}.
@@ -52,7 +52,7 @@ def main() -> None:
                 res = backend.sync(_snapshot(req["services"]), Changes(req.get("full", True), changed))
                 reply: Dict[str, Any] = {"ok": True, "result": {"full": res.full, "written": res.services_written}}
             elif req["op"] == "scenario":  # nft_scenarios.py: the two writers' comparison
-                import nft_scenarios
+                from tests.kernel import nft_scenarios
 
                 if req["step"] == 0:
                     backend = NftablesBackend(dataclasses.replace(nft_scenarios.CONFIGS[req["config"]],

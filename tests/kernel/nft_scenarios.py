@@ -14,7 +14,8 @@ import ipaddress
 from typing import List, Optional, Sequence, Tuple
 
 from netproxy.config import ProxyConfig, parse_cidrs
-from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
+from netproxy.lab.manifests import service_port
+from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, Snapshot
 
 NODE = "node-a"
 CONFIGS = {
@@ -33,12 +34,12 @@ def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
 def svc(name: str, ip: str, port: int = 80, *, proto: str = "TCP", affinity: int = 0, node_port: int = 0,
         external: Sequence[str] = (), lb: Sequence[str] = (), ranges: str = "", etp: str = "Cluster",
         itp: str = "Cluster") -> ServicePort:
-    return ServicePort(ServicePortName("ns", name, "p"), proto, port, 8080, cluster_ips=(_ip(ip),),
-                       external_ips=tuple(_ip(a) for a in external), load_balancer_ips=tuple(_ip(a) for a in lb),
-                       source_ranges=parse_cidrs(ranges) if ranges else (),
-                       affinity="ClientIP" if affinity else "None", affinity_timeout=affinity or 10800,
-                       node_port=node_port, service_type="NodePort" if node_port else "ClusterIP",
-                       external_traffic_policy=etp, internal_traffic_policy=itp)
+    return service_port(name, "ns", "p", protocol=proto, port=port, cluster_ip=ip,
+                        external_ips=tuple(_ip(a) for a in external), load_balancer_ips=tuple(_ip(a) for a in lb),
+                        source_ranges=parse_cidrs(ranges) if ranges else (),
+                        affinity="ClientIP" if affinity else "None", affinity_timeout=affinity or 10800,
+                        node_port=node_port, service_type="NodePort" if node_port else "ClusterIP",
+                        external_traffic_policy=etp, internal_traffic_policy=itp)
 
 
 def eps(*addrs: str, node: Optional[str] = None) -> Tuple[Endpoint, ...]:

@@ -15,22 +15,14 @@ import time
 from typing import List, Optional, Sequence
 
 import pytest
-import traced
-from harness import (
-    TIME_SCALE,
-    Manifest,
-    Proxy,
-    assert_only_and_all,
-    endpoint_slice,
-    port,
-    require,
-    selected_combos,
-    service,
-    wait_for,
-    write_manifests,
-)
 
-from netproxy.sandbox import GATEWAY4, NODE_EXT4, Pod, Sandbox, has_iptables
+from netproxy.lab.checks import TIME_SCALE, assert_only_and_all, wait_for
+from netproxy.lab.combos import has_iptables, selected
+from netproxy.lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.pytest_plugin import require
+from netproxy.lab.topology import GATEWAY4, NODE_EXT4, Pod, Sandbox
+from tests.kernel import traced
 
 pytestmark = pytest.mark.kernel
 log = logging.getLogger(__name__)
@@ -348,7 +340,7 @@ def test_run_follows_source_edits(proxy: Proxy, sandbox: Sandbox) -> None:
 def test_auto_selection_follows_iptables_version(bare_sandbox: Sandbox, tmp_path: object, flavour: str,
                                                  expected: str) -> None:
     """`iptables` → iptables-nft: detect and `sync --backend auto` pick nftables; iptables-legacy: iptables."""
-    relevant = [c for c in selected_combos() if c.flavour == flavour and c.backend == expected]
+    relevant = [c for c in selected() if c.flavour == flavour and c.backend == expected]
     if not relevant:
         pytest.skip(f"no {expected} combination on iptables-{flavour} selected by NETPROXY_BACKENDS")
     why = relevant[0].missing() or (None if has_iptables(flavour) else f"iptables-{flavour} is not installed")

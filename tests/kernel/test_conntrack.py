@@ -17,9 +17,12 @@ import time
 from typing import Any, Iterator, List, Optional, Sequence
 
 import pytest
-from harness import TIME_SCALE, Manifest, Proxy, endpoint_slice, port, require, service, wait_for, write_manifests
 
-from netproxy.sandbox import NODE_EXT4, Pod, Sandbox
+from netproxy.lab.checks import TIME_SCALE, wait_for
+from netproxy.lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.pytest_plugin import require
+from netproxy.lab.topology import NODE_EXT4, Pod, Sandbox
 
 pytestmark = pytest.mark.kernel
 log = logging.getLogger(__name__)

@@ -20,7 +20,8 @@ import sys
 from typing import Dict, Iterator, List
 
 import pytest
-from harness import require
+
+from netproxy.lab.pytest_plugin import require
 
 pytestmark = pytest.mark.kernel
 

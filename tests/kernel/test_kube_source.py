@@ -10,23 +10,24 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from typing import Any, Dict, List, Sequence
 
 import pytest
-from harness import Combo, Proxy, assert_only_and_all, endpoint_slice, port, service, wait_for
 
-from netproxy.sandbox import NODE_NAME, Pod, Sandbox
+from netproxy.lab.checks import assert_only_and_all, wait_for
+from netproxy.lab.cleanup import stop_process
+from netproxy.lab.combos import Combo
+from netproxy.lab.manifests import api_object, endpoint_slice, port, service, slice_port
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.topology import NODE_NAME, Pod, Sandbox
+from tests.unit.kube.kube_process import StandInProcess
 
 pytestmark = pytest.mark.kernel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 UNIT_KUBE = os.path.join(os.path.dirname(HERE), "unit", "kube")
-sys.path.insert(0, UNIT_KUBE)
 
-from kube_process import StandInProcess  # noqa: E402
 
 WEB_IP = "10.96.0.10"
 
@@ -52,11 +53,8 @@ def kubeconfig(path: str, url: str) -> str:
 
 
 def web_slice(pods: Sequence[Pod]) -> Dict[str, Any]:
-    # Slice ports have no targetPort (a strict client refuses one).
-    out = endpoint_slice("web", pods, [{"name": "http", "port": 8080, "protocol": "TCP"}])
-    for key in ("apiVersion", "kind"):
-        out.pop(key)
-    return out
+    """``default/web``'s slice as the API holds it."""
+    return api_object(endpoint_slice("web", pods, [slice_port(name="http")]))
 
 
 def answered_by(sandbox: Sandbox, pods: Sequence[Pod]) -> Any:
@@ -71,9 +69,7 @@ def answered_by(sandbox: Sandbox, pods: Sequence[Pod]) -> Any:
 def test_traffic_follows_an_endpoint_change_made_through_the_api(proxy: Proxy, sandbox: Sandbox, combo: Combo,
                                                                  tmp_path: Any) -> None:
     first, second = sandbox.pods[:2], sandbox.pods[2:3]
-    svc = service("web", WEB_IP, [port(80, 8080, name="http")])
-    for key in ("apiVersion", "kind"):
-        svc.pop(key)
+    svc = api_object(service("web", WEB_IP, [port(80, 8080, name="http")]))
     objects: Dict[str, List[Dict[str, Any]]] = {
         "services": [svc], "endpointslices": [web_slice(first)],
         "nodes": [{"metadata": {"name": NODE_NAME, "labels": {"topology.kubernetes.io/zone": "zone-a"}}}],
@@ -95,13 +91,7 @@ def test_traffic_follows_an_endpoint_change_made_through_the_api(proxy: Proxy, s
             assert_only_and_all(sandbox.connect(WEB_IP, 80, count=100), second, total=100)
             assert run.poll() is None, "netproxy run exited"
         finally:
-            if run.poll() is None:
-                run.send_signal(signal.SIGTERM)
-                try:
-                    run.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    run.kill()
-                    run.wait()
+            stop_process(run, timeout=15)
             with open(log_path, errors="replace") as f:
                 log = f.read()
             print(log[-4000:])

@@ -20,18 +20,18 @@ from __future__ import annotations
 
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Sequence, Tuple
 
 import pytest
-from harness import Manifest, endpoint_slice, port, require, service, write_manifests
 
-from netproxy.sandbox import EXT4, NODE_EXT4, NODE_NAME, ConnectResult, Pod, Sandbox, Session, has_iptables
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench import kubeproxy_layout  # noqa: E402  (the repository root, for the benchmark's generator)
+from bench import kubeproxy_layout
+from netproxy.lab.combos import has_iptables
+from netproxy.lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
+from netproxy.lab.pytest_plugin import require
+from netproxy.lab.topology import EXT4, NODE_EXT4, NODE_NAME, Pod, Sandbox
+from netproxy.lab.traffic import ConnectResult, Session
 
 pytestmark = pytest.mark.kernel
 
@@ -63,10 +63,8 @@ def node(sb: Sandbox) -> Iterator[Sandbox]:
 
 def _svc(name: str, ip: str, number: int, target: int, pods: Sequence[Pod], protocol: str = "TCP",
          node_port: int = 0, **spec: object) -> List[Manifest]:
-    p = port(number, target, name="p", protocol=protocol)
-    if node_port:
-        p["nodePort"] = node_port
-    return [service(name, ip, [p], **spec), endpoint_slice(name, pods, [port(target, name="p", protocol=protocol)])]
+    return [service(name, ip, [port(number, target, name="p", protocol=protocol, node_port=node_port)], **spec),
+            endpoint_slice(name, pods, [port(target, name="p", protocol=protocol)])]
 
 
 def cluster(sb: Sandbox) -> List[Manifest]:

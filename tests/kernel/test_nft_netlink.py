@@ -21,15 +21,15 @@ import sys
 import tempfile
 from typing import Dict, Iterator, List, Tuple
 
-import nft_scenarios
 import pytest
-from test_nftables_backend import Driver, canonical, nft, nft_env  # noqa: F401 - fixtures
 
 from netproxy.backends.nftables import NftablesBackend, encode, wire
 from netproxy.backends.nftables.fake import FakeNft
 from netproxy.backends.nftables.objects import Rule
 from netproxy.backends.nftables.transaction import full_transaction
 from netproxy.model import Endpoint, ServicePort, ServicePortName, Snapshot
+from tests.kernel import nft_scenarios
+from tests.kernel.test_nftables_backend import Driver, canonical, nft, nft_env  # noqa: F401 - fixtures
 
 _counter = itertools.count()
 

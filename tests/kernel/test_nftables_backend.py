@@ -18,9 +18,11 @@ import time
 from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
-from harness import require
+
+from netproxy.lab.pytest_plugin import require
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))  # where `-m tests.kernel.nft_driver` imports from
 _counter = itertools.count()
 
 A = {"name": "alpha", "ip": "10.96.0.11", "eps": ["10.1.0.1", "10.1.0.2", "10.1.0.3"]}
@@ -52,8 +54,8 @@ WRITERS = ("netlink", "libnftables")
 class Driver:
     def __init__(self, ns: str, writer: str = "netlink") -> None:
         self.proc = subprocess.Popen(["ip", "netns", "exec", ns, "env", f"NETPROXY_NFT_WRITER={writer}",
-                                      sys.executable, os.path.join(HERE, "nft_driver.py")],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                      sys.executable, "-m", "tests.kernel.nft_driver"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
 
     def call(self, **req: Any) -> Dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None

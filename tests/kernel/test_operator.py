@@ -10,10 +10,11 @@ import re
 import time
 from typing import Optional, Tuple
 
-from harness import Proxy, endpoint_slice, port, service, wait_for, write_manifests
-from test_parity import http_get
-
-from netproxy.sandbox import NODE_NAME, Sandbox
+from netproxy.lab.checks import wait_for
+from netproxy.lab.manifests import endpoint_slice, port, service, write_manifests
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.topology import NODE_NAME, Sandbox
+from tests.kernel.test_parity import http_get
 
 WEB_IP = "10.96.0.10"
 METRICS = "127.0.0.1:10249"

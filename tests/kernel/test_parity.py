@@ -26,29 +26,13 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
-import traced
-from harness import (
-    Manifest,
-    Proxy,
-    assert_only_and_all,
-    port,
-    service,
-    wait_for,
-    write_manifests,
-)
 
-from netproxy.sandbox import (
-    CLIENT4,
-    CLIENT6,
-    EXT4,
-    GATEWAY4,
-    NODE_EXT4,
-    NODE_NAME,
-    REMOTE_NODE_NAME,
-    ConnectResult,
-    Pod,
-    Sandbox,
-)
+from netproxy.lab.checks import assert_only_and_all, wait_for
+from netproxy.lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.topology import CLIENT4, CLIENT6, EXT4, GATEWAY4, NODE_EXT4, NODE_NAME, REMOTE_NODE_NAME, Pod, Sandbox
+from netproxy.lab.traffic import ConnectResult
+from tests.kernel import traced
 
 pytestmark = pytest.mark.kernel
 log = logging.getLogger(__name__)
@@ -113,19 +97,8 @@ def ep(pod: Pod, *, ready: bool = True, serving: Optional[bool] = None, terminat
     return out
 
 
-def slice_of(service_name: str, endpoints: Sequence[Manifest], ports: Sequence[Manifest], *,
-             suffix: str = "a", address_type: str = "IPv4") -> Manifest:
-    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": f"{service_name}-{suffix}", "namespace": "default",
-                         "labels": {"kubernetes.io/service-name": service_name}},
-            "addressType": address_type, "ports": list(ports), "endpoints": list(endpoints)}
-
-
 def http_port(node_port: int = 0) -> Manifest:
-    out = port(80, 8080, name="http")
-    if node_port:
-        out["nodePort"] = node_port
-    return out
+    return port(80, 8080, name="http", node_port=node_port)
 
 
 def web(pods: Sequence[Pod], *, node_port: int = 0, name: str = "web", cluster_ip: str = SVC_IP,
@@ -134,7 +107,7 @@ def web(pods: Sequence[Pod], *, node_port: int = 0, name: str = "web", cluster_i
     if node_port and "type" not in spec:
         spec["type"] = "NodePort"
     return [service(name, cluster_ip, [http_port(node_port)], **spec),
-            slice_of(name, [ep(p) for p in pods], [port(8080, name="http")])]
+            endpoint_slice(name, [ep(p) for p in pods], [port(8080, name="http")])]
 
 
 def node_object(zone: str) -> Manifest:
@@ -254,7 +227,7 @@ def test_nodeport_on_node_addresses_from_outside_and_from_the_node(proxy: Proxy,
         service("np", SVC_IP, [http_port(NODE_PORT),
                                {**port(53, 8080, name="dns", protocol="UDP"), "nodePort": UDP_NODE_PORT}],
                 type="NodePort"),
-        slice_of("np", [ep(p) for p in pods], [port(8080, name="http"), port(8080, name="dns", protocol="UDP")]),
+        endpoint_slice("np", [ep(p) for p in pods], [port(8080, name="http"), port(8080, name="dns", protocol="UDP")]),
         *web(pods, name="lb", cluster_ip="10.96.1.11", node_port=NODE_PORT + 1, type="LoadBalancer"),
     ]
     proxy.sync(objects)
@@ -292,11 +265,11 @@ def test_many_nodeports_through_the_nodeport_tree(proxy: Proxy, sandbox: Sandbox
         name = f"many-{i}"
         objects += [service(name, f"10.96.3.{i + 1}", [{**port(80, 8080, name="p", protocol=proto),
                                                          "nodePort": 30100 + 61 * i}], type="NodePort"),
-                    slice_of(name, [ep(pods[i % len(pods)])], [port(8080, name="p", protocol=proto)])]
+                    endpoint_slice(name, [ep(pods[i % len(pods)])], [port(8080, name="p", protocol=proto)])]
     for j in range(34):  # > 32 endpoint-less NodePorts: filter's per-NodePort rejects are a tree too
         name = f"none-{j}"
         objects += [service(name, f"10.96.4.{j + 1}", [http_port(30101 + 61 * j)], type="NodePort"),
-                    slice_of(name, [], [port(8080, name="http")])]
+                    endpoint_slice(name, [], [port(8080, name="http")])]
     proxy.sync(objects)
     picks = (0, 1, 17, 22, 38, 39)
     ext, node = {"source": sandbox.ext}, {"source": sandbox.node}
@@ -493,7 +466,7 @@ def test_no_endpoints_refused(proxy: Proxy, sandbox: Sandbox) -> None:
     objects = [
         service("empty", SVC_IP, [http_port(NODE_PORT), port(53, 8080, name="dns", protocol="UDP")],
                 type="NodePort"),
-        slice_of("empty", [], [port(8080, name="http"), port(8080, name="dns", protocol="UDP")]),
+        endpoint_slice("empty", [], [port(8080, name="http"), port(8080, name="dns", protocol="UDP")]),
     ]
     proxy.sync(objects)
     refused_check(sandbox, SVC_IP, 80)
@@ -520,11 +493,11 @@ def test_terminating_endpoints_only_without_ready_ones(proxy: Proxy, sandbox: Sa
                    ep(p1, ready=False, serving=True, terminating=True)]
     gone = [ep(p, ready=False, serving=False, terminating=True) for p in (p0, p1, p2)]
     proxy.sync([
-        service("mixed", SVC_IP, [http_port()]), slice_of("mixed", [*terminating, ep(p2)], http),
+        service("mixed", SVC_IP, [http_port()]), endpoint_slice("mixed", [*terminating, ep(p2)], http),
         # No ready endpoint: the serving-and-terminating ones (not the non-serving one).
-        service("draining", "10.96.1.11", [http_port()]), slice_of("draining", [*terminating, gone[2]], http),
+        service("draining", "10.96.1.11", [http_port()]), endpoint_slice("draining", [*terminating, gone[2]], http),
         # Nothing serving at all: no endpoints.
-        service("gone", "10.96.1.12", [http_port()]), slice_of("gone", gone, http),
+        service("gone", "10.96.1.12", [http_port()]), endpoint_slice("gone", gone, http),
     ])
     mixed, draining = connect_all(sandbox, (SVC_IP, 80, {"count": 30}), ("10.96.1.11", 80, {"count": 60}))
     assert_only_and_all(mixed, [p2], total=30)
@@ -549,7 +522,7 @@ def test_topology_prefers_this_nodes_zone(proxy: Proxy, sandbox: Sandbox) -> Non
     objects = [node_object("zone-a")]
     for k, (ip, spec, layout, _) in enumerate(TOPOLOGY):
         objects += [service(f"topo{k}", ip, [http_port()], **spec),
-                    slice_of(f"topo{k}", [ep(pods[i], zone=z, hints=h) for i, z, h in layout],
+                    endpoint_slice(f"topo{k}", [ep(pods[i], zone=z, hints=h) for i, z, h in layout],
                              [port(8080, name="http")])]
     proxy.sync(objects)
     results = connect_all(sandbox, *((ip, 80, {"count": 90}) for ip, _, _, _ in TOPOLOGY))
@@ -591,7 +564,7 @@ def test_topology_prefers_this_node(proxy: Proxy, sandbox: Sandbox) -> None:
     for k, (ip, spec, layout, _) in enumerate(SAME_NODE):
         endpoints = [ep(pods[abs(i)], ready=i >= 0, zone=z, hints=h, nodes=n) for i, z, h, n in layout]
         objects += [service(f"samenode{k}", ip, [http_port()], **spec),
-                    slice_of(f"samenode{k}", endpoints, [port(8080, name="http")])]
+                    endpoint_slice(f"samenode{k}", endpoints, [port(8080, name="http")])]
     proxy.sync(objects)
     results = connect_all(sandbox, *((ip, 80, {"count": 60}) for ip, _, _, _ in SAME_NODE))
     for (ip, spec, layout, want), res in zip(SAME_NODE, results):
@@ -696,7 +669,7 @@ def test_load_balancer_ip_mode_proxy(proxy: Proxy, sandbox: Sandbox) -> None:
         svc = service("lbmode", SVC_IP, [port(8080, 8080, name="http")], type="LoadBalancer")
         svc["status"] = {"loadBalancer": {"ingress": [{"ip": LB_VIP, "ipMode": "VIP"},
                                                       {"ip": LB_PROXIED, "ipMode": "Proxy"}]}}
-        endpoints = slice_of("lbmode", [ep(p) for p in pods], [port(8080, name="http")])
+        endpoints = endpoint_slice("lbmode", [ep(p) for p in pods], [port(8080, name="http")])
         proxy.sync([svc, endpoints])
         vip, proxied, proxied_from_node = connect_all(
             sandbox, (LB_VIP, 8080, {"count": 60}), (LB_PROXIED, 8080, {"count": 20}),
@@ -720,8 +693,8 @@ def test_dual_stack_service(proxy: Proxy, sandbox: Sandbox) -> None:
     proxy.sync([
         service("web", SVC_IP, [http_port()], clusterIPs=[SVC_IP, SVC_IP6], ipFamilies=["IPv4", "IPv6"],
                 ipFamilyPolicy="RequireDualStack"),
-        slice_of("web", [ep(p) for p in pods], http, suffix="v4"),
-        slice_of("web", [ep(p, ipv6=True) for p in pods], http, suffix="v6", address_type="IPv6"),
+        endpoint_slice("web", [ep(p) for p in pods], http, suffix="v4"),
+        endpoint_slice("web", [ep(p, ipv6=True) for p in pods], http, suffix="v6", address_type="IPv6"),
     ])
     v4, v6 = connect_all(sandbox, (SVC_IP, 80, {"count": 90}), (SVC_IP6, 80, {"count": 90}))
     assert_only_and_all(v4, pods, total=90)
@@ -738,7 +711,7 @@ FRESH_IP = "10.96.1.54"
 
 def dns(pods: Sequence[Pod], name: str = "dns", cluster_ip: str = UDP_IP) -> List[Manifest]:
     return [service(name, cluster_ip, [port(53, 8080, name="dns", protocol="UDP")]),
-            slice_of(name, [ep(p) for p in pods], [port(8080, name="dns", protocol="UDP")])]
+            endpoint_slice(name, [ep(p) for p in pods], [port(8080, name="dns", protocol="UDP")])]
 
 
 def flows_started(sb: Sandbox, ports: Sequence[int]) -> float:

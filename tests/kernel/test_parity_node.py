@@ -15,8 +15,12 @@ import subprocess
 from typing import Any, Dict, List, Optional
 
 import pytest
-from harness import TIME_SCALE, Manifest, Proxy, assert_only_and_all, service, write_manifests
-from test_parity import (  # the shared body's helpers and its five-pod sandbox (pods 3-4 remote)
+
+from netproxy.lab.checks import TIME_SCALE, assert_only_and_all
+from netproxy.lab.manifests import Manifest, endpoint_slice, service, write_manifests
+from netproxy.lab.proxy import Proxy
+from netproxy.lab.topology import CLIENT4, CLIENT6, EXT4, GATEWAY4, GATEWAY6, NODE_EXT4, NODE_EXT6, NODE_NAME, Sandbox
+from tests.kernel.test_parity import (  # the shared body's helpers and its five-pod sandbox (pods 3-4 remote)
     DROP_TIMEOUT,
     NODE_PORT,
     SVC_IP,
@@ -33,13 +37,10 @@ from test_parity import (  # the shared body's helpers and its five-pod sandbox 
     remote,
     run_wait,
     sandbox,
-    slice_of,
     sources_of,
     trace_equals_traffic,  # noqa: F401  (autouse: every batch traced with trace --kernel, issue 17)
     web,
 )
-
-from netproxy.sandbox import CLIENT4, CLIENT6, EXT4, GATEWAY4, GATEWAY6, NODE_EXT4, NODE_EXT6, NODE_NAME, Sandbox
 
 pytestmark = pytest.mark.kernel
 __all__ = ["sandbox"]
@@ -171,7 +172,7 @@ def test_primary_without_a_node_address_is_every_local_address(proxy: Proxy, san
     pods = local(sandbox)
     proxy.base_flags = [*proxy.base_flags, "--nodeport-addresses", "primary"]
     proxy.sync([service("np", SVC_IP, [http_port(NODE_PORT)], type="NodePort"),
-                slice_of("np", [ep(p) for p in pods], [port(8080, name="http")])])
+                endpoint_slice("np", [ep(p) for p in pods], [port(8080, name="http")])])
     for res in connect_all(sandbox, (NODE_EXT4, NODE_PORT, {"count": 30, "source": sandbox.ext}),
                            (GATEWAY4, NODE_PORT, {"count": 30})):
         assert_only_and_all(res, pods, total=30)
@@ -208,7 +209,7 @@ def test_detect_local_mode_by_interface_over_ipv6(mode: str, proxy: Proxy, sandb
     http = [port(8080, name="http")]
     proxy.base_flags = [*proxy.base_flags, *flags]
     proxy.sync([service("web6", SVC_IP6, [http_port()], clusterIPs=[SVC_IP6], ipFamilies=["IPv6"]),
-                slice_of("web6", [ep(p, ipv6=True) for p in here], http, address_type="IPv6")])
+                endpoint_slice("web6", [ep(p, ipv6=True) for p in here], http, address_type="IPv6")])
     from_client, from_pod = connect_all(sandbox, (SVC_IP6, 80, {"count": 30}),
                                         (SVC_IP6, 80, {"count": 30, "source": pod.netns}))
     node6 = {GATEWAY6, NODE_EXT6}

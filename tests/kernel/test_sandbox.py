@@ -12,9 +12,10 @@ import shutil
 import subprocess
 
 import pytest
-from harness import assert_only_and_all, require
 
-from netproxy.sandbox import CLIENT4, EXT4, NODE_EXT4, Sandbox
+from netproxy.lab.checks import assert_only_and_all
+from netproxy.lab.pytest_plugin import require
+from netproxy.lab.topology import CLIENT4, EXT4, NODE_EXT4, Sandbox
 
 pytestmark = pytest.mark.kernel
 

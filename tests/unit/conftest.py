@@ -22,6 +22,6 @@ def _fake_ipsets(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """The fault suite's figures measured by unit tests (tests/faults/figures.py prints each once)."""
-    figures = sys.modules.get("figures")
+    figures = sys.modules.get("tests.faults.figures")
     if figures is not None:
         figures.pytest_terminal_summary(terminalreporter)

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench import dataplane, latency, report, sample, targets  # noqa: E402  (the repository root)
+from bench import dataplane, latency, report, sample, targets
 
 
 def test_repeat_takes_the_median_with_min_max_and_every_run() -> None:

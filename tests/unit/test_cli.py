@@ -16,6 +16,7 @@ from netproxy import detect as detect_mod
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.fake import FakeBackend
 from netproxy.config import ProxyConfig
+from netproxy.lab.manifests import endpoint_slice, port, service
 from netproxy.model import Changes, Snapshot
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "cluster.yaml"
@@ -66,33 +67,20 @@ def no_real_probes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(holdings, "survey", lambda: holdings.Holdings())
 
 
-def service(name: str, cluster_ip: str, port: Any = 80) -> Dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "default"},
-            "spec": {"clusterIP": cluster_ip, "ports": [{"port": port, "targetPort": 8080}]}}
-
-
-def endpoint_slice(service_name: str, *addresses: str) -> Dict[str, Any]:
-    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": f"{service_name}-1", "namespace": "default",
-                         "labels": {"kubernetes.io/service-name": service_name}},
-            "addressType": "IPv4", "ports": [{"port": 8080, "protocol": "TCP"}],
-            "endpoints": [{"addresses": [a]} for a in addresses]}
-
-
 @pytest.fixture
 def clean(tmp_path: Path) -> Path:
     path = tmp_path / "clean.yaml"
-    path.write_text(yaml.safe_dump_all([service("web", "10.96.0.1"), endpoint_slice("web", "10.0.0.1", "10.0.0.2"),
-                                        service("api", "10.96.0.2"), endpoint_slice("api", "10.0.1.1")]))
+    path.write_text(yaml.safe_dump_all([service("web", "10.96.0.1"), endpoint_slice("web", ["10.0.0.1", "10.0.0.2"]),
+                                        service("api", "10.96.0.2"), endpoint_slice("api", ["10.0.1.1"])]))
     return path
 
 
 @pytest.fixture
 def with_rejects(tmp_path: Path) -> Path:
     path = tmp_path / "rejects.yaml"
-    path.write_text(yaml.safe_dump_all([service("web", "10.96.0.1"), endpoint_slice("web", "10.0.0.1"),
-                                        service("bad", "10.96.0.3", port=70000),
-                                        service("api", "10.96.0.2"), endpoint_slice("api", "10.0.1.1")]))
+    path.write_text(yaml.safe_dump_all([service("web", "10.96.0.1"), endpoint_slice("web", ["10.0.0.1"]),
+                                        service("bad", "10.96.0.3", [port(70000)]),
+                                        service("api", "10.96.0.2"), endpoint_slice("api", ["10.0.1.1"])]))
     return path
 
 

@@ -13,7 +13,8 @@ from prometheus_client import REGISTRY
 
 from netproxy import ctnetlink
 from netproxy.conntrack import Desired, Reconciler, desired_state, key, port_key
-from netproxy.model import Endpoint, ServicePort, ServicePortName, Snapshot
+from netproxy.lab.manifests import service_port
+from netproxy.model import Endpoint, ServicePort, Snapshot
 
 IP = ipaddress.ip_address
 UDP, TCP, SCTP = socket.IPPROTO_UDP, socket.IPPROTO_TCP, 132
@@ -22,8 +23,8 @@ DNS_IP, DNS_IP6, LB_IP = "10.96.0.53", "fd00:10:96::53", "198.51.100.53"
 
 
 def service(name: str = "dns", protocol: str = "UDP", node_port: int = 0, **kw: Any) -> ServicePort:
-    kw.setdefault("cluster_ips", (IP(DNS_IP),))
-    return ServicePort(ServicePortName("kube-system", name, "dns"), protocol, 53, 5353, node_port=node_port, **kw)
+    return service_port(name, "kube-system", "dns", protocol=protocol, port=53, target_port=5353,
+                        cluster_ip=DNS_IP, node_port=node_port, **kw)
 
 
 def ep(addr: str, port: int = 5353, **kw: Any) -> Endpoint:

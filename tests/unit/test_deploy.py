@@ -13,22 +13,19 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from typing import Any, Dict, Iterator, List, Set, Tuple
 
 import pytest
 import yaml
 
 from netproxy.cli import build_parser
+from netproxy.source.kube import KubeSource
+from tests.unit.kube.apiserver import ApiServer
+from tests.unit.kube.kube_helpers import FAST, RecordingTracker, make_client, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEPLOY = os.path.join(ROOT, "deploy")
-sys.path.insert(0, os.path.join(ROOT, "tests", "unit", "kube"))
 
-from apiserver import ApiServer  # noqa: E402
-from kube_helpers import FAST, RecordingTracker, make_client, wait_for  # noqa: E402
-
-from netproxy.source.kube import KubeSource  # noqa: E402
 
 Grant = Tuple[str, str, str]  # (apiGroup, resource, verb)
 

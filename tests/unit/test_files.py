@@ -14,6 +14,7 @@ from typing import Callable, Dict, Iterator, Set, Tuple
 import pytest
 import yaml
 
+from netproxy.lab.manifests import endpoint_slice, service
 from netproxy.model import NodeInfo, ServicePortName
 from netproxy.source.files import FileSource, Loaded, SourceError, flatten, load, manifest_files, read_documents
 from netproxy.tracker import ChangeTracker
@@ -35,18 +36,6 @@ def resolve(loaded: Loaded) -> Dict[str, Tuple[str, ...]]:
     tracker.replace_endpoints(loaded.endpoints)
     snap, _ = tracker.take()
     return {str(n): tuple(str(e) for e in snap.endpoints_of(n)) for n in snap.sorted_names()}
-
-
-def service_doc(name: str, cluster_ip: str, namespace: str = "default") -> Dict[str, object]:
-    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": namespace},
-            "spec": {"clusterIP": cluster_ip, "ports": [{"port": 80, "targetPort": 8080}]}}
-
-
-def slice_doc(name: str, service: str, *addresses: str, namespace: str = "default") -> Dict[str, object]:
-    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": name, "namespace": namespace, "labels": {"kubernetes.io/service-name": service}},
-            "addressType": "IPv4", "ports": [{"port": 8080, "protocol": "TCP"}],
-            "endpoints": [{"addresses": [a]} for a in addresses]}
 
 
 def write_yaml(path: Path, *docs: object) -> Path:
@@ -146,7 +135,7 @@ def test_typed_lists_in_json(tmp_path: Path) -> None:
 
 def test_single_object_json(tmp_path: Path) -> None:
     path = tmp_path / "svc.json"
-    path.write_text(json.dumps(service_doc("web", "10.96.0.5")))
+    path.write_text(json.dumps(service("web", "10.96.0.5")))
     assert port_names(load(str(path))) == {"default/web"}
 
 
@@ -154,7 +143,7 @@ def test_nested_list_and_kind_in_items_wins() -> None:
     docs = [{"kind": "List", "items": [
         {"kind": "ServiceList", "items": [{"metadata": {"name": "a"}, "spec": {"clusterIP": "10.96.0.1",
                                                                                 "ports": [{"port": 1}]}}]},
-        service_doc("b", "10.96.0.2"),
+        service("b", "10.96.0.2"),
     ]}]
     objs = list(flatten(docs))
     assert [(o["kind"], o["metadata"]["name"]) for o in objs] == [("Service", "a"), ("Service", "b")]
@@ -168,9 +157,9 @@ def test_a_document_that_is_not_an_object_is_a_source_error(tmp_path: Path) -> N
 
 
 def test_directory_reads_manifests_sorted_and_skips_others(tmp_path: Path) -> None:
-    write_yaml(tmp_path / "b-svc.yaml", service_doc("b", "10.96.0.2"))
-    write_yaml(tmp_path / "a-svc.yml", service_doc("a", "10.96.0.1"))
-    (tmp_path / "c.json").write_text(json.dumps(slice_doc("a-1", "a", "10.244.0.1")))
+    write_yaml(tmp_path / "b-svc.yaml", service("b", "10.96.0.2"))
+    write_yaml(tmp_path / "a-svc.yml", service("a", "10.96.0.1"))
+    (tmp_path / "c.json").write_text(json.dumps(endpoint_slice("a", ["10.244.0.1"], name="a-1")))
     (tmp_path / "README.txt").write_text("not: [valid yaml")
     (tmp_path / ".hidden.yaml").write_text("not: [valid yaml")
     assert [os.path.basename(f) for f in manifest_files(str(tmp_path))] == ["a-svc.yml", "b-svc.yaml", "c.json"]
@@ -187,11 +176,11 @@ def test_empty_file_loads_nothing(tmp_path: Path) -> None:
 # -- errors ------------------------------------------------------------------------------------------
 
 def test_a_bad_object_is_rejected_while_its_neighbours_load(tmp_path: Path) -> None:
-    bad = service_doc("bad", "10.96.0.9")
+    bad = service("bad", "10.96.0.9")
     bad["spec"]["ports"][0]["port"] = 70000  # type: ignore[index]
-    path = write_yaml(tmp_path / "c.yaml", service_doc("good", "10.96.0.1"), bad,
-                      slice_doc("good-1", "good", "10.244.0.1"),
-                      slice_doc("worse-1", "bad", "10.244.0.300"), service_doc("Bad", "10.96.0.10"))
+    path = write_yaml(tmp_path / "c.yaml", service("good", "10.96.0.1"), bad,
+                      endpoint_slice("good", ["10.244.0.1"], name="good-1"),
+                      endpoint_slice("bad", ["10.244.0.300"], name="worse-1"), service("Bad", "10.96.0.10"))
     loaded = load(str(path))
     assert resolve(loaded) == {"default/good": ("10.244.0.1:8080",)}
     got = sorted((e.kind, e.ref, e.field_path) for e in loaded.errors)
@@ -201,7 +190,7 @@ def test_a_bad_object_is_rejected_while_its_neighbours_load(tmp_path: Path) -> N
 
 
 def test_a_service_defined_twice_is_rejected(tmp_path: Path) -> None:
-    path = write_yaml(tmp_path / "c.yaml", service_doc("web", "10.96.0.1"), service_doc("web", "10.96.0.2"))
+    path = write_yaml(tmp_path / "c.yaml", service("web", "10.96.0.1"), service("web", "10.96.0.2"))
     loaded = load(str(path))
     (err,) = loaded.errors
     assert (err.kind, err.ref) == ("Service", "default/web")
@@ -216,7 +205,7 @@ def test_an_unparsable_file_is_a_source_error_naming_it(tmp_path: Path, name: st
     path.write_text(text)
     with pytest.raises(SourceError, match=name.replace(".", r"\.")):
         read_documents(str(path))
-    write_yaml(tmp_path / "good.yaml", service_doc("a", "10.96.0.1"))
+    write_yaml(tmp_path / "good.yaml", service("a", "10.96.0.1"))
     with pytest.raises(SourceError):
         load(str(tmp_path))  # one broken file in a directory fails the whole load: no partial state
 
@@ -256,8 +245,8 @@ class Watched:
 
 @pytest.fixture
 def watched(tmp_path: Path) -> Iterator[Tuple[Watched, FileSource, Path]]:
-    path = write_yaml(tmp_path / "cluster.yaml", service_doc("web", "10.96.0.1"),
-                      slice_doc("web-1", "web", "10.244.0.1"))
+    path = write_yaml(tmp_path / "cluster.yaml", service("web", "10.96.0.1"),
+                      endpoint_slice("web", ["10.244.0.1"], name="web-1"))
     w = Watched()
     source = FileSource(str(path), poll_interval=0.005)
     source.start(w.tracker)
@@ -277,16 +266,16 @@ def test_file_source_loads_at_start_and_marks_synced(watched: Tuple[Watched, Fil
 def test_file_source_picks_up_an_edit(watched: Tuple[Watched, FileSource, Path]) -> None:
     w, _, path = watched
     assert w.endpoints() == {"default/web": ("10.244.0.1:8080",)}
-    write_yaml(path, service_doc("web", "10.96.0.1"), slice_doc("web-1", "web", "10.244.0.1", "10.244.0.22"),
-               service_doc("api", "10.96.0.2"))
+    write_yaml(path, service("web", "10.96.0.1"), endpoint_slice("web", ["10.244.0.1", "10.244.0.22"], name="web-1"),
+               service("api", "10.96.0.2"))
     w.wait_for({"default/api": (), "default/web": ("10.244.0.1:8080", "10.244.0.22:8080")})
 
 
 def test_file_source_picks_up_an_atomic_replace(watched: Tuple[Watched, FileSource, Path]) -> None:
     w, _, path = watched
     w.endpoints()
-    tmp = write_yaml(path.with_name(".cluster.yaml.tmp"), service_doc("web", "10.96.0.1"),
-                     slice_doc("web-1", "web", "10.244.0.7"))
+    tmp = write_yaml(path.with_name(".cluster.yaml.tmp"), service("web", "10.96.0.1"),
+                     endpoint_slice("web", ["10.244.0.7"], name="web-1"))
     os.replace(tmp, path)  # how editors and `kubectl ... > f.tmp && mv` replace a file
     w.wait(lambda: w.tracker.pending())  # one atomic step: no intermediate state to see
     assert w.endpoints() == {"default/web": ("10.244.0.7:8080",)}
@@ -303,7 +292,7 @@ def test_a_broken_edit_keeps_the_last_good_state(watched: Tuple[Watched, FileSou
     assert not w.tracker.pending()
     assert w.endpoints() == {"default/web": ("10.244.0.1:8080",)}
     # fixing the file clears the error and applies the new state
-    write_yaml(path, service_doc("web", "10.96.0.1"), slice_doc("web-1", "web", "10.244.0.3"))
+    write_yaml(path, service("web", "10.96.0.1"), endpoint_slice("web", ["10.244.0.3"], name="web-1"))
     w.wait_for({"default/web": ("10.244.0.3:8080",)})
     assert source.last_error is None
 
@@ -317,7 +306,7 @@ def test_a_deleted_file_keeps_the_last_good_state(watched: Tuple[Watched, FileSo
 
 
 def test_load_into_counts_rejections(tmp_path: Path) -> None:
-    path = write_yaml(tmp_path / "c.yaml", service_doc("ok", "10.96.0.1"), service_doc("no", "10.96.0.999"))
+    path = write_yaml(tmp_path / "c.yaml", service("ok", "10.96.0.1"), service("no", "10.96.0.999"))
     tracker = ChangeTracker()
     loaded = FileSource(str(path)).load_into(tracker)
     assert loaded is not None and len(loaded.errors) == 1
@@ -331,7 +320,7 @@ def test_a_file_that_never_holds_still_is_still_loaded(tmp_path: Path) -> None:
     """An update storm rewrites the file faster than the debounce interval: it must be loaded at least
     every max_settle anyway, not only once the storm ends (issue 16 item 5)."""
     path = tmp_path / "c.yaml"
-    write_yaml(path, service_doc("s0", "10.96.0.1"))
+    write_yaml(path, service("s0", "10.96.0.1"))
     tracker = ChangeTracker()
     source = FileSource(str(path), poll_interval=0.02, max_settle=0.3)
     source.start(tracker)
@@ -341,7 +330,7 @@ def test_a_file_that_never_holds_still_is_still_loaded(tmp_path: Path) -> None:
         i = 0
         while not stop.is_set():
             i += 1
-            write_yaml(tmp_path / "next.yaml", service_doc(f"s{i}", "10.96.0.1"))
+            write_yaml(tmp_path / "next.yaml", service(f"s{i}", "10.96.0.1"))
             os.replace(tmp_path / "next.yaml", path)
             time.sleep(0.004)
 

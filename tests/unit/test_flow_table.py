@@ -18,7 +18,8 @@ import pytest
 from netproxy.backends import create
 from netproxy.backends.base import Outcome, Packet
 from netproxy.config import ProxyConfig
-from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
+from netproxy.lab.manifests import service_port
+from netproxy.model import Endpoint, NodeInfo, ServicePort, Snapshot
 
 ip = ipaddress.ip_address
 net = ipaddress.ip_network
@@ -32,9 +33,7 @@ CONFIG = ProxyConfig(hostname=NODE, cluster_cidrs=(net("10.244.0.0/16"), net("fd
 
 
 def svc(**kw: Any) -> ServicePort:
-    fields: Dict[str, Any] = {"cluster_ips": (ip(CLUSTER_IP),)}
-    fields.update(kw)
-    return ServicePort(ServicePortName("default", "web", "http"), fields.pop("protocol", "TCP"), 80, 8080, **fields)
+    return service_port(cluster_ip=CLUSTER_IP, **kw)
 
 
 def eps(*addresses: str, **kw: Any) -> Tuple[Endpoint, ...]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import sys
 import tempfile
 from contextlib import redirect_stderr
 from typing import Any, Dict, Iterator, List, Tuple
@@ -21,21 +20,6 @@ from unittest import mock
 
 import pytest
 import yaml
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "faults"))  # figures.py: one FAULT-FIGURE format
-from figures import figure  # noqa: E402
-from hostile_cases import (  # noqa: E402
-    GOOD_IP,
-    GOOD_POD,
-    HOSTILE_IP,
-    MARK,
-    contains_mark,
-    good_service,
-    good_slice,
-    hostile_case,
-    set_field,
-    target_object,
-)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -49,6 +33,19 @@ from netproxy.model import NodeInfo, Snapshot, ValidationError
 from netproxy.source.files import Loaded, load, parse_objects
 from netproxy.source.kube import ServiceHandler, SliceHandler
 from netproxy.tracker import ChangeTracker
+from tests.faults.figures import figure
+from tests.unit.hostile_cases import (
+    GOOD_IP,
+    GOOD_POD,
+    HOSTILE_IP,
+    MARK,
+    contains_mark,
+    good_service,
+    good_slice,
+    hostile_case,
+    set_field,
+    target_object,
+)
 
 RUN: Dict[str, int] = {}
 """Cases actually run, per test: hypothesis stops early when a strategy's space is exhausted."""

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from netproxy.endpoints import cluster_endpoints, external_endpoints, local_endpoints, usable
-from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName
+from netproxy.lab.manifests import service_port
+from netproxy.model import Endpoint, NodeInfo, ServicePort
 from netproxy.source.files import load
 
 HERE, THERE = "node-a", "node-b"
@@ -21,8 +22,7 @@ NODE = NodeInfo(name=HERE, zone="zone-a")
 
 
 def svc(**kw: Any) -> ServicePort:
-    return ServicePort(ServicePortName("default", "web", "http"), "TCP", 80, 8080,
-                       cluster_ips=(ipaddress.ip_address("10.96.0.10"),), **kw)
+    return service_port(**kw)
 
 
 def ep(last: int, *, ready: bool = True, serving: Optional[bool] = None, terminating: bool = False,

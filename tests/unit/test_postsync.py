@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 from netproxy.healthcheck import ServiceHealthServers
+from netproxy.lab.manifests import service_port
 from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
 from netproxy.nodeaddr import local_addresses
 
@@ -18,8 +19,8 @@ IP = ipaddress.ip_address
 
 
 def udp_service(name: str = "dns", node_port: int = 0, **kw: Any) -> ServicePort:
-    return ServicePort(ServicePortName("kube-system", name, "dns"), "UDP", 53, 5353,
-                       cluster_ips=(IP("10.96.0.53"),), node_port=node_port, **kw)
+    return service_port(name, "kube-system", "dns", protocol="UDP", port=53, target_port=5353,
+                        cluster_ip="10.96.0.53", node_port=node_port, **kw)
 
 
 def ep(addr: str, port: int = 5353, **kw: Any) -> Endpoint:

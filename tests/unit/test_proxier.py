@@ -9,6 +9,7 @@ import pytest
 
 from netproxy.backends.fake import FakeBackend
 from netproxy.config import ProxyConfig
+from netproxy.lab.manifests import service_port
 from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
 from netproxy.proxier import Proxier
 from netproxy.runner import BoundedFrequencyRunner
@@ -29,7 +30,7 @@ class Clock:
 
 
 def svc(name: str, cluster_ip: str) -> Tuple[ServicePort, ...]:
-    return (ServicePort(ServicePortName("default", name, ""), "TCP", 80, 8080, cluster_ips=(ip(cluster_ip),)),)
+    return (service_port(name, port_name="", cluster_ip=cluster_ip),)
 
 
 def eps(service: str, *addresses: str) -> EndpointSet:

@@ -7,7 +7,6 @@ import time
 from typing import Optional
 
 from prometheus_client import REGISTRY
-from test_proxier import eps, svc
 
 from netproxy import metrics
 from netproxy.backends.base import SyncResult
@@ -17,6 +16,7 @@ from netproxy.model import Changes, Snapshot
 from netproxy.proxier import Proxier
 from netproxy.source.convert import parse_endpoint_slice, trigger_time
 from netproxy.tracker import ChangeTracker
+from tests.unit.test_proxier import eps, svc
 
 
 def _value(name: str, **labels: str) -> float:

@@ -7,6 +7,7 @@ from typing import Dict, FrozenSet, List, Tuple
 
 import pytest
 
+from netproxy.lab.manifests import service_port
 from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName, ValidationError
 from netproxy.source.convert import EndpointSet, SlicePort
 from netproxy.tracker import ChangeTracker
@@ -16,8 +17,7 @@ ip = ipaddress.ip_address
 
 def svc(name: str, *port_names: str, ns: str = "default", cluster_ip: str = "10.96.0.1",
         port: int = 80) -> Tuple[ServicePort, ...]:
-    return tuple(ServicePort(ServicePortName(ns, name, p), "TCP", port + i, 8080 + i,
-                             cluster_ips=(ip(cluster_ip),))
+    return tuple(service_port(name, ns, p, port=port + i, target_port=8080 + i, cluster_ip=cluster_ip)
                  for i, p in enumerate(port_names or ("",)))
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import Dict, Tuple
 
 import pytest
-from test_backend import snapshot, svc_chain
 
 from netproxy.backends.base import SyncError
 from netproxy.backends.iptables import IptablesBackend, names
 from netproxy.backends.iptables.fake import FakeIptables
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes
+from tests.unit.iptables.test_backend import snapshot, svc_chain
 
 SETUP = "*nat\n:KUBE-A - [0:0]\n:KUBE-B - [0:0]\n-A KUBE-B -j KUBE-A\n-A KUBE-A -j RETURN\nCOMMIT\n"
 """Two chains, KUBE-B jumping to KUBE-A, which holds one rule."""

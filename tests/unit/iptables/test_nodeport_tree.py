@@ -12,8 +12,6 @@ import ipaddress
 import random
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from iptables_tracer import Outcome, Packet, Tracer
-
 from netproxy.backends.iptables import IptablesBackend, names, save
 from netproxy.backends.iptables.assemble import assemble
 from netproxy.backends.iptables.cleanup import cleanup_payload
@@ -23,6 +21,7 @@ from netproxy.backends.iptables.render import FamilyRuleset, Rule, render_servic
 from netproxy.backends.iptables.tree import LEAF_SIZE, DispatchEntry, build_port_tree, port_key
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
+from tests.unit.iptables.iptables_tracer import Outcome, Packet, Tracer
 
 ip = ipaddress.ip_address
 NODE_IP = "192.168.1.10"

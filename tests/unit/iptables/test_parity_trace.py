@@ -6,13 +6,14 @@ import ipaddress
 from typing import Any, Optional, Sequence, Set
 
 import pytest
-from iptables_tracer import Outcome, Packet, Tracer
 
 from netproxy.backends.iptables import names
 from netproxy.backends.iptables.assemble import assemble
 from netproxy.backends.iptables.render import FamilyRuleset, render_service
 from netproxy.config import ProxyConfig
+from netproxy.lab.manifests import service_port
 from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName
+from tests.unit.iptables.iptables_tracer import Outcome, Packet, Tracer
 
 ip = ipaddress.ip_address
 net = ipaddress.ip_network
@@ -27,9 +28,7 @@ BOTH = {f"{LOCAL_EP}:8080", f"{REMOTE_EP}:8080"}
 
 
 def service(**kw: Any) -> ServicePort:
-    fields: dict = dict(cluster_ips=(ip(CLUSTER_IP),))
-    fields.update(kw)
-    return ServicePort(ServicePortName("default", "web", "http"), kw.pop("protocol", "TCP"), 80, 8080, **fields)
+    return service_port(cluster_ip=CLUSTER_IP, **kw)
 
 
 def endpoints(*which: str) -> Sequence[Endpoint]:

@@ -13,6 +13,7 @@ from netproxy.backends.iptables.assemble import assemble
 from netproxy.backends.iptables.render import Rule, probability, render_service, safe_comment
 from netproxy.backends.iptables.tree import LEAF_SIZE, build_tree
 from netproxy.config import ProxyConfig
+from netproxy.lab.manifests import service_port
 from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName
 
 ip = ipaddress.ip_address
@@ -21,7 +22,7 @@ CFG = ProxyConfig(hostname="node")
 
 def svc(name: str = "web", cip: str = "10.96.0.10", port: int = 80, proto: str = "TCP", pname: str = "http",
         **kw: object) -> ServicePort:
-    return ServicePort(ServicePortName("default", name, pname), proto, port, 8080, (ip(cip),), **kw)  # type: ignore[arg-type]
+    return service_port(name, "default", pname, protocol=proto, port=port, cluster_ip=cip, **kw)
 
 
 def eps(*addrs: str, port: int = 8080) -> Tuple[Endpoint, ...]:

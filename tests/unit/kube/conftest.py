@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Iterator
 
 import pytest
-from apiserver import ApiServer
-from kube_helpers import make_client
 from kubernetes import client
+
+from tests.unit.kube.apiserver import ApiServer
+from tests.unit.kube.kube_helpers import make_client
 
 
 @pytest.fixture

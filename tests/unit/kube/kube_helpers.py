@@ -9,6 +9,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from kubernetes import client
 
+from netproxy.lab import manifests
+from netproxy.lab.manifests import api_object
 from netproxy.model import NodeInfo, ServicePort, ValidationError
 from netproxy.source.convert import EndpointSet
 from netproxy.source.kube_reflector import ReflectorSettings
@@ -90,22 +92,17 @@ def make_client(url: str) -> client.ApiClient:
 # -- object builders (what the API server would hold) ------------------------------------------
 
 def service(name: str, ip: str, port: int = 80, ns: str = "default", **spec: Any) -> Dict[str, Any]:
-    body: Dict[str, Any] = {"clusterIP": ip, "clusterIPs": [ip], "type": "ClusterIP",
-                            "ports": [{"name": "http", "port": port, "protocol": "TCP", "targetPort": 8080}]}
-    body.update(spec)
-    return {"metadata": {"name": name, "namespace": ns}, "spec": body}
+    return api_object(manifests.service(name, ip, [manifests.port(port, name="http")], namespace=ns,
+                                        type="ClusterIP", **spec))
 
 
 def endpoint_slice(name: str, svc: str, ips: List[str], ns: str = "default", port: int = 8080,
                    address_type: str = "IPv4", **conds: Any) -> Dict[str, Any]:
-    eps = []
-    for ip in ips:
-        ep: Dict[str, Any] = {"addresses": [ip], "conditions": {"ready": True, "serving": True, "terminating": False}}
+    out = api_object(manifests.endpoint_slice(svc, ips, [manifests.slice_port(port, name="http")], namespace=ns,
+                                              name=name, address_type=address_type))
+    for ep in out["endpoints"]:
         ep["conditions"].update(conds)
-        eps.append(ep)
-    return {"metadata": {"name": name, "namespace": ns, "labels": {"kubernetes.io/service-name": svc}},
-            "addressType": address_type, "endpoints": eps,
-            "ports": [{"name": "http", "port": port, "protocol": "TCP"}]}
+    return out
 
 
 def node(name: str, zone: Optional[str] = None, **labels: str) -> Dict[str, Any]:

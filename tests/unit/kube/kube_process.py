@@ -12,6 +12,8 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
+from netproxy.lab.cleanup import stop_process
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 POD_BASE = ipaddress.IPv4Address("172.16.0.0")
 MANAGER = "endpointslice-controller.k8s.io"
@@ -77,11 +79,6 @@ class StandInProcess:
         return self.url
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout=10)
         self.tmp.cleanup()

@@ -1,6 +1,6 @@
 """Measure listing and converting a big cluster through the official client, in a fresh process.
 
-    python tests/unit/kube/measure_list.py --services 10000 --endpoints-per-slice 10 [--mode raw|model]
+    python -m tests.unit.kube.measure_list --services 10000 --endpoints-per-slice 10 [--mode raw|model]
 
 Starts the API stand-in in a child process (so the figures are the client's alone), lists every
 Service and EndpointSlice, converts them and hands them to a ChangeTracker; prints one JSON line:
@@ -14,20 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import sys
 import time
 from typing import Any, Callable, Dict, Iterator, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kubernetes import client
 
-from kube_process import StandInProcess, generated_cluster  # noqa: E402
-from kubernetes import client  # noqa: E402
-
-from netproxy.source.kube import ServiceHandler, SliceHandler  # noqa: E402
-from netproxy.source.kube_reflector import Reflector, ReflectorSettings  # noqa: E402
-from netproxy.tracker import ChangeTracker  # noqa: E402
+from netproxy.source.kube import ServiceHandler, SliceHandler
+from netproxy.source.kube_reflector import Reflector, ReflectorSettings
+from netproxy.tracker import ChangeTracker
+from tests.unit.kube.kube_process import StandInProcess, generated_cluster
 
 
 def peak_rss_mb() -> float:

@@ -12,8 +12,6 @@ import threading
 import time
 from typing import Any, List
 
-from apiserver import ApiServer
-from kube_helpers import FAST, endpoint_slice, node, service, wait_for
 from kubernetes import client
 
 from netproxy.backends.base import SyncError, SyncResult
@@ -25,6 +23,8 @@ from netproxy.proxier import Proxier
 from netproxy.runner import BoundedFrequencyRunner
 from netproxy.source.kube import KubeSource
 from netproxy.tracker import ChangeTracker
+from tests.unit.kube.apiserver import ApiServer
+from tests.unit.kube.kube_helpers import FAST, endpoint_slice, node, service, wait_for
 
 TIMEOUT = 1.0
 

@@ -7,12 +7,12 @@ from dataclasses import replace
 from typing import Iterator, List, Tuple
 
 import pytest
-from apiserver import ApiServer
-from kube_helpers import FAST, RecordingTracker, endpoint_slice, node, service, wait_for
 from kubernetes import client
 
 from netproxy.model import ServicePortName
 from netproxy.source.kube import KubeSource
+from tests.unit.kube.apiserver import ApiServer
+from tests.unit.kube.kube_helpers import FAST, RecordingTracker, endpoint_slice, node, service, wait_for
 
 SLOW_BACKOFF = replace(FAST, backoff_initial=0.4, backoff_cap=0.4)
 

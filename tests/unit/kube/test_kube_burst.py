@@ -7,13 +7,13 @@ import threading
 import time
 from typing import List, Tuple
 
-from apiserver import ApiServer
-from kube_helpers import FAST, RecordingTracker, endpoint_slice, service, wait_for
 from kubernetes import client
 
 from netproxy.model import ServicePortName
 from netproxy.runner import BoundedFrequencyRunner
 from netproxy.source.kube import KubeSource
+from tests.unit.kube.apiserver import ApiServer
+from tests.unit.kube.kube_helpers import FAST, RecordingTracker, endpoint_slice, service, wait_for
 
 MIN_INTERVAL = 0.3
 

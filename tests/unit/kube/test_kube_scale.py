@@ -9,15 +9,15 @@ import os
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SERVICES = 10_000
 ENDPOINTS_PER_SLICE = 2
 
 
 def test_ten_thousand_services_and_slices_list_in_bounded_time_and_memory() -> None:
-    out = subprocess.run([sys.executable, os.path.join(HERE, "measure_list.py"), "--services", str(SERVICES),
+    out = subprocess.run([sys.executable, "-m", "tests.unit.kube.measure_list", "--services", str(SERVICES),
                           "--endpoints-per-slice", str(ENDPOINTS_PER_SLICE), "--mode", "raw"],
-                         capture_output=True, text=True, timeout=300, check=True)
+                         capture_output=True, text=True, timeout=300, check=True, cwd=ROOT)
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"\n{SERVICES} services + {SERVICES} slices x {ENDPOINTS_PER_SLICE} endpoints: {figures}")
     assert figures["services"] == SERVICES

@@ -7,13 +7,13 @@ from dataclasses import replace
 from typing import Iterator
 
 import pytest
-from apiserver import ApiServer
-from kube_helpers import FAST, RecordingTracker, endpoint_slice, node, service, wait_for
 from kubernetes import client
 
 from netproxy.model import NodeInfo, ServicePortName
 from netproxy.source.kube import KubeSource
 from netproxy.source.kube_reflector import Reflector
+from tests.unit.kube.apiserver import ApiServer
+from tests.unit.kube.kube_helpers import FAST, RecordingTracker, endpoint_slice, node, service, wait_for
 
 WEB = ServicePortName("default", "web", "http")
 

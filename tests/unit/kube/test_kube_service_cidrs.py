@@ -6,12 +6,12 @@ from __future__ import annotations
 import ipaddress
 from typing import Any, Dict, Tuple
 
-from apiserver import ApiServer
-from kube_helpers import FAST, RecordingTracker, wait_for
 from kubernetes import client
 
 from netproxy.model import IPNetwork
 from netproxy.source.kube import KubeSource
+from tests.unit.kube.apiserver import ApiServer
+from tests.unit.kube.kube_helpers import FAST, RecordingTracker, wait_for
 
 net = ipaddress.ip_network
 

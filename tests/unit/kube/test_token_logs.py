@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-from apiserver import ApiServer
-from kube_helpers import endpoint_slice, node, service
 
 from netproxy import cli
+from tests.unit.kube.apiserver import ApiServer
+from tests.unit.kube.kube_helpers import endpoint_slice, node, service
 
 TOKEN = "np-test-token-5f1c0ffee-d0d0cafe"
 

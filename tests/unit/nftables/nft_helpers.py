@@ -7,18 +7,18 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 from netproxy.backends.nftables import FakeNft, NftablesBackend
 from netproxy.config import ProxyConfig
-from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
+from netproxy.lab.manifests import service_port
+from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, Snapshot
 
 
 def svc(name: str, cluster_ip: str, port: int = 80, *, proto: str = "TCP", port_name: str = "http",
         namespace: str = "ns", external: Sequence[str] = (), lb: Sequence[str] = (), affinity: bool = False,
         timeout: int = 10800, ext_policy: str = "Cluster") -> ServicePort:
-    return ServicePort(ServicePortName(namespace, name, port_name), proto, port, 8080,
-                       cluster_ips=(ipaddress.ip_address(cluster_ip),),
-                       external_ips=tuple(ipaddress.ip_address(a) for a in external),
-                       load_balancer_ips=tuple(ipaddress.ip_address(a) for a in lb),
-                       affinity="ClientIP" if affinity else "None", affinity_timeout=timeout,
-                       external_traffic_policy=ext_policy)
+    return service_port(name, namespace, port_name, protocol=proto, port=port, cluster_ip=cluster_ip,
+                        external_ips=tuple(ipaddress.ip_address(a) for a in external),
+                        load_balancer_ips=tuple(ipaddress.ip_address(a) for a in lb),
+                        affinity="ClientIP" if affinity else "None", affinity_timeout=timeout,
+                        external_traffic_policy=ext_policy)
 
 
 def eps(*addrs: str, port: int = 8080, node: Optional[str] = None) -> Tuple[Endpoint, ...]:

@@ -10,11 +10,10 @@ import dataclasses
 import ipaddress
 from typing import Any
 
-from nft_helpers import backend, dumps, eps, fresh_dumps, snap, svc
-
 from netproxy.backends.nftables import names
 from netproxy.config import ProxyConfig, parse_cidrs
 from netproxy.model import Changes, NodeInfo, ServicePort, Snapshot
+from tests.unit.nftables.nft_helpers import backend, dumps, eps, fresh_dumps, snap, svc
 
 MARK = "meta mark set meta mark | 0x00004000"
 

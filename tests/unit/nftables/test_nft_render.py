@@ -7,11 +7,10 @@ import ipaddress
 import os
 import re
 
-from nft_helpers import backend, eps, snap, svc
-
 from netproxy.backends.nftables import names, render
 from netproxy.config import ProxyConfig, parse_cidrs
 from netproxy.model import Changes, Endpoint, NodeInfo
+from tests.unit.nftables.nft_helpers import backend, eps, snap, svc
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 

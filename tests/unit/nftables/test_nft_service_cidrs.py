@@ -6,10 +6,9 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 
-from nft_helpers import backend, dumps, eps, fresh_dumps, snap, svc
-
 from netproxy.backends.nftables import names
 from netproxy.model import Changes, Snapshot
+from tests.unit.nftables.nft_helpers import backend, dumps, eps, fresh_dumps, snap, svc
 
 net = ipaddress.ip_network
 

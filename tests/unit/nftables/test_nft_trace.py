@@ -5,12 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List
 
-from nft_helpers import backend, eps, snap, svc
-
 from netproxy.backends.nftables import names
 from netproxy.backends.nftables.trace import Outcome, Packet, Tracer
 from netproxy.config import ProxyConfig, parse_cidrs
 from netproxy.model import Changes
+from tests.unit.nftables.nft_helpers import backend, eps, snap, svc
 
 NODE = "node-a"
 CONFIG = ProxyConfig(hostname=NODE, cluster_cidrs=parse_cidrs("10.244.0.0/16"))

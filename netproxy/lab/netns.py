@@ -1,4 +1,4 @@
-"""Throwaway network namespaces and child processes, always removed — even on failure or a signal.
+"""Scratch namespaces and child processes for the benchmark, always removed — even on failure or a signal.
 
 Every namespace the benchmark creates is named ``np-bench-<pid>-<n>-<role>`` and recorded here; it is
 deleted by that name in a ``finally``, at exit, and on SIGINT/SIGTERM/SIGHUP.  Processes started into
@@ -16,6 +16,8 @@ import subprocess
 import sys
 import threading
 from typing import Dict, Iterator, List, Optional, Sequence
+
+from netproxy.lab.cleanup import delete_namespace, stop_process
 
 PREFIX = "np-bench-"
 _lock = threading.Lock()
@@ -75,7 +77,7 @@ def delete(name: str) -> None:
     for proc in list(_children.values()):
         if getattr(proc, "bench_netns", None) == name:
             stop(proc)
-    _run(["ip", "netns", "delete", name], check=False)
+    delete_namespace(name)
     with _lock:
         if name in _namespaces:
             _namespaces.remove(name)
@@ -122,21 +124,9 @@ def spawn(ns: str, args: Sequence[str], **kwargs: object) -> subprocess.Popen:  
 
 
 def stop(proc: subprocess.Popen, timeout: float = 3.0) -> None:  # type: ignore[type-arg]
-    """SIGTERM then SIGKILL the process group of a child we started (by its PID, which leads it)."""
+    """Forget ``proc`` and stop it (its whole process group: :func:`spawn` gave it one)."""
     _children.pop(proc.pid, None)
-    if proc.poll() is None:
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, timeout)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-            try:
-                proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-    for stream in (proc.stdin, proc.stdout, proc.stderr):
-        if stream is not None:
-            with contextlib.suppress(OSError):
-                stream.close()
+    stop_process(proc, timeout)
 
 
 def cleanup_all() -> None:
@@ -165,4 +155,4 @@ def stale() -> List[str]:
 def remove_stale() -> None:
     for name in stale():
         print(f"bench: removing namespace {name} left by an earlier run", file=sys.stderr)
-        _run(["ip", "netns", "delete", name], check=False)
+        delete_namespace(name)

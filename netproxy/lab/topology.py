@@ -1,4 +1,4 @@
-"""Throwaway network namespaces for kernel tests, the demo and the benchmark: client, node, pods.
+"""The lab's topology, for kernel tests, the demo and the benchmark: client, node, ext and pod namespaces.
 
 Topology (all addresses fixed: every sandbox has namespaces of its own, so they never clash)::
 
@@ -14,38 +14,42 @@ Topology (all addresses fixed: every sandbox has namespaces of its own, so they 
 - The node's default route goes to the ``ext`` namespace, as a real node's goes to its gateway:
   locally generated connections to service addresses need *some* route before the nat OUTPUT hook
   can DNAT them.  ``ext`` does not forward, so traffic that netproxy does not DNAT dies there.
-- Every pod runs :mod:`netproxy.podserver` (answers with its name and the source it saw); a batch
-  of connections from any namespace is one :mod:`netproxy.sandbox_client` subprocess.
+- Every pod runs :mod:`netproxy.lab.pods` (answers with its name and the source it saw); a batch
+  of connections from any namespace is one :mod:`netproxy.lab.client` subprocess
+  (:mod:`netproxy.lab.traffic` reads what it saw).
 
-Namespaces are named ``np-<role>-<shortid>``.  :meth:`Sandbox.close` kills the processes it
-started (by PID) and deletes its namespaces by name, which takes the veths, addresses, routes,
-sysctls and netfilter state with them; it runs on ``with`` exit, on failure during setup, and at
-interpreter exit as a last resort.  Nothing here touches the namespace the caller runs in.
+Namespaces are named ``np-<role>-<shortid>``.  :meth:`Sandbox.close` stops the processes it
+started (by PID) and deletes its namespaces by name (:mod:`netproxy.lab.cleanup`), which takes the
+veths, addresses, routes, sysctls and netfilter state with them; it runs on ``with`` exit, on
+failure during setup, and at interpreter exit as a last resort.  Nothing here touches the namespace the caller runs in.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import secrets
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from netproxy.lab.cleanup import delete_namespace, stop_process
+from netproxy.lab.combos import iptables_bindir
+from netproxy.lab.traffic import ConnectResult, PendingConnect, SandboxError, Session
 
 log = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-PODSERVER = os.path.join(_HERE, "podserver.py")
-CLIENT = os.path.join(_HERE, "sandbox_client.py")
+PODSERVER = os.path.join(_HERE, "pods.py")
+CLIENT = os.path.join(_HERE, "client.py")
+"""Both run as plain files inside namespaces (stdlib only), so that a VM without netproxy installed runs them."""
 
 GATEWAY4 = "10.244.1.1"
 GATEWAY6 = "fd00:10:244:1::1"
@@ -82,13 +86,6 @@ _NODE_SYSCTLS = {
     "net/ipv4/conf/default/send_redirects": "0",
 }
 
-IPTABLES_TOOLS = ("iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore")
-
-
-class SandboxError(RuntimeError):
-    """Building the sandbox, or running something in it, failed."""
-
-
 @dataclass(frozen=True)
 class Pod:
     """One endpoint namespace."""
@@ -101,117 +98,12 @@ class Pod:
     """The node this endpoint is labelled as running on (``nodeName`` in EndpointSlices)."""
 
 
-@dataclass
-class ConnectResult:
-    """What one client batch saw; see :mod:`netproxy.sandbox_client`."""
-
-    counts: Dict[str, int] = field(default_factory=dict)
-    sources: Dict[str, Dict[str, int]] = field(default_factory=dict)
-    errors: Dict[str, int] = field(default_factory=dict)
-    sequence: List[str] = field(default_factory=list)
-    elapsed: float = 0.0
-
-    @property
-    def answered(self) -> int:
-        return sum(self.counts.values())
-
-    @property
-    def failed(self) -> int:
-        return sum(self.errors.values())
-
-    def source_addresses(self) -> Dict[str, int]:
-        """Source addresses seen by the pods, summed over pods."""
-        out: Dict[str, int] = {}
-        for per_pod in self.sources.values():
-            for addr, n in per_pod.items():
-                out[addr] = out.get(addr, 0) + n
-        return out
-
-
-class PendingConnect:
-    """A client batch still running; :meth:`result` waits for it."""
-
-    def __init__(self, proc: subprocess.Popen, budget: float,  # type: ignore[type-arg]
-                 on_done: Callable[[subprocess.Popen], None]) -> None:  # type: ignore[type-arg]
-        self.proc = proc
-        self.budget = budget
-        self._on_done = on_done
-
-    def result(self) -> ConnectResult:
-        try:
-            out, err = self.proc.communicate(timeout=self.budget)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.communicate()
-            raise SandboxError(f"client took longer than {self.budget:.0f}s") from None
-        finally:
-            if self.proc.returncode is not None:
-                self._on_done(self.proc)
-        if self.proc.returncode != 0:
-            raise SandboxError(f"client failed ({self.proc.returncode}): {err.decode(errors='replace').strip()}")
-        data = json.loads(out)
-        return ConnectResult(counts=data["counts"], sources=data["sources"], errors=data["errors"],
-                             sequence=data["sequence"], elapsed=data["elapsed"])
-
-
-class Session:
-    """A :meth:`Sandbox.open_session` connection: :meth:`exchange` sends a line, returns the answer."""
-
-    def __init__(self, proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
-        self.proc = proc
-        self.opened = self._read()
-        if "ready" not in self.opened:
-            raise SandboxError(f"session did not open: {self.opened}")
-
-    def _read(self) -> Dict[str, object]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        got: Dict[str, object] = json.loads(line) if line else {"error": "client exited"}
-        return got
-
-    def exchange(self, text: str) -> str:
-        """Send ``text`` and return the pod's answer line; SandboxError naming the failure."""
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(text + "\n")
-            self.proc.stdin.flush()
-        except OSError as err:
-            raise SandboxError(f"session closed: {err}") from None
-        got = self._read()
-        if "answer" not in got:
-            raise SandboxError(f"session failed: {got.get('error')}")
-        return str(got["answer"])
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def has_iptables(flavour: str) -> bool:
-    """Whether every ``iptables-<flavour>*`` tool that :meth:`Sandbox.iptables_bindir` links is installed."""
-    return all(shutil.which(_flavoured(tool, flavour)) for tool in IPTABLES_TOOLS)
-
-
-def _flavoured(tool: str, flavour: str) -> str:
-    family, _, verb = tool.partition("-")
-    return f"{family}-{flavour}" + (f"-{verb}" if verb else "")
-
-
 def _iproute_ns(name: str):  # type: ignore[no-untyped-def]
-    # Imported late: pyroute2 is a test/demo dependency, and `import netproxy.sandbox` for
+    # Imported late: pyroute2 is a test/demo dependency, and `import netproxy.lab.topology` for
     # addresses and names only should not need it.
     from pyroute2 import NetNS
 
     return NetNS(name)
-
-
-def _sh_quote(text: str) -> str:
-    return "'" + text.replace("'", "'\"'\"'") + "'"
 
 
 class Sandbox:
@@ -284,16 +176,11 @@ class Sandbox:
             return
         self._closed = True
         for proc in list(self._servers.values()) + self._procs:
-            _stop(proc)
+            stop_process(proc)
         self._servers.clear()
         self._procs.clear()
-        from pyroute2 import netns
-
         for name in reversed(self._namespaces):
-            try:
-                netns.remove(name)
-            except OSError as err:
-                log.warning("could not remove netns %s: %s", name, err)
+            delete_namespace(name)
         self._namespaces.clear()
         if self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -330,21 +217,21 @@ class Sandbox:
             return int(idx)
 
     def _wire_ext(self) -> None:
+        """The node's uplink: one /24 (and /64) that both ends share, each end's default route via the other."""
         self._veth(self.ext, "ext0")
-        with _iproute_ns(self.node) as ipr:
-            idx = ipr.link_lookup(ifname="ext0")[0]
-            ipr.addr("add", index=idx, address=NODE_EXT4, prefixlen=24)
-            ipr.route("add", dst="0.0.0.0/0", gateway=EXT4)
+        self._uplink_end(self.node, "ext0", (NODE_EXT4, EXT4), (NODE_EXT6, EXT6))
+        self._uplink_end(self.ext, "eth0", (EXT4, NODE_EXT4), (EXT6, NODE_EXT6))
+
+    def _uplink_end(self, ns: str, ifname: str, v4: Tuple[str, str], v6: Tuple[str, str]) -> None:
+        """``ifname`` in ``ns`` gets the first address of each (own, other end) pair; its default route
+        goes via the second."""
+        with _iproute_ns(ns) as ipr:
+            idx = ipr.link_lookup(ifname=ifname)[0]
+            ipr.addr("add", index=idx, address=v4[0], prefixlen=24)
+            ipr.route("add", dst="0.0.0.0/0", gateway=v4[1])
             if self.ipv6:
-                ipr.addr("add", index=idx, address=NODE_EXT6, prefixlen=64, flags=IFA_F_NODAD)
-                ipr.route("add", dst="::/0", gateway=EXT6, family=10)
-        with _iproute_ns(self.ext) as ipr:
-            idx = ipr.link_lookup(ifname="eth0")[0]
-            ipr.addr("add", index=idx, address=EXT4, prefixlen=24)
-            ipr.route("add", dst="0.0.0.0/0", gateway=NODE_EXT4)
-            if self.ipv6:
-                ipr.addr("add", index=idx, address=EXT6, prefixlen=64, flags=IFA_F_NODAD)
-                ipr.route("add", dst="::/0", gateway=NODE_EXT6, family=10)
+                ipr.addr("add", index=idx, address=v6[0], prefixlen=64, flags=IFA_F_NODAD)
+                ipr.route("add", dst="::/0", gateway=v6[1], family=10)
 
     def _wire_pod_like(self, ns: str, role: str, ip4: str, ip6: str) -> None:
         node_side = f"v-{role}"[:15]
@@ -420,7 +307,7 @@ class Sandbox:
         """Kill ``pod``'s server: the namespace stays, connections to it are refused."""
         proc = self._servers.pop(pod.name, None)
         if proc is not None:
-            _stop(proc)
+            stop_process(proc)
 
     def _wait_servers_ready(self, names: Optional[Sequence[str]] = None) -> None:
         for name in names or list(self._servers):
@@ -522,17 +409,10 @@ class Sandbox:
         Put it first in PATH so that what netproxy's version check runs is that flavour, without
         touching the system's alternatives.
         """
-        path = os.path.join(self.workdir, f"bin-{flavour}")
-        if os.path.isdir(path):
-            return path
-        os.makedirs(path)
-        for tool in IPTABLES_TOOLS:
-            real = shutil.which(_flavoured(tool, flavour))
-            if real is None:
-                shutil.rmtree(path)
-                raise SandboxError(f"{_flavoured(tool, flavour)} is not installed")
-            os.symlink(real, os.path.join(path, tool))
-        return path
+        try:
+            return iptables_bindir(os.path.join(self.workdir, f"bin-{flavour}"), flavour)
+        except ValueError as err:
+            raise SandboxError(str(err)) from None
 
     def reset_netfilter(self, ns: Optional[str] = None) -> None:
         """Empty every nft and legacy iptables table and the conntrack table in ``ns`` (default: node)."""
@@ -555,7 +435,7 @@ class Sandbox:
 def netproxy_command() -> List[str]:
     """How to start netproxy: ``$NETPROXY_CMD`` (split on spaces) or this interpreter's ``-m netproxy.cli``.
 
-    ``sys.executable`` rather than a console script, so that the same harness works in a VM where
+    ``sys.executable`` rather than a console script, so that the same lab works in a VM where
     netproxy is importable but not installed with entry points.
     """
     override = os.environ.get("NETPROXY_CMD", "").strip()
@@ -570,22 +450,6 @@ def _env(extra: Optional[Mapping[str, str]]) -> Optional[Dict[str, str]]:
     return env
 
 
-def _stop(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
-    """SIGTERM, then SIGKILL: only the PID this module started."""
-    if proc.poll() is None:
-        try:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=3)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=3)
-        except ProcessLookupError:
-            pass
-    for stream in (proc.stdout, proc.stderr, proc.stdin):
-        if stream is not None:
-            stream.close()
-
-
 # Sandboxes still open at interpreter exit (a test run interrupted between setup and teardown)
 # are closed here, so that no namespace outlives the process that made it.
 _LIVE: weakref.WeakSet[Sandbox] = weakref.WeakSet()
@@ -595,33 +459,3 @@ _LIVE: weakref.WeakSet[Sandbox] = weakref.WeakSet()
 def _close_leftovers() -> None:
     for sandbox in list(_LIVE):
         sandbox.close()
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m netproxy.sandbox [--pods N]``: build a sandbox, print it as JSON, hold it until a signal."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description="hold a netproxy sandbox open for manual work (root)")
-    parser.add_argument("--pods", type=int, default=3)
-    parser.add_argument("--remote-pods", type=int, default=0, help="how many of the pods are on another node")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    stop: List[int] = []
-    signal.signal(signal.SIGTERM, lambda signum, _frame: stop.append(signum))
-    with Sandbox(args.pods, remote_pods=args.remote_pods) as sb:
-        info = {"node": sb.node, "client": sb.client, "ext": sb.ext, "node_ips": list(sb.node_ips),
-                "pods": [{"name": p.name, "netns": p.netns, "ip": p.ip, "ip6": p.ip6, "node": p.node_name}
-                         for p in sb.pods]}
-        print(json.dumps(info, indent=1), flush=True)
-        print(f"try: ip netns exec {sb.client} {sys.executable} {CLIENT} {sb.pods[0].ip} {DEFAULT_PORTS[0]}"
-              " --count 10\nCtrl-C (or SIGTERM) removes everything.", flush=True)
-        try:
-            while not stop:
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            pass
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

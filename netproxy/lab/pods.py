@@ -1,4 +1,4 @@
-"""A tiny TCP + UDP echo-who server that the kernel harness runs inside each pod namespace.
+"""A tiny TCP + UDP echo-who server that the lab runs inside each pod namespace.
 
 Every TCP connection and every UDP datagram is answered with one line::
 
@@ -10,11 +10,11 @@ right after the answer, except on the ``--hold`` ports: there a connection stays
 line the client sends is answered with that line (a long-lived connection across a dataplane
 switch, ``netproxy migrate``).
 
-Deliberately stdlib only and importable as a plain file (``python3 podserver.py ...``): it runs
+Deliberately stdlib only and importable as a plain file (``python3 pods.py ...``): it runs
 inside namespaces of VMs where netproxy itself may not be installed.  One thread and a selector,
 because a test sends hundreds of connections in a burst and must not wait on thread start-up.
 
-It prints ``ready`` on stdout once every socket is bound, so that the harness never races the
+It prints ``ready`` on stdout once every socket is bound, so that the lab never races the
 first connection against ``bind()``.
 """
 
@@ -170,7 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--udp", default="", help="comma-separated UDP ports")
     parser.add_argument("--hold", default="", help="comma-separated TCP ports whose connections stay open")
     args = parser.parse_args(argv)
-    # SIGTERM from the harness should end the process quietly, without a traceback on stderr.
+    # SIGTERM from the lab should end the process quietly, without a traceback on stderr.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     with contextlib.suppress(KeyboardInterrupt):
         serve(args.name, _ports(args.tcp), _ports(args.udp), _ports(args.hold))

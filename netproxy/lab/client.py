@@ -1,4 +1,4 @@
-"""The harness's client: N connections to one address, answers counted per pod, printed as JSON.
+"""The lab's client: N connections to one address, answers counted per pod, printed as JSON.
 
 Runs inside a client (or node, or pod) namespace as one subprocess per batch, so that 600
 connections cost one process start, not 600.  Connections run concurrently (``--concurrency``)
@@ -18,7 +18,7 @@ line read on stdin is sent on it and the answer printed as one JSON line (``{"an
 10.244.1.2 40000 ping"}`` or ``{"error": "reset"}``), so a test holds a long-lived connection open
 across a dataplane switch and exchanges data over it both ways (``netproxy migrate``).
 
-Stdlib only and runnable as a plain file, like :mod:`netproxy.podserver`.
+Stdlib only and runnable as a plain file, like :mod:`netproxy.lab.pods`.
 """
 
 from __future__ import annotations
