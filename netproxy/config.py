@@ -22,7 +22,7 @@ class ProxyConfig:
     """Settings shared by the core and the backends; names follow kube-proxy's flags.
 
     The one home of the proxy's defaults: the CLI's flags and the --config file leave a setting
-    unset unless given, and this class's default applies (netproxy/cli_args.py reads them from here)."""
+    unset unless given, and this class's default applies (netproxy/cli/args.py reads them from here)."""
 
     backend: str = "auto"
     iptables_writer: str = "restore"

@@ -11,10 +11,12 @@ import pytest
 import yaml
 
 import netproxy.backends as backends
-from netproxy import cli, cli_args, cli_oneshot, holdings
+from netproxy import cli, holdings
 from netproxy import detect as detect_mod
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.fake import FakeBackend
+from netproxy.cli import args as cli_args
+from netproxy.cli import oneshot as cli_oneshot
 from netproxy.config import ProxyConfig
 from netproxy.lab.manifests import endpoint_slice, port, service
 from netproxy.model import Changes, Snapshot

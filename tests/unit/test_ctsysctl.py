@@ -8,7 +8,8 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
-from netproxy import cli, cli_config
+from netproxy import cli
+from netproxy.cli import settings as cli_config
 from netproxy.ctsysctl import ConntrackSettings, SysctlError, apply, conntrack_max, plan
 
 PROC, HASH = "/proc-test", "/hashsize-test"

@@ -115,8 +115,8 @@ def test_a_tool_that_gave_up_on_the_lock_is_reported_like_our_own_timeout(path: 
 
 def test_the_flag_reaches_both_writers_and_defaults_to_kube_proxys_5s() -> None:
     from netproxy.backends.iptables import IptablesBackend
-    from netproxy.cli_args import build_parser
-    from netproxy.cli_config import proxy_config
+    from netproxy.cli.args import build_parser
+    from netproxy.cli.settings import proxy_config
 
     args = build_parser().parse_args(["sync", "--source", "x", "--iptables-lock-timeout", "2s"])
     config = proxy_config(args, "iptables", "legacy")

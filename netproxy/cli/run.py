@@ -9,8 +9,8 @@ import signal
 
 from netproxy import detect as detect_mod
 from netproxy import skew
-from netproxy.cli_args import EXIT_FAILED, EXIT_OK
-from netproxy.cli_config import make_backend, set_conntrack_sysctls
+from netproxy.cli.args import EXIT_FAILED, EXIT_OK
+from netproxy.cli.settings import make_backend, set_conntrack_sysctls
 from netproxy.nodeconfig import ensure_localhost_nodeports, hostname, start_node
 from netproxy.source.base import Source
 from netproxy.source.files import FileSource, SourceError

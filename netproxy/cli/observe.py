@@ -7,8 +7,8 @@ import argparse
 import sys
 
 from netproxy import detect as detect_mod
-from netproxy.cli_args import EXIT_FAILED, EXIT_OK
-from netproxy.cli_config import choose_backend, proxy_config
+from netproxy.cli.args import EXIT_FAILED, EXIT_OK
+from netproxy.cli.settings import choose_backend, proxy_config
 
 
 def cmd_status(args: argparse.Namespace) -> int:

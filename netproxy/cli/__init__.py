@@ -17,9 +17,9 @@ sync, run, plan, trace and migrate take --config FILE, kube-proxy's KubeProxyCon
 cannot be honoured exits 2, naming the field, before anything is done.  A setting neither gives keeps
 ProxyConfig's default (netproxy/config.py), the one place defaults are written.
 
-This module parses and dispatches, and turns errors into exit codes; the flags are in cli_args.py,
-the commands in cli_oneshot.py (sync, plan, trace, migrate, cleanup), cli_inspect.py (status,
-detect) and cli_run.py (run); netproxy/wiring.py builds the objects they use.
+This module parses and dispatches, and turns errors into exit codes; the flags are in args.py,
+the commands in oneshot.py (sync, plan, trace, migrate, cleanup), observe.py (status,
+detect) and run.py (run); netproxy/wiring.py builds the objects they use.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from typing import Optional, Sequence
 from netproxy import ctsysctl, logs
 from netproxy import detect as detect_mod
 from netproxy.backends.base import BackendError
-from netproxy.cli_args import EXIT_FAILED, EXIT_OK, EXIT_REJECTED, build_parser
-from netproxy.cli_inspect import cmd_detect, cmd_status
-from netproxy.cli_oneshot import cmd_cleanup, cmd_migrate, cmd_plan, cmd_sync, cmd_trace
-from netproxy.cli_run import cmd_run
+from netproxy.cli.args import EXIT_FAILED, EXIT_OK, EXIT_REJECTED, build_parser
+from netproxy.cli.observe import cmd_detect, cmd_status
+from netproxy.cli.oneshot import cmd_cleanup, cmd_migrate, cmd_plan, cmd_sync, cmd_trace
+from netproxy.cli.run import cmd_run
 from netproxy.nodeconfig import ConfigError
 from netproxy.source.files import SourceError
 
@@ -93,7 +93,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             raise
     return EXIT_FAILED
-
-
-if __name__ == "__main__":
-    sys.exit(main())

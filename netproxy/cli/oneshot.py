@@ -10,8 +10,8 @@ from typing import List, Sequence, Tuple
 
 from netproxy import skew
 from netproxy.backends.base import Backend, BackendError, Packet
-from netproxy.cli_args import EXIT_FAILED, EXIT_OK, EXIT_REJECTED
-from netproxy.cli_config import choose_backend, make_backend, proxy_config, set_conntrack_sysctls
+from netproxy.cli.args import EXIT_FAILED, EXIT_OK, EXIT_REJECTED
+from netproxy.cli.settings import choose_backend, make_backend, proxy_config, set_conntrack_sysctls
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, NodeInfo, Snapshot, ValidationError, forget_parsed_addresses
 from netproxy.nodeconfig import ensure_localhost_nodeports, hostname
