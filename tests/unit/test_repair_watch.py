@@ -19,8 +19,8 @@ from netproxy.config import ProxyConfig
 from netproxy.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
 from netproxy.proxier import Proxier
 from netproxy.runner import BoundedFrequencyRunner
-from netproxy.source.convert import EndpointSet, SlicePort
 from netproxy.tracker import ChangeTracker
+from tests.unit.trackers import feed_web
 
 ip = ipaddress.ip_address
 
@@ -51,12 +51,7 @@ class Clock:
 
 def _proxier() -> Tuple[Proxier, FakeBackend, List[int]]:
     tracker = ChangeTracker()
-    name = ServicePortName("default", "web", "")
-    tracker.update_service("default", "web", (ServicePort(name, "TCP", 80, 8080, cluster_ips=(ip("10.96.0.1"),)),))
-    tracker.update_endpoints("default", "web-1", EndpointSet("default", "web", (SlicePort("", "TCP", 8080),),
-                                                             (Endpoint(ip("10.0.0.1"), 0),)))
-    tracker.services_synced()
-    tracker.endpoints_synced()
+    feed_web(tracker)
     backend = FakeBackend()
     proxier = Proxier(tracker, backend, ProxyConfig(hostname="n"), clock=Clock())
     requests: List[int] = []

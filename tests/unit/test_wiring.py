@@ -12,9 +12,9 @@ import pytest
 from netproxy import backends, wiring
 from netproxy.backends.fake import FakeBackend
 from netproxy.config import ProxyConfig
-from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName
-from netproxy.source.convert import EndpointSet, SlicePort
+from netproxy.model import NodeInfo
 from netproxy.tracker import ChangeTracker
+from tests.unit.trackers import feed_web
 
 ip, net = ipaddress.ip_address, ipaddress.ip_network
 
@@ -33,15 +33,6 @@ class Quiet:
         self.stopped = True
 
 
-def feed(tracker: ChangeTracker) -> None:
-    name = ServicePortName("default", "web", "")
-    tracker.update_service("default", "web", (ServicePort(name, "TCP", 80, 8080, cluster_ips=(ip("10.96.0.1"),)),))
-    tracker.update_endpoints("default", "web-1", EndpointSet("default", "web", (SlicePort("", "TCP", 8080),),
-                                                             (Endpoint(ip("10.0.0.1"), 0),)))
-    tracker.services_synced()
-    tracker.endpoints_synced()
-
-
 def build(**settings: Any) -> Tuple[wiring.Proxy, FakeBackend, Quiet]:
     settings.setdefault("min_sync_period", 0.0)  # the runner may sync again at once: steps need no clock
     config = ProxyConfig(backend="fake", hostname="node-a", metrics_bind_address="", healthz_bind_address="",
@@ -54,7 +45,7 @@ def test_a_change_asks_for_a_sync_and_starts_the_health_clock() -> None:
     proxy, backend, source = build()
     proxy.runner.step()  # the first, requested at start: the tracker is not ready, nothing is written
     assert backend.state == {} and not proxy.runner.step()
-    feed(proxy.tracker)
+    feed_web(proxy.tracker)
     assert proxy.health.oldest_queued is not None
     assert proxy.runner.step(), "the change did not ask the runner for a sync"
     assert [str(e) for _, eps in backend.state.values() for e in eps] == ["10.0.0.1:8080"]
@@ -63,7 +54,7 @@ def test_a_change_asks_for_a_sync_and_starts_the_health_clock() -> None:
 
 def test_a_failed_write_schedules_the_runners_retry() -> None:
     proxy, backend, _ = build()
-    feed(proxy.tracker)
+    feed_web(proxy.tracker)
     backend.fail_next = "line 1: refused"
     proxy.runner.step()
     assert proxy.proxier.last_error is not None
@@ -79,7 +70,7 @@ def test_start_and_close_drive_the_source() -> None:
 
 def test_a_changed_pod_cidr_stops_the_proxy_with_a_reason() -> None:
     proxy, _, _ = build(detect_local_mode="NodeCIDR", node_pod_cidrs=(net("10.244.1.0/24"),))
-    feed(proxy.tracker)
+    feed_web(proxy.tracker)
     proxy.tracker.set_node(NodeInfo(name="node-a", pod_cidrs=(net("10.244.9.0/24"),)))
     proxy.runner.step()
     assert proxy.stop.is_set() and "10.244.9.0/24" in proxy.failures[0]
