@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 demo: setup
-	$(PY) -m netproxy.demo --backend $(BACKEND)
+	$(PY) -m netproxy.lab.demo --backend $(BACKEND)
 
 lint: setup
 	$(VENV)/bin/ruff check netproxy backends tests bench vagrant

@@ -17,8 +17,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from bench import gen, kubeproxy_layout, sample
-from netproxy.lab import netns
+from bench import gen, sample
+from netproxy.lab import kubeproxy_layout, netns
 from netproxy.lab.combos import Combo
 
 Step = Dict[str, Any]

@@ -25,9 +25,9 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from bench import gen, kubeproxy_layout
+from bench import gen
 from bench.control import _bench_env, _python
-from netproxy.lab import netns
+from netproxy.lab import kubeproxy_layout, netns
 
 Step = Dict[str, Any]
 STEPS = ("iptables-to-nftables", "nftables-to-iptables", "kube-proxy-to-nftables")

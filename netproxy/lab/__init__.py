@@ -10,5 +10,7 @@ namespace it runs in.
 - :mod:`~netproxy.lab.combos` — the backend/writer combinations and which of them can run here;
 - :mod:`~netproxy.lab.manifests`, :mod:`~netproxy.lab.proxy`, :mod:`~netproxy.lab.checks` — what
   tests write, how they run netproxy, what they wait for and assert;
+- :mod:`~netproxy.lab.demo` — ``make demo``; :mod:`~netproxy.lab.kubeproxy_layout` — kube-proxy's own
+  rulesets (iptables and nftables modes) for the demo's takeover, migration tests and the bench;
 - :mod:`~netproxy.lab.pytest_plugin` — the fixtures, loaded by the root ``conftest.py``.
 """

@@ -26,7 +26,7 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 
 import pytest
 
-from bench import kubeproxy_layout
+from netproxy.lab import kubeproxy_layout
 from netproxy.lab.combos import has_iptables
 from netproxy.lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
 from netproxy.lab.pytest_plugin import require

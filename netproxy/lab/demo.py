@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import yaml
 
+from netproxy.lab import kubeproxy_layout
 from netproxy.lab.topology import Sandbox
 from netproxy.lab.traffic import ConnectResult
 from netproxy.model import ServicePort
@@ -179,7 +180,7 @@ def detect_in(box: Sandbox, backend: str) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m netproxy.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m netproxy.lab.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=["auto", "iptables", "nftables"])
     parser.add_argument("--source", default=EXAMPLE)
     args = parser.parse_args(argv)
@@ -252,17 +253,9 @@ def _demo(box: Sandbox, backend: str, objects: List[Dict[str, Any]], names: Dict
 LOOP = 1500
 
 
-def _kube_proxy_rules(box: Sandbox, source: str) -> Optional[str]:
-    """kube-proxy's iptables (legacy) or nftables rules for the example, from the benchmark's layout;
-    the mode written, or None when the layout cannot be loaded here (not run from the repository)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, root)
-    try:
-        from bench import kubeproxy_layout
-    except ImportError:
-        return None
-    finally:
-        sys.path.remove(root)
+def _kube_proxy_rules(box: Sandbox, source: str) -> str:
+    """kube-proxy's iptables (legacy) or nftables rules for the example, from the lab's copy of its
+    layout (the benchmark's reference too); the mode written."""
     docs = [o for o in flatten(read_documents(source)) if isinstance(o, Mapping)]  # rejected ones are left out
     objects = [dict(o) for o in docs if o.get("kind") in ("Service", "EndpointSlice")
                and o.get("spec", {}).get("clusterIP", "") != "None"]
@@ -297,19 +290,14 @@ def _migrate_demo(box: Sandbox, backend: str, source: str, names: Dict[str, str]
     loop_probe = next(p for p in probes if p.origin == "client" and p.proto == "tcp")
     mode = _kube_proxy_rules(box, source)
     failures = 0
-    if mode is None:
-        print(f"\n{DIM}(kube-proxy's layout is not importable here: the takeover step is skipped){RESET}")
-    else:
-        print(f"\n{BOLD}taking over from kube-proxy:{RESET} the node now holds kube-proxy's {mode} rules "
-              "(ClusterIPs of the example)")
-        for line in box.netproxy(["detect"]).stdout.splitlines():
-            if line.startswith(("holds:", "migrate:")):
-                print(f"  {line}")
-        failures += _switch(box, loop_probe, ["--to", backend, "--from-kube-proxy", "--source", source])
+    print(f"\n{BOLD}taking over from kube-proxy:{RESET} the node now holds kube-proxy's {mode} rules "
+          "(ClusterIPs of the example)")
+    for line in box.netproxy(["detect"]).stdout.splitlines():
+        if line.startswith(("holds:", "migrate:")):
+            print(f"  {line}")
+    failures += _switch(box, loop_probe, ["--to", backend, "--from-kube-proxy", "--source", source])
     other = "iptables" if backend == "nftables" else "nftables"
     print(f"\n{BOLD}switching dataplanes live:{RESET} {backend} → {other}")
-    if mode is None:
-        box.netproxy(["sync", "--source", source, "--backend", backend, "--hostname-override", "np-node"])
     failures += _switch(box, loop_probe, ["--to", other, "--source", source])
     rows = [(p, *run_probe(box, p)) for p in probes]
     failures += sum(1 for r in rows if not r[2])
