@@ -1,4 +1,4 @@
-"""``python -m netproxy.cli``: the lab and deploy scripts start netproxy this way (kept since cli.py was one module)."""
+"""``python -m netproxy.cli``: how the lab starts netproxy in a namespace (``lab.topology.netproxy_command``)."""
 
 import sys
 
