@@ -35,7 +35,9 @@ from netproxy.lab.traffic import ConnectResult
 from netproxy.model import ServicePort
 from netproxy.source.files import flatten, load, read_documents
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "cluster.yaml")
+# The repository's example: this file is netproxy/lab/demo.py, three levels below the checkout.
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "examples", "cluster.yaml")
 CONNECTIONS = 120
 AFFINITY_CONNECTIONS = 40
 REFUSED_CONNECTIONS = 5

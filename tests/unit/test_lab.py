@@ -102,3 +102,13 @@ def test_manifests_load_as_a_service_and_its_slice(tmp_path: object) -> None:
     assert [(p.port, [str(ip) for ip in p.cluster_ips]) for p in ports] == [(80, ["10.96.0.10"])]
     (endpoints,) = loaded.endpoints.values()
     assert "10.244.1.10" in repr(endpoints)
+
+
+def test_the_demo_finds_the_bundled_example() -> None:
+    """``make demo`` runs without arguments: its default source must be the repository's example
+    (it pointed into netproxy/ once the demo moved into the lab)."""
+    from netproxy.lab import demo
+
+    assert os.path.isfile(demo.EXAMPLE), demo.EXAMPLE
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "cluster.yaml")
+    assert os.path.samefile(demo.EXAMPLE, example)
