@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BACKEND ?= auto
 
-.PHONY: setup demo test test-unit test-kernel test-vm bench bench-smoke lint clean
+.PHONY: setup demo test test-all test-unit test-kernel test-vm bench bench-smoke lint clean
 
 setup: $(STAMP)
 	@scripts/setup-system.sh
@@ -21,14 +21,14 @@ demo: setup
 	$(PY) -m netproxy.lab.demo --backend $(BACKEND)
 
 lint: setup
-	$(VENV)/bin/ruff check netproxy backends tests bench vagrant
-	$(VENV)/bin/mypy netproxy backends vagrant
+	$(VENV)/bin/ruff check netproxy backends tests bench vagrant scripts/run-tests
+	$(VENV)/bin/mypy netproxy backends vagrant scripts/run-tests
 
 test-unit: setup
-	$(VENV)/bin/pytest -q tests/unit
+	$(VENV)/bin/pytest -q -n 2 tests/unit
 
 test-kernel: setup
-	$(VENV)/bin/pytest -q tests/kernel
+	$(VENV)/bin/pytest -q -n 3 --dist worksteal tests/kernel
 
 bench-smoke: setup
 	$(PY) -m bench --smoke
@@ -36,14 +36,16 @@ bench-smoke: setup
 test-vm: setup
 	vagrant/local/run-matrix
 
-# The README's test command: lint, unit, kernel (network namespaces), the benchmark's smoke run,
-# then the QEMU kernel matrix (three Debian kernels under software emulation).
-test: setup
-	$(VENV)/bin/ruff check netproxy backends tests bench vagrant
-	$(VENV)/bin/mypy netproxy backends vagrant
-	$(VENV)/bin/pytest -q tests
-	$(PY) -m bench --smoke
-	vagrant/local/run-matrix
+# The README's test command (and CI's), the quick tier: setup, lint, unit, kernel and faults
+# (network namespaces, in parallel), the serial group, the benchmark's smoke run, and the Debian 11
+# legacy guest beside them. Timed stages, JUnit XML in results/ (docs/testing.md).
+test:
+	@$(PYTHON) scripts/run-tests quick
+
+# The long tier: every backend/writer on every suite, the full fault suite with the soak sizes,
+# the whole QEMU matrix. Run it before resolving a change to a backend.
+test-all:
+	@$(PYTHON) scripts/run-tests full
 
 bench: setup
 	$(PY) -m bench

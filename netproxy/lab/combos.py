@@ -3,7 +3,7 @@ which of them this machine can run.
 
 One :class:`Combo` is one way of running netproxy: its backend, that backend's writer, and the node's
 iptables flavour (what ``iptables`` is on that node).  The tests parametrise over
-:func:`selected` (``NETPROXY_BACKENDS``); the benchmark over :func:`parse` (``--backends``).
+:func:`selected` (``NETPROXY_BACKENDS``, else the tier's choice); the benchmark over :func:`parse` (``--backends``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import os
 import shutil
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
+
+from netproxy.lab import tier
 
 IPTABLES_TOOLS = ("iptables", "iptables-save", "iptables-restore", "ip6tables", "ip6tables-save", "ip6tables-restore")
 
@@ -124,6 +126,7 @@ def parse(spec: Optional[str]) -> List[Combo]:
     return out
 
 
-def selected() -> List[Combo]:
-    """The combinations ``NETPROXY_BACKENDS`` names (as :func:`parse` reads them), default all."""
-    return parse(os.environ.get("NETPROXY_BACKENDS", ""))
+def selected(quick: Sequence[str] = ()) -> List[Combo]:
+    """The combinations this run covers for a module whose quick-tier list is ``quick`` (empty: the
+    defaults): ``NETPROXY_BACKENDS`` when set, else by ``NETPROXY_TIER`` (:mod:`netproxy.lab.tier`)."""
+    return parse(tier.quick_combos(quick))

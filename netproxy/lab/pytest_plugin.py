@@ -4,7 +4,8 @@ Registered for the whole repository by the root ``conftest.py`` (``pytest_plugin
 
 - ``kernel_env`` — root and a working ``ip netns``, or skip;
 - ``combo``   — one backend/writer combination (module scope, parametrised over
-  ``NETPROXY_BACKENDS``, default all of :data:`netproxy.lab.combos.COMBOS`);
+  ``NETPROXY_BACKENDS`` when set, else the tier's choice: :mod:`netproxy.lab.tier`; a module's
+  ``@pytest.mark.quick_combos("name", ...)`` (or ``"all"``) says what it runs in the quick tier);
 - ``sandbox`` — a client / node / ext / pods topology for that module and combination;
 - ``proxy``   — a :class:`~netproxy.lab.proxy.Proxy` that runs netproxy in the node with the
   combination's flags and resets the node's netfilter state (every table of every flavour,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 from typing import Any, Iterator, Optional
 
@@ -64,12 +66,24 @@ def kernel_env() -> None:
     require(importlib.util.find_spec("pyroute2") is not None, "pyroute2 is not importable")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM (a CI deadline, ``timeout``) ends the run as Ctrl-C does: the fixtures' teardown
+    deletes the sandboxes' namespaces and stops their processes instead of leaving them behind."""
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "combo" in metafunc.fixturenames:
         try:
-            combos = selected()
+            marker = metafunc.definition.get_closest_marker("quick_combos")
+            combos = selected(marker.args if marker else ())
         except ValueError as err:
-            raise pytest.UsageError(f"NETPROXY_BACKENDS: {err}") from None
+            raise pytest.UsageError(f"NETPROXY_BACKENDS / NETPROXY_TIER: {err}") from None
         metafunc.parametrize("combo", combos, ids=[c.name for c in combos], scope="module", indirect=True)
 
 

@@ -1,7 +1,7 @@
 """Fault 1 of issue 16: ``kill -9`` at any moment of a sync.
 
-- A 5,000-service ``netproxy sync`` is killed at eight moments spread over its own duration: every
-  table the kernel holds afterwards is the old ruleset or the new one, never a mix (iptables: per
+- A 5,000-service ``netproxy sync`` (2,000 in the quick tier) is killed at eight moments (four in the
+  quick tier) spread over its own duration: every table the kernel holds afterwards is the old ruleset or the new one, never a mix (iptables: per
   family and table, since iptables commits table by table; nftables: one transaction per sync), and
   the next ``sync`` converges to exactly the new ruleset.
 - A ``netproxy run`` killed with ``-9`` and started again keeps established flows on the endpoints
@@ -24,13 +24,14 @@ from netproxy.lab.checks import wait_for
 from netproxy.lab.combos import Combo
 from netproxy.lab.manifests import Manifest, endpoint_slice, port, service
 from netproxy.lab.proxy import Proxy
+from netproxy.lab.tier import knob
 from netproxy.lab.topology import Pod, Sandbox
 from tests.faults.figures import figure
 
 pytestmark = pytest.mark.kernel
 
-SERVICES = 5000
-KILL_POINTS = 8
+SERVICES = int(knob("NETPROXY_KILL_SERVICES", quick=2000, full=5000))
+KILL_POINTS = int(knob("NETPROXY_KILL_POINTS", quick=4, full=8))
 Listing = Dict[Tuple[str, str], str]
 
 

@@ -31,15 +31,20 @@ from netproxy.lab.combos import Combo, selected
 from netproxy.lab.manifests import endpoint_slice, port, service, write_manifests
 from netproxy.lab.proxy import Proxy
 from netproxy.lab.pytest_plugin import driven, require_combo
+from netproxy.lab.tier import knob
 from netproxy.lab.topology import Pod, Sandbox
 from tests.faults.figures import figure
 from tests.kernel.test_parity import http_get
 
+# The xtables lock is one file for the whole machine (not per namespace): while these tests hold it,
+# every legacy iptables write of a test running beside them would wait. They run alone.
+pytestmark = [pytest.mark.kernel, pytest.mark.serial]
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOCK = "/run/xtables.lock"
 METRICS = "127.0.0.1:10249"
-SYNC_BUDGET = 40.0
-"""Seconds of netproxy syncs under the foreign writer per combination in ``make test``."""
+SYNC_BUDGET = knob("NETPROXY_FOREIGN_SECONDS", quick=15, full=120)
+"""Seconds of netproxy syncs under the foreign writer per combination (quick tier 15 s, full 120 s)."""
 SYNCS = int(os.environ.get("NETPROXY_FOREIGN_SYNCS", "0") or "0")
 """A fixed number of syncs instead (the issue's 1,000: ``NETPROXY_FOREIGN_SYNCS=1000``, ~20 min a writer)."""
 HOLD = 3.0

@@ -13,6 +13,8 @@ import re
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import pytest
+
 from netproxy.lab.checks import TIME_SCALE, wait_for
 from netproxy.lab.combos import Combo
 from netproxy.lab.manifests import endpoint_slice, port, service
@@ -20,6 +22,9 @@ from netproxy.lab.proxy import Proxy
 from netproxy.lab.topology import Sandbox
 from tests.faults.figures import figure
 from tests.kernel.test_parity import http_get
+
+# Its figure is a time (repaired within 2 s): measured alone, not beside other tests' load.
+pytestmark = [pytest.mark.kernel, pytest.mark.serial]
 
 WEB_IP = "10.96.0.10"
 METRICS = "127.0.0.1:10249"

@@ -25,6 +25,7 @@ from netproxy.lab.cleanup import stop_process
 from netproxy.lab.combos import Combo
 from netproxy.lab.manifests import api_object
 from netproxy.lab.proxy import Proxy
+from netproxy.lab.tier import knob
 from netproxy.lab.topology import NODE_NAME, Pod, Sandbox
 from tests.faults.figures import figure
 from tests.faults.storm import (
@@ -44,14 +45,14 @@ pytestmark = pytest.mark.kernel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-SECONDS = float(os.environ.get("NETPROXY_STORM_SECONDS", "10"))
+SECONDS = knob("NETPROXY_STORM_SECONDS", quick=4, full=30)
 RATE = float(os.environ.get("NETPROXY_STORM_RATE", "1000"))
 SERVICES = int(os.environ.get("NETPROXY_STORM_SERVICES", "50"))
 """Services programmed; the file storms change the HOT of them that live in their own file (a directory
 source re-reads only the file that changed: a 10k-service file rewritten 100 times a second would
 measure YAML parsing), the API storm changes any of them."""
 HOT = min(50, SERVICES)
-CYCLES = int(os.environ.get("NETPROXY_STORM_CYCLES", "300"))
+CYCLES = int(knob("NETPROXY_STORM_CYCLES", quick=100, full=1000))
 MIN_SYNC = 1.0
 RSS_SLACK_KB = 10 * 1024
 

@@ -24,7 +24,9 @@ from netproxy.lab.pytest_plugin import require
 from netproxy.lab.topology import GATEWAY4, NODE_EXT4, Pod, Sandbox
 from tests.kernel import traced
 
-pytestmark = pytest.mark.kernel
+# The behavioural suite is the one traffic suite that runs on the fallback writers (libiptc,
+# libnftables) in the quick tier too: their one behavioural pass (netproxy/lab/tier.py).
+pytestmark = [pytest.mark.kernel, pytest.mark.quick_combos("all")]
 log = logging.getLogger(__name__)
 
 WEB_IP = "10.96.0.10"
