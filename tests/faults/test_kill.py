@@ -1,9 +1,10 @@
 """Fault 1 of issue 16: ``kill -9`` at any moment of a sync.
 
 - A 5,000-service ``netproxy sync`` (2,000 in the quick tier) is killed at eight moments (four in the
-  quick tier) spread over its own duration: every table the kernel holds afterwards is the old ruleset or the new one, never a mix (iptables: per
-  family and table, since iptables commits table by table; nftables: one transaction per sync), and
-  the next ``sync`` converges to exactly the new ruleset.
+  quick tier) spread over its own duration: every table the kernel holds afterwards is the old
+  ruleset or the new one, never a mix (iptables: per family and table, since iptables commits table
+  by table; nftables: one transaction per sync), and the next ``sync`` converges to exactly the new
+  ruleset.
 - A ``netproxy run`` killed with ``-9`` and started again keeps established flows on the endpoints
   they had: no flush and no conntrack wipe at start-up (UDP flows from fixed source ports follow
   their conntrack entry, so a wipe would re-balance them).
