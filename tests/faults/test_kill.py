@@ -29,7 +29,9 @@ from netproxy.lab.tier import knob
 from netproxy.lab.topology import Pod, Sandbox
 from tests.faults.figures import figure
 
-pytestmark = pytest.mark.kernel
+# The quick tier runs this fault on the two default node kinds (nftables, iptables-legacy); the
+# full tier on every combination (netproxy/lab/tier.py).
+pytestmark = [pytest.mark.kernel, pytest.mark.quick_combos("nftables", "iptables-legacy/restore")]
 
 SERVICES = int(knob("NETPROXY_KILL_SERVICES", quick=2000, full=5000))
 KILL_POINTS = int(knob("NETPROXY_KILL_POINTS", quick=4, full=8))

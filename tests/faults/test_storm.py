@@ -41,7 +41,9 @@ from tests.faults.storm import (
 from tests.kernel.test_kube_source import kubeconfig as _kubeconfig
 from tests.unit.kube.kube_process import StandInProcess
 
-pytestmark = pytest.mark.kernel
+# The quick tier runs this fault on the two default node kinds (nftables, iptables-legacy); the
+# full tier on every combination (netproxy/lab/tier.py).
+pytestmark = [pytest.mark.kernel, pytest.mark.quick_combos("nftables", "iptables-legacy/restore")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
