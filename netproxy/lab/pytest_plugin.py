@@ -70,7 +70,14 @@ def pytest_configure(config: pytest.Config) -> None:
     """SIGTERM (a CI deadline, ``timeout``) ends the run as Ctrl-C does: the fixtures' teardown
     deletes the sandboxes' namespaces and stops their processes instead of leaving them behind."""
 
+    owner = os.getpid()
+
     def interrupt(signum: int, _frame: Any) -> None:
+        if os.getpid() != owner:
+            # A fork()ed child inherits this handler (pyroute2's netns helpers fork, then SIGTERM the
+            # child when done): raising there would unwind the test run's stack in the child.  Die as
+            # SIGTERM would.
+            os._exit(128 + signum)
         raise KeyboardInterrupt(f"signal {signum}")
 
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:

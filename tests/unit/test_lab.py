@@ -74,6 +74,37 @@ def test_parse_reads_names_and_aliases_and_names_an_unknown_one() -> None:
 def test_selected_follows_netproxy_backends(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NETPROXY_BACKENDS", "iptables-nft/restore")
     assert [c.name for c in combos.selected()] == ["iptables-nft/restore"]
+    monkeypatch.setenv("NETPROXY_TIER", "full")  # a named set wins over the tier, and over a module's list
+    assert [c.name for c in combos.selected(("nftables",))] == ["iptables-nft/restore"]
+
+
+def test_the_quick_tier_runs_the_default_writers_unless_a_module_says_otherwise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NETPROXY_BACKENDS", raising=False)
+    monkeypatch.delenv("NETPROXY_TIER", raising=False)
+    assert [c.name for c in combos.selected()] == ["nftables", "iptables-legacy/restore", "iptables-nft/restore"]
+    assert [c.name for c in combos.selected(("all",))] == list(combos.COMBOS)
+    assert [c.name for c in combos.selected(("nftables",))] == ["nftables"]
+    monkeypatch.setenv("NETPROXY_TIER", "full")
+    assert [c.name for c in combos.selected(("nftables",))] == list(combos.COMBOS)
+    monkeypatch.setenv("NETPROXY_TIER", "fast")
+    with pytest.raises(ValueError, match="NETPROXY_TIER='fast'"):
+        combos.selected()
+
+
+def test_a_fault_knob_follows_the_tier_and_its_variable_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    from netproxy.lab.tier import knob
+
+    monkeypatch.delenv("NETPROXY_STORM_SECONDS", raising=False)
+    monkeypatch.setenv("NETPROXY_TIER", "quick")
+    assert knob("NETPROXY_STORM_SECONDS", quick=4, full=30) == 4
+    monkeypatch.setenv("NETPROXY_TIER", "full")
+    assert knob("NETPROXY_STORM_SECONDS", quick=4, full=30) == 30
+    monkeypatch.setenv("NETPROXY_STORM_SECONDS", "90")
+    assert knob("NETPROXY_STORM_SECONDS", quick=4, full=30) == 90
+    monkeypatch.setenv("NETPROXY_STORM_SECONDS", "lots")
+    with pytest.raises(ValueError, match="NETPROXY_STORM_SECONDS='lots'"):
+        knob("NETPROXY_STORM_SECONDS", quick=4, full=30)
 
 
 def test_a_combos_flags_name_its_backends_own_writer() -> None:
