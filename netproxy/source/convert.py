@@ -338,8 +338,11 @@ def _slice_endpoint(raw: Any, addr_type: str, port: int, out: List[Endpoint]) ->
     """One EndpointSlice endpoint → one Endpoint per address, appended to ``out``."""
     e = _map(raw, "")
     cond = _map(e.get("conditions"), "conditions")
+    # The API's defaults, as kube-proxy reads them (pkg/proxy/endpointslicecache.go): an absent
+    # ready or serving is true, an absent terminating false.  (Serving is not "ready when absent":
+    # a terminating endpoint whose controller sets no serving is still the fallback.)
     ready = _bool(cond.get("ready"), True, "conditions.ready")
-    serving = _bool(cond.get("serving"), ready, "conditions.serving")
+    serving = _bool(cond.get("serving"), True, "conditions.serving")
     terminating = _bool(cond.get("terminating"), False, "conditions.terminating")
     node = e.get("nodeName")
     if node is not None:

@@ -23,7 +23,7 @@ import re
 import shutil
 import sys
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import pytest
 
@@ -78,13 +78,22 @@ def remote(sb: Sandbox) -> List[Pod]:
     return [p for p in sb.pods if p.node_name != NODE_NAME]
 
 
-def ep(pod: Pod, *, ready: bool = True, serving: Optional[bool] = None, terminating: bool = False,
+ABSENT = "absent"
+"""A condition the endpoint's controller left out (the API reads absent ready/serving as true)."""
+
+
+def ep(pod: Pod, *, ready: bool = True, serving: Union[bool, str, None] = None, terminating: bool = False,
        zone: Optional[str] = None, hints: Sequence[str] = (), nodes: Sequence[str] = (),
        ipv6: bool = False) -> Manifest:
-    """One EndpointSlice endpoint for ``pod`` with explicit conditions, zone, zone hints and node hints."""
+    """One EndpointSlice endpoint for ``pod`` with explicit conditions, zone, zone hints and node hints.
+
+    ``serving``: None → the same as ``ready``; :data:`ABSENT` → no ``serving`` field at all."""
+    conditions: Manifest = {"ready": ready, "serving": ready if serving is None else serving,
+                            "terminating": terminating}
+    if serving == ABSENT:
+        del conditions["serving"]
     out: Manifest = {"addresses": [pod.ip6 if ipv6 else pod.ip], "nodeName": pod.node_name,
-                     "conditions": {"ready": ready, "serving": ready if serving is None else serving,
-                                    "terminating": terminating},
+                     "conditions": conditions,
                      "targetRef": {"kind": "Pod", "name": pod.name, "namespace": "default"}}
     if zone:
         out["zone"] = zone
@@ -497,8 +506,10 @@ def test_unknown_port_on_active_clusterip_refused(proxy: Proxy, sandbox: Sandbox
 def test_terminating_endpoints_only_without_ready_ones(proxy: Proxy, sandbox: Sandbox) -> None:
     p0, p1, p2 = local(sandbox)
     http = [port(8080, name="http")]
+    # p1's controller sets no `serving`: absent reads as true (kube-proxy, the API), so it is a
+    # serving-and-terminating fallback like p0.
     terminating = [ep(p0, ready=False, serving=True, terminating=True),
-                   ep(p1, ready=False, serving=True, terminating=True)]
+                   ep(p1, ready=False, serving=ABSENT, terminating=True)]
     gone = [ep(p, ready=False, serving=False, terminating=True) for p in (p0, p1, p2)]
     proxy.sync([
         service("mixed", SVC_IP, [http_port()]), endpoint_slice("mixed", [*terminating, ep(p2)], http),

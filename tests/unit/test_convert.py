@@ -236,13 +236,16 @@ def test_parse_service_does_not_modify_its_input() -> None:
 def test_slice_condition_defaults() -> None:
     eps = parse_endpoint_slice(endpoint_slice(endpoints=[
         {"addresses": ["10.244.1.1"]},                                            # nil ready → ready
-        {"addresses": ["10.244.1.2"], "conditions": {"ready": False}},            # serving follows ready
+        {"addresses": ["10.244.1.2"], "conditions": {"ready": False}},            # nil serving → serving
         {"addresses": ["10.244.1.3"], "conditions": {"ready": False, "serving": True, "terminating": True}},
+        {"addresses": ["10.244.1.4"], "conditions": {"ready": False, "terminating": True}},  # still the fallback
+        {"addresses": ["10.244.1.5"], "conditions": {"ready": False, "serving": False, "terminating": True}},
     ]))
     assert eps is not None
     got = [(str(e.ip), e.ready, e.serving, e.terminating) for e in eps.endpoints]
-    assert got == [("10.244.1.1", True, True, False), ("10.244.1.2", False, False, False),
-                   ("10.244.1.3", False, True, True)]
+    assert got == [("10.244.1.1", True, True, False), ("10.244.1.2", False, True, False),
+                   ("10.244.1.3", False, True, True), ("10.244.1.4", False, True, True),
+                   ("10.244.1.5", False, False, True)]
 
 
 def test_slice_node_name_zone_and_service_label() -> None:
