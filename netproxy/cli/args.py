@@ -10,6 +10,7 @@ import re
 import sys
 from typing import Any, NoReturn, Optional, Sequence, Tuple, Union
 
+from netproxy import version
 from netproxy.config import (
     BACKENDS,
     IPTABLES_WRITERS,
@@ -214,6 +215,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="netproxy", description="Node service proxy: Kubernetes Services "
                                      "to iptables or nftables rules.")
+    parser.add_argument("--version", action="version", version=f"netproxy {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("sync", help="load the source, sync once, exit (0 ok, 1 write failed, 2 rejected)")
     p.add_argument("--source", required=True, help="manifest file or directory")

@@ -8,7 +8,7 @@ import logging
 import signal
 
 from netproxy import detect as detect_mod
-from netproxy import skew
+from netproxy import skew, version
 from netproxy.cli.args import EXIT_FAILED, EXIT_OK
 from netproxy.cli.settings import make_backend, set_conntrack_sysctls
 from netproxy.nodeconfig import ensure_localhost_nodeports, hostname, start_node
@@ -40,7 +40,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     proxy.start()
     chosen = ("the version check" if args.backend == "auto"
               else "--config's mode" if "backend" in getattr(args, "from_config", ()) else "--backend")
-    log.info("running with the %s backend, writer %s, iptables flavour %s (chosen by %s; seen: %s)", backend.name,
+    log.info("netproxy %s running with the %s backend, writer %s, iptables flavour %s (chosen by %s; seen: %s)",
+             version(), backend.name,
              writer(config, backend.name), config.iptables_flavour, chosen,
              detect_mod.tool_versions(backend.name, config.iptables_flavour))
     try:
