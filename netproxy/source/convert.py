@@ -407,6 +407,26 @@ def parse_endpoints(obj: Mapping[str, Any]) -> EndpointSet:
     return _guard(kind, f"{ns}/{name}", build)
 
 
+SERVICE_PROXY_NAME = "service.kubernetes.io/service-proxy-name"
+"""A Service (or its slices) with this label belongs to another proxy: kube-proxy leaves it alone."""
+HEADLESS = "service.kubernetes.io/headless"
+"""The EndpointSlice controller's label on a headless service's slices: nothing to program."""
+PROXY_LABELS = (HEADLESS, SERVICE_PROXY_NAME)
+PROXY_LABEL_SELECTOR = ",".join(f"!{label}" for label in PROXY_LABELS)
+"""kube-proxy's informer filter for Services and EndpointSlices (``cmd/kube-proxy``: the labels must
+not exist), sent as the ``labelSelector`` of the API source's lists and watches."""
+
+
+def not_for_this_proxy(obj: Mapping[str, Any]) -> Optional[str]:
+    """The label of :data:`PROXY_LABELS` that ``obj`` carries (the file source's side of the
+    informers' selector), or None.  Labels that are no mapping are left to validation."""
+    meta = obj.get("metadata")
+    labels = meta.get("labels") if isinstance(meta, Mapping) else None
+    if not isinstance(labels, Mapping):
+        return None
+    return next((label for label in PROXY_LABELS if label in labels), None)
+
+
 ZONE_LABEL = "topology.kubernetes.io/zone"
 TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
 TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"

@@ -26,6 +26,7 @@ from netproxy.source import jsonstream, yamldocs
 from netproxy.source.convert import (
     EndpointSet,
     loose_ref,
+    not_for_this_proxy,
     object_ref,
     parse_endpoint_slice,
     parse_endpoints,
@@ -56,6 +57,9 @@ class Loaded:
     """v1 Endpoints by service; :func:`merge` uses them only for services without slices."""
     service_cidrs: Dict[str, Tuple[IPNetwork, ...]] = field(default_factory=dict)
     """networking.k8s.io/v1 ServiceCIDR objects by name: their ``spec.cidrs``."""
+    skipped: int = 0
+    """Services, EndpointSlices and Endpoints left out as kube-proxy's informers leave them out
+    (``service-proxy-name`` or ``headless`` labels: :func:`netproxy.source.convert.not_for_this_proxy`)."""
 
 
 def manifest_files(path: str) -> List[str]:
@@ -165,6 +169,12 @@ def _parse_part(objects: Iterator[Union[Mapping[str, Any], ValidationError]], no
         try:
             if kind is not None and not isinstance(kind, str):
                 raise ValidationError("object", loose_ref(obj), "kind", f"{shown(kind)} is not a string")
+            label = not_for_this_proxy(obj) if kind in ("Service", "EndpointSlice", "Endpoints") else None
+            if label is not None:
+                out.skipped += 1
+                log.debug("skipping %s %s: labelled %s (not for this proxy, as kube-proxy's informers)",
+                          kind, loose_ref(obj), label)
+                continue
             if kind == "Service":
                 _, ns, name = object_ref(obj)
                 if (ns, name) in seen:
@@ -212,6 +222,7 @@ def merge(parts: Sequence[Loaded]) -> Loaded:
         out.endpoints.update(part.endpoints)
         out.legacy.update(part.legacy)
         out.service_cidrs.update(part.service_cidrs)
+        out.skipped += part.skipped
         out.node = part.node or out.node
         out.errors.extend(part.errors)
     sliced = {(e.namespace, e.service) for e in out.endpoints.values()}

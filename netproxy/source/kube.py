@@ -22,6 +22,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from netproxy.model import IPNetwork, NodeInfo, ServicePort, ValidationError
 from netproxy.source.convert import (
+    PROXY_LABEL_SELECTOR,
     EndpointSet,
     parse_endpoint_slice,
     parse_endpoints,
@@ -230,22 +231,27 @@ class KubeSource:
         from kubernetes import client
 
         core = client.CoreV1Api(self.api_client)
+        # kube-proxy's informer filter: services of another proxy and headless services' slices
+        # are never listed, held or woken for (the server filters, lists and watches alike).
+        mine = {"label_selector": PROXY_LABEL_SELECTOR}
         if self.use_endpoints:
             endpoints = Reflector("Endpoints", core.list_endpoints_for_all_namespaces,
-                                  SliceHandler(tracker, self.families, legacy=True), self.settings)
+                                  SliceHandler(tracker, self.families, legacy=True), self.settings, list_kwargs=mine)
         else:
             discovery = client.DiscoveryV1Api(self.api_client)
             endpoints = Reflector("EndpointSlice", discovery.list_endpoint_slice_for_all_namespaces,
-                                  SliceHandler(tracker, self.families), self.settings)
+                                  SliceHandler(tracker, self.families), self.settings, list_kwargs=mine)
         self.reflectors = [
-            Reflector("Service", core.list_service_for_all_namespaces, ServiceHandler(tracker), self.settings),
+            Reflector("Service", core.list_service_for_all_namespaces, ServiceHandler(tracker), self.settings,
+                      list_kwargs=mine),
             endpoints,
             Reflector("Node", core.list_node, NodeHandler(tracker, self.node_name), self.settings,
                       list_kwargs={"field_selector": f"metadata.name={self.node_name}"}),
             # networking.k8s.io/v1 (Kubernetes >= 1.33): the service CIDRs whose unowned addresses
             # are dropped.  Not a readiness condition: without them only the drop is missing.
             Reflector("ServiceCIDR", client.NetworkingV1Api(self.api_client).list_service_cidr,
-                      ServiceCIDRHandler(tracker), self.settings),
+                      ServiceCIDRHandler(tracker), self.settings,
+                      instead="netproxy uses --service-cluster-ip-range alone for the service CIDRs"),
         ]
         log.info("watching services, %s, servicecidrs and node %s",
                  "endpoints" if self.use_endpoints else "endpointslices", self.node_name)

@@ -19,7 +19,7 @@ import logging
 import random
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,9 @@ class ReflectorSettings:
     backoff_initial: float = 0.8
     backoff_cap: float = 30.0
     backoff_jitter: float = 1.0
+    absent_recheck: float = 300.0
+    """Seconds between checks of an optional resource the server does not serve (404) or the
+    service account may not read (403): it may appear after an upgrade or an RBAC change."""
 
 
 class Backoff:
@@ -111,8 +114,12 @@ class Reflector:
     def __init__(self, kind: str, list_func: ListFunc, handler: Handler,
                  settings: ReflectorSettings = ReflectorSettings(),
                  list_kwargs: Optional[Dict[str, Any]] = None,
-                 rand: Callable[[], float] = random.random) -> None:
+                 rand: Callable[[], float] = random.random, instead: Optional[str] = None) -> None:
+        """``instead``: for an optional resource, what netproxy does while the server does not
+        serve it (404) or may not show it (403); said once, then checked every ``absent_recheck``."""
         self.kind = kind
+        self.instead = instead
+        self._said: Optional[Tuple[Optional[int], str]] = None
         self.list_func = list_func
         self.handler = handler
         self.settings = settings
@@ -158,6 +165,7 @@ class Reflector:
                 if self.resource_version is None:
                     self.resource_version = self.list_once()
                     self.backoff.reset()
+                    self._said = None  # a refusal after this is news again
                 self.watch_once(self.resource_version)
                 # A watch that ended normally (the server's timeout) is healthy; so is one that
                 # delivered an event (see _event).  A server that accepts and drops at once is not.
@@ -175,13 +183,35 @@ class Reflector:
                 if self._stop.is_set():
                     break
                 self.errors += 1
-                delay = self.backoff.next_delay()
-                status = api_status(err)
-                level = logging.ERROR if status in (401, 403, 404) else logging.WARNING
-                log.log(level, "%s: %s failed (%s); retrying in %.1fs",
-                        self.kind, "list" if self.resource_version is None else "watch",
-                        _describe(err), delay)
-                self._stop.wait(delay)
+                self._stop.wait(self._failed(err))
+
+    def _failed(self, err: BaseException) -> float:
+        """Log a failed request and return how long to wait before the next attempt.  A transport
+        error or a server error is logged at every retry (an outage shows its backoff); a refusal
+        (401/403/404) once until it changes, since repeating it every few seconds says nothing new."""
+        status = api_status(err)
+        verb = "list" if self.resource_version is None else "watch"
+        if status in (403, 404) and self.instead is not None:
+            delay = self.settings.absent_recheck
+            why = "does not serve it" if status == 404 else "refuses it to this account"
+            self._say_once(logging.WARNING, status, f"{self.kind}: the API server {why} ({_describe(err)}); "
+                           f"{self.instead}; checking again every {delay:g}s")
+            return delay
+        delay = self.backoff.next_delay()
+        if status in (401, 403, 404):
+            self._say_once(logging.ERROR, status, f"{self.kind}: {verb} refused ({_describe(err)}); "
+                           f"retrying with backoff (last delay {delay:.1f}s)")
+        else:
+            self._said = None
+            log.warning("%s: %s failed (%s); retrying in %.1fs", self.kind, verb, _describe(err), delay)
+        return delay
+
+    def _say_once(self, level: int, status: Optional[int], what: str) -> None:
+        if self._said is not None and self._said[0] == status:
+            log.debug("%s (again)", what)
+            return
+        log.log(level, "%s", what)
+        self._said = (status, what)
 
     # -- list -----------------------------------------------------------------------------------
 

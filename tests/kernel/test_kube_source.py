@@ -96,3 +96,39 @@ def test_traffic_follows_an_endpoint_change_made_through_the_api(proxy: Proxy, s
                 log = f.read()
             print(log[-4000:])
     assert run.returncode == 0, f"netproxy run exited {run.returncode}:\n{log[-3000:]}"
+
+
+OTHER_IP = "10.96.0.11"
+
+
+def test_services_of_another_proxy_and_headless_slices_are_not_programmed(proxy: Proxy, sandbox: Sandbox,
+                                                                          combo: Combo, tmp_path: Any) -> None:
+    """kube-proxy's informer filter through the API: a Service labelled
+    ``service.kubernetes.io/service-proxy-name`` (another proxy's) gets no rules, its address no
+    answer; a headless service's slice (``service.kubernetes.io/headless``) is never listed."""
+    pods = sandbox.pods[:2]
+    theirs = api_object(service("other", OTHER_IP, [port(80, 8080, name="http")]))
+    theirs["metadata"]["labels"] = {"service.kubernetes.io/service-proxy-name": "another-proxy"}
+    their_slice = api_object(endpoint_slice("other", pods, [slice_port(name="http")]))
+    their_slice["metadata"]["labels"]["service.kubernetes.io/service-proxy-name"] = "another-proxy"
+    headless = api_object(endpoint_slice("db", pods, [slice_port(name="http")]))
+    headless["metadata"]["labels"]["service.kubernetes.io/headless"] = ""
+    objects: Dict[str, List[Dict[str, Any]]] = {
+        "services": [api_object(service("web", WEB_IP, [port(80, 8080, name="http")])), theirs],
+        "endpointslices": [web_slice(pods), their_slice, headless],
+        "nodes": [{"metadata": {"name": NODE_NAME}}],
+    }
+    with StandInProcess(objects, prefix=["ip", "netns", "exec", sandbox.node]) as url:
+        config = kubeconfig(str(tmp_path / "kubeconfig"), url)
+        run = sandbox.start_netproxy(["run", "--kubeconfig", config, "--hostname-override", NODE_NAME,
+                                      "--metrics-bind-address", "", *combo.flags],
+                                     flavour=combo.path_flavour, log_path=str(tmp_path / "run.log"))
+        try:
+            wait_for(answered_by(sandbox, pods), timeout=60)
+            held = json.loads(proxy.command("status", "--kernel", "-o", "json").stdout)["kernel"]
+            assert [h["service"] for h in held] == ["default/web:http"], held
+            other = sandbox.connect(OTHER_IP, 80, count=3, timeout=0.5)
+            assert other.answered == 0, f"another proxy's service answered through netproxy's rules: {other}"
+        finally:
+            stop_process(run, timeout=15)
+    assert run.returncode == 0

@@ -73,22 +73,31 @@ class ApiError(Exception):
                 "message": self.message, "reason": self.reason, "code": self.code}
 
 
-def _selector_terms(text: Optional[str]) -> List[Tuple[str, str, bool]]:
-    """``a=b,c!=d`` → [(a, b, True), (c, d, False)]; the equality subset both selectors share."""
-    terms = []
+Term = Tuple[str, Optional[str], bool]
+"""(key, value, wanted): ``a=b`` → (a, b, True), ``c!=d`` → (c, d, False); label existence terms
+``k`` → (k, None, True), ``!k`` → (k, None, False) (kube-proxy's informers send ``!k,!l``)."""
+
+
+def _selector_terms(text: Optional[str]) -> List[Term]:
+    """The equality and existence subset of Kubernetes' selectors, as both kinds use it."""
+    terms: List[Term] = []
     for part in (p.strip() for p in (text or "").split(",")):
         if not part:
             continue
         if "!=" in part:
             k, v = part.split("!=", 1)
             terms.append((k.strip(), v.strip(), False))
-        else:
+        elif "=" in part:
             k, v = part.split("==", 1) if "==" in part else part.split("=", 1)
             terms.append((k.strip(), v.strip(), True))
+        elif part.startswith("!"):
+            terms.append((part[1:].strip(), None, False))
+        else:
+            terms.append((part, None, True))
     return terms
 
 
-def _matches(obj: Obj, fields: List[Tuple[str, str, bool]], labels: List[Tuple[str, str, bool]]) -> bool:
+def _matches(obj: Obj, fields: List[Term], labels: List[Term]) -> bool:
     meta = obj.get("metadata") or {}
     for path, want, eq in fields:
         value: Any = obj
@@ -97,12 +106,12 @@ def _matches(obj: Obj, fields: List[Tuple[str, str, bool]], labels: List[Tuple[s
         if (str(value or "") == want) != eq:
             return False
     obj_labels = meta.get("labels") or {}
-    return all((obj_labels.get(k) == v) == eq for k, v, eq in labels)
+    return all(((k in obj_labels) if v is None else (obj_labels.get(k) == v)) == eq for k, v, eq in labels)
 
 
 class Watcher:
-    def __init__(self, resource: Resource, position: int, fields: List[Tuple[str, str, bool]],
-                 labels: List[Tuple[str, str, bool]], bookmarks: bool, namespace: Optional[str]) -> None:
+    def __init__(self, resource: Resource, position: int, fields: List[Term],
+                 labels: List[Term], bookmarks: bool, namespace: Optional[str]) -> None:
         self.resource = resource
         self.position = position
         self.fields = fields
@@ -122,7 +131,9 @@ class Store:
         self.cond = threading.Condition()
         self.rv = 1
         self.objects: Dict[str, Dict[Key, Obj]] = {p: {} for p in RESOURCES}
-        self.log: List[Tuple[int, str, str, Obj]] = []  # (rv, plural, type, object)
+        # (rv, plural, type, object, the object before a MODIFIED): a watch with a selector turns a
+        # change across its selector into ADDED or DELETED, as the real server's watch cache does.
+        self.log: List[Tuple[int, str, str, Obj, Optional[Obj]]] = []
         self.log_rvs: List[int] = []  # the log's versions, for bisection
         self.compacted = 0  # events at or below this version are gone
         self.snapshots: Dict[str, Tuple[int, List[Obj]]] = {}
@@ -134,6 +145,9 @@ class Store:
         self.slow_until = 0.0
         self.slow_delay = 0.0  # seconds added before each answer until slow_until
         self.refused = 0  # requests cut while down (the client's reconnect attempts)
+        self.unserved: Dict[str, int] = {}
+        """plural → 404 (an older server without the resource) or 403 (RBAC denies it), for every
+        request to it until the entry is removed."""
         self.authorizations: List[str] = []  # distinct Authorization headers seen (a test checks tokens are sent)
 
     def go_down(self, seconds: float) -> None:
@@ -149,10 +163,10 @@ class Store:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def _record(self, plural: str, event_type: str, obj: Obj) -> Obj:
+    def _record(self, plural: str, event_type: str, obj: Obj, old: Optional[Obj] = None) -> Obj:
         self.rv += 1
         obj["metadata"]["resourceVersion"] = str(self.rv)
-        self.log.append((self.rv, plural, event_type, obj))
+        self.log.append((self.rv, plural, event_type, obj, old))
         self.log_rvs.append(self.rv)
         self.cond.notify_all()
         return obj
@@ -193,7 +207,7 @@ class Store:
             obj["metadata"]["uid"] = old["metadata"].get("uid")
             obj["metadata"]["creationTimestamp"] = old["metadata"].get("creationTimestamp")
             self.objects[plural][key] = obj
-            return self._record(plural, "MODIFIED", obj)
+            return self._record(plural, "MODIFIED", obj, old)
 
     def apply(self, plural: str, obj: Obj) -> Obj:
         """Create or replace (a test convenience, like ``kubectl apply``)."""
@@ -223,7 +237,7 @@ class Store:
                 self.objects[plural][self._key(res, obj)] = obj
                 self.rv += 1
                 obj["metadata"]["resourceVersion"] = str(self.rv)
-                self.log.append((self.rv, plural, "ADDED", obj))
+                self.log.append((self.rv, plural, "ADDED", obj, None))
                 self.log_rvs.append(self.rv)
             self.cond.notify_all()
 
@@ -364,6 +378,12 @@ class Handler(BaseHTTPRequestHandler):
                 auth = self.headers.get("Authorization")
                 if auth and auth not in store.authorizations:
                     store.authorizations.append(auth)
+            unserved = store.unserved.get(res.plural)
+            if unserved == 404:
+                raise ApiError(404, "NotFound", f"the server could not find the requested resource ({res.plural})")
+            if unserved is not None:
+                raise ApiError(unserved, "Forbidden", f'{res.plural} is forbidden: User "system:serviceaccount:'
+                               f'kube-system:netproxy" cannot list resource "{res.plural}"')
             status = store.take_fault(self.path, is_watch)
             if status is not None:
                 raise ApiError(status, "InternalError" if status >= 500 else "Injected", f"injected {status}")
@@ -475,6 +495,16 @@ class Handler(BaseHTTPRequestHandler):
     def _visible(self, w: Watcher, obj: Obj, key: Key) -> bool:
         return (w.namespace is None or key[0] == w.namespace) and _matches(obj, w.fields, w.labels)
 
+    def _seen(self, w: Watcher, event_type: str, obj: Obj, old: Optional[Obj]) -> List[Tuple[str, Obj]]:
+        """What a watcher with selectors sees of one event: a MODIFIED whose object enters the
+        selection is ADDED, one that leaves it DELETED (with the new object), as the real server."""
+        now = self._visible(w, obj, self._key(obj))
+        if event_type == "MODIFIED" and old is not None:
+            before = self._visible(w, old, self._key(old))
+            if before != now:
+                return [("ADDED" if now else "DELETED", obj)]
+        return [(event_type, obj)] if now else []
+
     def _stream(self, w: Watcher, deadline: float) -> None:
         store = self.server.store
         while True:
@@ -488,8 +518,8 @@ class Handler(BaseHTTPRequestHandler):
                         batch: List[Tuple[str, Obj]] = [("ERROR", err.status())]
                         break
                     start = bisect.bisect_right(store.log_rvs, w.position)
-                    batch = [(t, o) for _, p, t, o in store.log[start:]
-                             if p == w.resource.plural and self._visible(w, o, self._key(o))]
+                    batch = [seen for _, p, t, o, old in store.log[start:] if p == w.resource.plural
+                             for seen in self._seen(w, t, o, old)]
                     if batch or w.bookmark_due:
                         break
                     left = deadline - time.monotonic()
