@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 class BoundedFrequencyRunner:
     def __init__(self, fn: Callable[[], None], min_interval: float, max_interval: float,
                  clock: Callable[[], float] = time.monotonic, idle: Optional[Callable[[], object]] = None,
-                 idle_interval: float = 0.5) -> None:
+                 idle_interval: float = 0.5, ready: Optional[Callable[[], bool]] = None) -> None:
         if min_interval < 0 or max_interval <= 0 or min_interval > max_interval:
             raise ValueError(f"need 0 <= min_interval ({min_interval}) <= max_interval ({max_interval})")
         self.fn = fn
@@ -37,6 +37,10 @@ class BoundedFrequencyRunner:
         during ``fn``): the check for rules changed behind the proxy's back, which may request a run."""
         self.idle_interval = idle_interval
         self._last_idle: Optional[float] = None
+        self.ready = ready
+        """False until ``fn`` has something to do (the source's first lists): a run asked for before
+        then is held, not spent, so the first sync starts the moment the lists arrive (the request
+        they make wakes the loop) instead of ``min_interval`` after an empty first run."""
 
     def request(self) -> None:
         """Something changed: run soon (but not sooner than min_interval after the last run)."""
@@ -66,7 +70,7 @@ class BoundedFrequencyRunner:
     def step(self, now: Optional[float] = None) -> bool:
         """Run ``fn`` if it is due at ``now``; return whether it ran."""
         now = self.clock() if now is None else now
-        if self.due_in(now) > 0:
+        if self.due_in(now) > 0 or not self._ready():
             return False
         with self._lock:
             self._requested = False
@@ -75,6 +79,9 @@ class BoundedFrequencyRunner:
         self.runs += 1
         self.fn()
         return True
+
+    def _ready(self) -> bool:
+        return self.ready is None or self.ready()
 
     def idle_step(self, now: Optional[float] = None) -> float:
         """Call ``idle`` if its interval has passed at ``now``; seconds until it is due again."""
@@ -97,6 +104,10 @@ class BoundedFrequencyRunner:
                 continue
             self._wake.clear()
             idle_in = self.idle_step()
+            if not self._ready():
+                # Nothing to run yet: sleep until a request (the lists arriving) wakes us.
+                self._wake.wait(min(idle_in, self.max_interval))
+                continue
             delay = min(self.due_in(self.clock()), idle_in)
             if delay > 0:
                 self._wake.wait(delay)

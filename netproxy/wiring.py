@@ -136,7 +136,7 @@ def build_proxy(config: ProxyConfig, backend: Backend, source: Source) -> Proxy:
     # The runner calls the proxier and the proxier asks the runner for syncs: the runner is made
     # first and reaches the proxier through these two calls, bound once the proxier exists.
     runner = BoundedFrequencyRunner(lambda: proxier.sync(), config.min_sync_period, config.sync_period,
-                                    idle=lambda: proxier.check_tampering())
+                                    idle=lambda: proxier.check_tampering(), ready=lambda: tracker.ready)
     tracker = ChangeTracker(NodeInfo(name=config.hostname),  # ETP/ITP Local need the node name from the start
                             on_change=lambda: queued(), service_cidrs=config.service_cidrs)
     queued = QueuedChanges(tracker, health, runner.request)

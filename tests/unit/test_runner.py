@@ -180,3 +180,39 @@ def test_loop_runs_on_request_and_stops_when_woken() -> None:
         thread.join(timeout=5)
     assert not thread.is_alive()
     assert runner.runs == 2
+
+
+def test_a_run_asked_for_before_the_source_is_ready_waits_for_it_not_for_min_interval() -> None:
+    """The first lists arrive after the loop started: the first sync runs the moment they do (their
+    request), not ``min_interval`` after an empty run spent while nothing was there to sync."""
+    clock = Clock()
+    ran: List[float] = []
+    ready = [False]
+    runner = BoundedFrequencyRunner(lambda: ran.append(clock()), 1.0, 30.0, clock=clock, ready=lambda: ready[0])
+    assert runner.step() is False and runner.runs == 0  # asked for at start, held
+    clock.advance(0.3)
+    assert runner.step() is False
+    ready[0] = True
+    runner.request()  # what the tracker's services_synced/endpoints_synced do
+    assert runner.step() is True and ran == [clock()]  # at once: 0.3 s after start, not 1.0
+    clock.advance(0.2)
+    runner.request()
+    assert runner.step() is False  # from here min_interval holds as ever
+
+
+def test_the_loop_sleeps_until_the_source_is_ready_and_then_runs_at_once() -> None:
+    ran = threading.Event()
+    ready = [False]
+    runner = BoundedFrequencyRunner(ran.set, 5.0, 30.0, ready=lambda: ready[0])
+    stop = threading.Event()
+    loop = threading.Thread(target=runner.loop, args=(stop,), daemon=True)
+    loop.start()
+    try:
+        assert not ran.wait(0.3)
+        ready[0] = True
+        runner.request()
+        assert ran.wait(2.0), "the first run did not follow the request"
+    finally:
+        stop.set()
+        runner.wake()
+        loop.join(2.0)
