@@ -1,8 +1,10 @@
 """HTTP health checks, as kube-proxy serves them.
 
 - Per service with ``externalTrafficPolicy: Local`` and a ``healthCheckNodePort``: a server on that
-  port answering 200 with the number of local endpoints when there are some, 503 when not, so that
-  a load balancer only sends traffic to nodes that can serve it locally.
+  port answering 200 while the service has local endpoints *and* the proxy is healthy (no change
+  waiting past the healthz timeout), 503 otherwise, with the local endpoint count in
+  ``X-Load-Balancing-Endpoint-Weight`` and kube-proxy's JSON body — so that a load balancer only
+  sends traffic to nodes that can serve it locally and whose rules are being kept up to date.
 - ``/healthz`` and ``/livez`` for the proxy itself (``--healthz-bind-address``): 503 once a queued
   change has waited longer than the healthz timeout (and /healthz while the node is being deleted).
 """
@@ -29,18 +31,20 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
 
 
-Body = Callable[[str], Tuple[int, Dict[str, object]]]
-"""Answers a GET of a path: (HTTP code, JSON payload)."""
+Body = Callable[[str], Tuple[int, Dict[str, object], Dict[str, str]]]
+"""Answers a GET of a path: (HTTP code, JSON payload, extra headers)."""
 
 
 def _handler(body: Body) -> type:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-            code, payload = body(self.path)
+            code, payload, headers = body(self.path)
             data = json.dumps(payload).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("X-Content-Type-Options", "nosniff")
+            for name, value in headers.items():
+                self.send_header(name, value)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -64,8 +68,11 @@ def _serve(host: str, port: int, body: Body) -> Optional[_Server]:
 class ServiceHealthServers:
     """One listener per health-check node port, updated from each synced snapshot."""
 
-    def __init__(self, host: str = "") -> None:
+    def __init__(self, host: str = "", health: Optional[ProxyHealth] = None) -> None:
         self.host = host
+        self.health = health
+        """The proxy's own health (kube-proxy: ``healthzServer.IsHealthy()``, which leaves the node's
+        deletion to /healthz): a stuck proxy must not keep attracting load-balanced traffic."""
         self._counts: Dict[Key, int] = {}
         self._servers: Dict[int, Tuple[Key, Optional[_Server]]] = {}
         self._lock = threading.Lock()
@@ -96,12 +103,14 @@ class ServiceHealthServers:
                 self._servers[port] = (key, _serve(self.host, port, self._answer(key)))
 
     def _answer(self, key: Key) -> Body:
-        def body(path: str) -> Tuple[int, Dict[str, object]]:
+        def body(path: str) -> Tuple[int, Dict[str, object], Dict[str, str]]:
             with self._lock:
                 count = self._counts.get(key, 0)
+            healthy = self.health is None or self.health.healthy()
             payload: Dict[str, object] = {"service": {"namespace": key[0], "name": key[1]},
-                                          "localEndpoints": count, "serviceProxyHealthy": True}
-            return (200 if count > 0 else 503), payload
+                                          "localEndpoints": count, "serviceProxyHealthy": healthy}
+            code = 200 if count > 0 and healthy else 503
+            return code, payload, {"X-Load-Balancing-Endpoint-Weight": str(count)}
         return body
 
     def close(self) -> None:
@@ -179,13 +188,13 @@ class ProxyHealth:
         host, _, port = address.rpartition(":")
         self.server = _serve(host.strip("[]"), int(port), self._answer)
 
-    def _answer(self, path: str) -> Tuple[int, Dict[str, object]]:
+    def _answer(self, path: str) -> Tuple[int, Dict[str, object], Dict[str, str]]:
         """/livez and /healthz (any other path: /healthz, as kube-proxy's mux)."""
         from netproxy import metrics
 
         code, payload = self.status(path)
         (metrics.LIVEZ if path.split("?")[0] == "/livez" else metrics.HEALTHZ).labels(str(code)).inc()
-        return code, payload
+        return code, payload, {}
 
 
 def _iso(t: Optional[float]) -> str:

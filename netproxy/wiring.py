@@ -127,7 +127,7 @@ def build_proxy(config: ProxyConfig, backend: Backend, source: Source) -> Proxy:
     from netproxy.runner import BoundedFrequencyRunner
 
     health = ProxyHealth(2 * config.sync_period)  # kube-proxy's healthz timeout
-    services = ServiceHealthServers()
+    services = ServiceHealthServers(health=health)
     hooks: List[Callable[[Optional[Snapshot], Snapshot], None]] = []
     if is_kernel(backend):
         hooks.append(Reconciler(period=config.sync_period).after_sync)

@@ -10,7 +10,7 @@ import urllib.request
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from netproxy.healthcheck import ServiceHealthServers
+from netproxy.healthcheck import ProxyHealth, ServiceHealthServers
 from netproxy.lab.manifests import service_port
 from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
 from netproxy.nodeaddr import local_addresses
@@ -32,11 +32,15 @@ def snap(svc: ServicePort, *eps: Endpoint, node: Optional[NodeInfo] = None) -> S
 
 
 def _get(port: int, path: str = "/") -> Any:
+    return _get_with_headers(port, path)[:2]
+
+
+def _get_with_headers(port: int, path: str = "/") -> Any:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
-            return resp.status, json.loads(resp.read())
+            return resp.status, json.loads(resp.read()), resp.headers
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+        return err.code, json.loads(err.read()), err.headers
 
 
 def _free_port() -> int:
@@ -67,6 +71,36 @@ def test_health_check_node_port_answers_local_endpoint_count() -> None:
             raise AssertionError("health check port still open after the service went away")
         except urllib.error.URLError:
             pass
+    finally:
+        servers.close()
+
+
+def test_health_check_node_port_tells_the_truth_about_a_stuck_proxy() -> None:
+    """kube-proxy's service health server: 200 only with local endpoints *and* a healthy proxy (no
+    change waiting past the healthz timeout); the count in X-Load-Balancing-Endpoint-Weight; the body
+    says ``serviceProxyHealthy``."""
+    port = _free_port()
+    svc = ServicePort(ServicePortName("shop", "lb", "http"), "TCP", 80, 8080, cluster_ips=(IP("10.96.0.9"),),
+                      external_traffic_policy="Local", health_check_node_port=port, service_type="LoadBalancer")
+    now = [100.0]
+    health = ProxyHealth(timeout=60.0, clock=lambda: now[0])
+    servers = ServiceHealthServers(host="127.0.0.1", health=health)
+    try:
+        servers.update(snap(svc, ep("10.244.1.1", node_name="node-a"), ep("10.244.1.2", node_name="node-a"),
+                            node=NodeInfo(name="node-a")))
+        code, body, headers = _get_with_headers(port)
+        assert (code, body["serviceProxyHealthy"], headers["X-Load-Balancing-Endpoint-Weight"]) == (200, True, "2")
+        assert body == {"service": {"namespace": "shop", "name": "lb"}, "localEndpoints": 2,
+                        "serviceProxyHealthy": True}
+        health.queued()  # a change that cannot be written (the kernel refuses every write)...
+        now[0] += 59.0
+        assert _get(port)[0] == 200  # ...not yet past the timeout
+        now[0] += 2.0
+        code, body, headers = _get_with_headers(port)
+        assert (code, body["localEndpoints"], body["serviceProxyHealthy"]) == (503, 2, False)
+        assert headers["X-Load-Balancing-Endpoint-Weight"] == "2"
+        health.synced()  # written at last
+        assert _get(port)[0] == 200
     finally:
         servers.close()
 
