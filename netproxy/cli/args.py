@@ -226,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--source", help="manifest file or directory, watched for changes")
     src.add_argument("--kubeconfig", action=_Store, help="read the Kubernetes API with this kubeconfig")
     p.add_argument("--use-endpoints", action="store_true", help="read v1 Endpoints instead of EndpointSlices")
+    p.add_argument("--init-only", action="store_true",
+                   help="kube-proxy's flag: the set-up that needs full privileges (conntrack sysctls, "
+                        "route_localnet, the backend's kernel modules), then exit 0 without a source or a rule "
+                        "written; the proxy then runs with NET_ADMIN and NET_RAW only (deploy/daemonset.yaml)")
     p.add_argument("--metrics-bind-address", default=D.metrics_bind_address, action=_Store,
                    help="host:port for /metrics ('' off)")
     p.add_argument("--healthz-bind-address", default=D.healthz_bind_address, action=_Store,

@@ -22,6 +22,8 @@ log = logging.getLogger("netproxy")
 def cmd_run(args: argparse.Namespace) -> int:
     from netproxy import metrics
 
+    if args.init_only:
+        return init_only(args)
     source = make_source(args, hostname(args))
     backend, config = make_backend(args, read_node=lambda: start_node(args, source),
                                    lock_waits=metrics.IPTABLES_LOCK_WAIT.observe)
@@ -51,6 +53,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     for why in proxy.failures:
         log.error("%s", why)
     return EXIT_FAILED if proxy.failures else EXIT_OK
+
+
+def init_only(args: argparse.Namespace) -> int:
+    """kube-proxy's ``--init-only``: what needs more than NET_ADMIN and NET_RAW, done once by a
+    privileged init container — the backend's probe (which loads its kernel modules), route_localnet
+    for NodePorts on 127.0.0.1 (iptables), the conntrack sysctls — then exit without reading a source
+    or writing a rule.  The same settings in the proxy's own start then find them already made."""
+    backend, config = make_backend(args)
+    backend.probe()
+    ensure_localhost_nodeports(backend.name, config)
+    set_conntrack_sysctls(args, backend)
+    log.info("netproxy %s: --init-only: the node is set up for the %s backend; exiting without writing rules",
+             version(), backend.name)
+    return EXIT_OK
 
 
 def make_source(args: argparse.Namespace, hostname: str) -> Source:

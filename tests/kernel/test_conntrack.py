@@ -9,6 +9,7 @@ the stale entry, not a dead pod.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
@@ -277,3 +278,19 @@ def test_a_max_the_namespace_cannot_set_stops_the_start_naming_it(proxy: Proxy, 
     assert sandbox.connect(UDP_IP, 53, proto="udp", count=1, timeout=0.3).answered == 0  # nothing was written
     sync(proxy, dns([sandbox.pods[0]]), "--conntrack-max-per-core", "0")
     answered_by(proxy, sandbox, sandbox.pods[0])
+
+
+def test_init_only_sets_the_node_up_and_writes_no_rule(proxy: Proxy, sandbox: Sandbox) -> None:
+    """kube-proxy's --init-only, the privileged half of the split DaemonSet: the sysctls are set in
+    the node's namespace, the process exits 0 without a source, nothing is programmed; the proxy's
+    own start afterwards finds the settings made."""
+    write_manifests(proxy.source, dns([sandbox.pods[0]]))  # there, but --init-only must not read it
+    proc = proxy.command("run", "--init-only", *proxy.base_flags, "--conntrack-udp-timeout", "53s")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert read_sysctl(sandbox, sandbox.node, "nf_conntrack_udp_timeout") == 53
+    assert "--init-only" in proc.stderr + proc.stdout
+    held = json.loads(proxy.command("status", "--kernel", "-o", "json").stdout)["kernel"]
+    assert held == [], f"--init-only wrote rules: {held}"
+    assert sandbox.connect(UDP_IP, 53, proto="udp", count=1, timeout=0.3).answered == 0
+    proc = sync(proxy, dns([sandbox.pods[0]]), "--conntrack-udp-timeout", "53s")
+    assert "nf_conntrack_udp_timeout is already 53" in proc.stderr + proc.stdout

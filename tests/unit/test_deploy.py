@@ -135,6 +135,27 @@ def test_daemonset_has_what_the_backends_need() -> None:
     assert not mounts["/run/xtables.lock"].get("readOnly")
 
 
+@pytest.mark.parametrize("name", ["daemonset.yaml", "daemonset-kubeadm.yaml"])
+def test_the_privileged_set_up_is_an_init_container_with_init_only(name: str) -> None:
+    """kube-proxy's split layout: ``run --init-only`` privileged in an init container (sysctls,
+    modules), the proxy itself with NET_ADMIN and NET_RAW only; both the same image and node."""
+    (ds,) = by_kind(name, "DaemonSet")
+    spec = ds["spec"]["template"]["spec"]
+    (init,) = spec["initContainers"]
+    (proxy,) = spec["containers"]
+    assert init["image"] == proxy["image"] and init["command"] == proxy["command"]
+    args = cli_args(init["args"])
+    assert (args.command, args.init_only, args.hostname_override) == ("run", True, "node-1")
+    assert init["securityContext"] == {"privileged": True}
+    assert proxy["securityContext"]["privileged"] is False and not cli_args(proxy["args"]).init_only
+    # What the proxy reads its settings from, the init container reads too (kubeadm: --config).
+    assert [a for a in init["args"] if a.startswith("--config")] == [a for a in proxy["args"]
+                                                                     if a.startswith("--config")]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in init["volumeMounts"]}
+    assert volumes[mounts["/lib/modules"]["name"]]["hostPath"]["path"] == "/lib/modules"
+
+
 def cli_args(args: List[str]) -> Any:
     return build_parser().parse_args([a.replace("$(NODE_NAME)", "node-1") for a in args])
 
