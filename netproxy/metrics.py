@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Tuple
 
-from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 
 log = logging.getLogger(__name__)
 # kube-proxy's Go client exposes no ``*_created`` series; prometheus_client adds one per counter and
@@ -123,13 +123,3 @@ def record_failure(backend: str, full: bool) -> None:
             if not full:
                 IPTABLES_PARTIAL_RESTORE_FAILURES.labels(family).inc()
 
-
-def serve(address: str) -> None:
-    """Serve /metrics on ``host:port``; a port already taken is logged, not fatal."""
-    if not address:
-        return
-    host, _, port = address.rpartition(":")
-    try:
-        start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0")
-    except (OSError, ValueError) as err:
-        log.warning("metrics not served on %s: %s", address, err)

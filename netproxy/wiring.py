@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 from netproxy import backends
 from netproxy.backends.base import Backend
@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # imported where built: the proxier pulls in prometheus_clien
     from netproxy.nodeaddr import NodeAddressWatcher
     from netproxy.proxier import Proxier
     from netproxy.runner import BoundedFrequencyRunner
+    from netproxy.zpages import Page
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +90,16 @@ class Proxy:
     failures: List[str] = field(default_factory=list)
     """Why the proxy stopped on its own (exit 1), e.g. the Node's pod CIDRs changed."""
     watcher: Optional[NodeAddressWatcher] = None
+    zpages: Dict[str, Page] = field(default_factory=dict)
+    """kube-proxy's /statusz, /flagz, /configz and /proxyMode beside /metrics (netproxy/zpages.py)."""
 
     def start(self) -> None:
-        from netproxy import metrics
+        from netproxy import metrics, zpages
 
         config, backend = self.config, self.backend
         self.health.serve(config.healthz_bind_address)
         metrics.set_families(metrics.families())  # the IPv4 series exist before the first sync
-        metrics.serve(config.metrics_bind_address)
+        zpages.serve(config.metrics_bind_address, self.zpages)
         metrics.BACKEND.labels(backend.name, writer(config, backend.name, "")).set(1)
         self.source.start(self.tracker)
         if self.watcher is not None:

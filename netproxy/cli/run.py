@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+from typing import Any, List, Tuple
 
 from netproxy import detect as detect_mod
-from netproxy import skew, version
+from netproxy import skew, version, zpages
 from netproxy.cli.args import EXIT_FAILED, EXIT_OK
-from netproxy.cli.settings import make_backend, set_conntrack_sysctls
+from netproxy.cli.settings import conntrack_settings, make_backend, set_conntrack_sysctls
 from netproxy.nodeconfig import ensure_localhost_nodeports, hostname, start_node
 from netproxy.source.base import Source
 from netproxy.source.files import FileSource, SourceError
@@ -32,6 +33,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     set_conntrack_sysctls(args, backend)
     skew.settle(backend.name, config)
     proxy = build_proxy(config, backend, source)
+    proxy.zpages = zpages.pages(config, zpages.conntrack_section(conntrack_settings(args)), {},
+                                flag_values(args), version(), kubeconfig=args.kubeconfig or "")
 
     def _stop(signum: int, _frame: object) -> None:
         log.info("signal %d: stopping", signum)
@@ -67,6 +70,15 @@ def init_only(args: argparse.Namespace) -> int:
     log.info("netproxy %s: --init-only: the node is set up for the %s backend; exiting without writing rules",
              version(), backend.name)
     return EXIT_OK
+
+
+INTERNAL = ("command", "given", "from_config", "func")
+"""Attributes argparse's namespace carries that are no flag."""
+
+
+def flag_values(args: argparse.Namespace) -> List[Tuple[str, Any]]:
+    """(flag name, effective value) of every flag ``run`` has, for /flagz (--config's values included)."""
+    return [(name.replace("_", "-"), value) for name, value in vars(args).items() if name not in INTERNAL]
 
 
 def make_source(args: argparse.Namespace, hostname: str) -> Source:
