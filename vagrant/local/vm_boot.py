@@ -81,6 +81,10 @@ def boot(node: Node, wh: Path, timer: Timer) -> Result:
     logfile = CACHE / "logs" / f"{node.name}.log"
     logfile.parent.mkdir(parents=True, exist_ok=True)
     full = " netproxy.full=1" if os.environ.get("NETPROXY_VM_FULL", "") == "1" else ""
+    # How far the guest's waits stretch (its NETPROXY_TEST_TIME_SCALE; guest-test's default is 4 for
+    # TCG alone): make test runs the guest beside the host's tests, where it gets about half a core.
+    scale = os.environ.get("NETPROXY_VM_TIME_SCALE", "")
+    full += f" netproxy.time_scale={scale}" if scale.replace(".", "", 1).isdigit() else ""
     append = f"console=ttyS0 panic=-1 quiet loglevel=4 netproxy.node={node.name}{full} {node.kernel_args}".strip()
     cmd = [
         "qemu-system-x86_64", "-accel", "tcg,thread=multi", "-m", str(MEMORY_MB), "-smp", str(CPUS),
