@@ -12,7 +12,8 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@scripts/setup-system.sh
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# A venv whose creation was interrupted has a python but no pip: make it again.
+	@$(PY) -m pip --version >/dev/null 2>&1 || { rm -rf $(VENV); $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,bench]'
 	@touch $@

@@ -6,6 +6,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
+from netproxy.features import effective
 from netproxy.model import FieldError, IPNetwork, check_cidr
 
 BACKENDS = ("auto", "iptables", "nftables", "fake")
@@ -50,6 +51,8 @@ class ProxyConfig:
     service_cidrs: Tuple[IPNetwork, ...] = ()
     """--service-cluster-ip-range: service CIDRs known without the API's ServiceCIDR objects (the
     tracker joins both into ``Snapshot.service_cidrs``, which is what the backends read)."""
+    feature_gates: Tuple[Tuple[str, bool], ...] = field(default_factory=lambda: effective({}))
+    """kube-proxy's feature gates, every one netproxy knows with its value (netproxy/features.py)."""
     iptables_lock_timeout: float = 5.0
     """Seconds to wait for the xtables lock held by another program (legacy iptables)."""
     metrics_bind_address: str = "127.0.0.1:10249"

@@ -27,6 +27,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 import yaml
 
+from netproxy import features
 from netproxy.config import ProxyConfig, check_interface_name, parse_cidrs
 from netproxy.model import FieldError
 from netproxy.nodeconfig import parse_nodeport_addresses
@@ -233,7 +234,17 @@ def parse(doc: Any) -> FileConfig:
     gates = doc.get("featureGates") or {}
     if not isinstance(gates, dict):
         raise FieldError("featureGates", f"expected a mapping of gate names to true/false, not {type(gates).__name__}")
-    not_applied += [f"featureGates.{g}" for g in gates]
+    # The gates netproxy has are applied (a bad value is an error); others are named as not applied
+    # rather than refused: a kubeadm ConfigMap carries the cluster's gates, which kube-proxy's binary
+    # knows all of (every Kubernetes gate), and refusing them would stop a node kube-proxy runs on.
+    # The --feature-gates flag, which a person types for this proxy, refuses an unknown one.
+    ours = {g: v for g, v in gates.items() if g in features.GATES}
+    not_applied += [f"featureGates.{g}" for g in gates if g not in features.GATES]
+    if ours:
+        try:
+            values["feature_gates"] = features.checked(ours)
+        except features.GateError as err:
+            raise FieldError("featureGates", str(err)) from None
     if _string(doc, "bindAddress") not in ("", "0.0.0.0", "::"):
         not_applied.append("bindAddress")
     not_applied += [k for k in _NOT_APPLIED if not _is_zero(doc.get(k))]

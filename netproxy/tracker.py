@@ -36,8 +36,11 @@ class ChangeTracker:
     """Holds the latest state from the sources and what changed since the last :meth:`take`."""
 
     def __init__(self, node: Optional[NodeInfo] = None, on_change: Optional[Callable[[], None]] = None,
-                 service_cidrs: Tuple[IPNetwork, ...] = ()) -> None:
+                 service_cidrs: Tuple[IPNetwork, ...] = (), external_ips: bool = True) -> None:
         self._lock = threading.Lock()
+        self._external_ips = external_ips
+        """kube-proxy's AllowServiceExternalIPs gate: false drops every service's spec.externalIPs as it
+        enters, so that no backend sees them (the rest of the service is served as ever)."""
         self._flag_cidrs = tuple(service_cidrs)
         """--service-cluster-ip-range: always part of the snapshot's service CIDRs."""
         self._cidr_objects: Dict[str, Tuple[IPNetwork, ...]] = {}
@@ -202,6 +205,8 @@ class ChangeTracker:
         old = self._services.get(key)
         if old is ports and ports:
             return  # the same object again (a cached file part): nothing to compare
+        if ports and not self._external_ips:
+            ports = tuple(replace(p, external_ips=()) if p.external_ips else p for p in ports)
         if ports is None or not ports:
             if old is not None:
                 del self._services[key]

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
-from netproxy import backends
+from netproxy import backends, features
 from netproxy.backends.base import Backend
 from netproxy.config import ProxyConfig
 from netproxy.model import NodeInfo, Snapshot
@@ -141,7 +141,8 @@ def build_proxy(config: ProxyConfig, backend: Backend, source: Source) -> Proxy:
     runner = BoundedFrequencyRunner(lambda: proxier.sync(), config.min_sync_period, config.sync_period,
                                     idle=lambda: proxier.check_tampering(), ready=lambda: tracker.ready)
     tracker = ChangeTracker(NodeInfo(name=config.hostname),  # ETP/ITP Local need the node name from the start
-                            on_change=lambda: queued(), service_cidrs=config.service_cidrs)
+                            on_change=lambda: queued(), service_cidrs=config.service_cidrs,
+                            external_ips=features.enabled(config.feature_gates, "AllowServiceExternalIPs"))
     queued = QueuedChanges(tracker, health, runner.request)
     proxier = Proxier(tracker, backend, config, retry=runner.retry_after, request=runner.request,
                       health=health, after_sync=hooks)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from typing import Any, NoReturn, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, NoReturn, Optional, Sequence, Tuple, Union
 
-from netproxy import version
+from netproxy import features, version
 from netproxy.config import (
     BACKENDS,
     IPTABLES_WRITERS,
@@ -170,7 +170,17 @@ def _add_proxy(p: argparse.ArgumentParser) -> None:
                    help="legacy iptables: wait at most this long for the xtables lock (/run/xtables.lock) "
                    "another program holds, then fail the sync naming the holder and retry "
                    f"({D.iptables_lock_timeout:g}s, kube-proxy's -w 5)")
+    p.add_argument("--feature-gates", type=feature_gates, default={}, action=_Store, metavar="Name=BOOL,...",
+                   help="kube-proxy's feature gates netproxy has: " + ", ".join(sorted(features.GATES)) +
+                   " (an unknown gate is an error)")
     _add_conntrack(p)
+
+
+def feature_gates(text: str) -> Dict[str, bool]:
+    try:
+        return features.parse(text)
+    except features.GateError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _add_conntrack(p: argparse.ArgumentParser) -> None:

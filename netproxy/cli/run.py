@@ -33,7 +33,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     set_conntrack_sysctls(args, backend)
     skew.settle(backend.name, config)
     proxy = build_proxy(config, backend, source)
-    proxy.zpages = zpages.pages(config, zpages.conntrack_section(conntrack_settings(args)), {},
+    proxy.zpages = zpages.pages(config, zpages.conntrack_section(conntrack_settings(args)), args.feature_gates,
                                 flag_values(args), version(), kubeconfig=args.kubeconfig or "")
 
     def _stop(signum: int, _frame: object) -> None:

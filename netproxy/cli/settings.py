@@ -7,7 +7,7 @@ import argparse
 import logging
 from typing import Callable, Optional, Tuple
 
-from netproxy import ctsysctl
+from netproxy import ctsysctl, features
 from netproxy import detect as detect_mod
 from netproxy.backends.base import Backend
 from netproxy.config import ProxyConfig
@@ -56,6 +56,7 @@ def proxy_config(args: argparse.Namespace, backend: str, flavour: str,
         healthz_bind_address=getattr(args, "healthz_bind_address", D.healthz_bind_address),
         **local_detection(args, node),
         iptables_lock_timeout=getattr(args, "iptables_lock_timeout", D.iptables_lock_timeout),
+        feature_gates=features.effective(getattr(args, "feature_gates", {})),
     )
 
 

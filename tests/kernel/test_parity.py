@@ -456,6 +456,30 @@ def test_itp_local(proxy: Proxy, sandbox: Sandbox) -> None:
     assert_dropped(none_local, 2)
 
 
+# ---- feature gates -----------------------------------------------------------------------------
+
+
+def test_allow_service_external_ips_false_serves_everything_but_external_ips(proxy: Proxy, sandbox: Sandbox) -> None:
+    """kube-proxy 1.36's AllowServiceExternalIPs=false: a service's spec.externalIPs get no rules (the
+    address is not this proxy's to answer), its ClusterIP and load-balancer IP are served as ever."""
+    pods = local(sandbox)
+    write_manifests(proxy.source, web(pods, type="LoadBalancer", externalIPs=[EXTERNAL_IP],
+                                      load_balancer_ips=[LB_IP]))
+    proc = proxy.command("sync", "--source", proxy.source, *proxy.base_flags,
+                         "--feature-gates", "AllowServiceExternalIPs=false")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cluster_ip, lb_ip, external = connect_all(
+        sandbox, (SVC_IP, 80, {"count": 30}), (LB_IP, 80, {"count": 30, "source": sandbox.ext}),
+        (EXTERNAL_IP, 80, {"count": 2, "timeout": DROP_TIMEOUT, "source": sandbox.ext}))
+    assert_only_and_all(cluster_ip, pods, total=30)
+    assert_only_and_all(lb_ip, pods, total=30)
+    assert external.answered == 0, f"the external IP was served with the gate off: {external.counts}"
+    # The same objects with the gate at its default: the external IP answers.
+    proxy.sync(web(pods, type="LoadBalancer", externalIPs=[EXTERNAL_IP], load_balancer_ips=[LB_IP]))
+    assert_only_and_all(sandbox.connect(EXTERNAL_IP, 80, count=30, source=sandbox.ext, timeout=ANSWER_TIMEOUT),
+                        pods, total=30)
+
+
 # ---- loadBalancerSourceRanges ------------------------------------------------------------------
 
 
