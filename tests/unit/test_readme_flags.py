@@ -1,0 +1,45 @@
+"""The README names only flags that exist: every ``--flag`` it writes is an option of some netproxy
+command (or of the other tool it is quoted with), and the flags people look for there are named."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from typing import Set
+
+from netproxy.cli.args import build_parser
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OTHER_TOOLS = {"--noflush": "iptables-restore", "--net": "unshare", "--debug": "nft (--debug=netlink)",
+               "--strict": "mypy"}
+
+
+def netproxy_flags() -> Set[str]:
+    parser = build_parser()
+    found = {o for a in parser._actions for o in a.option_strings}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= {o for a in sub._actions for o in a.option_strings}
+    return found
+
+
+def readme_flags() -> Set[str]:
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    # A family written as `--conntrack-*` is no flag name: the match must end the word.
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9](?![\w*.-])", text))
+
+
+def test_every_flag_the_readme_names_exists() -> None:
+    ours = netproxy_flags()
+    missing = sorted(f for f in readme_flags() if f not in ours and f not in OTHER_TOOLS)
+    assert not missing, f"README names flags no netproxy command has: {missing}"
+
+
+def test_the_readme_names_the_run_and_sync_flags_people_look_for() -> None:
+    named = readme_flags()
+    for flag in ("--use-endpoints", "--iptables-flavour", "--iptables-lock-timeout", "--feature-gates",
+                 "--init-only", "--version"):
+        assert flag in named, flag
