@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Set
 
 from netproxy.cli.args import build_parser
@@ -43,3 +46,21 @@ def test_the_readme_names_the_run_and_sync_flags_people_look_for() -> None:
     for flag in ("--use-endpoints", "--iptables-flavour", "--iptables-lock-timeout", "--feature-gates",
                  "--init-only", "--version"):
         assert flag in named, flag
+
+
+def test_plans_exit_codes_are_the_documented_ones(tmp_path: object) -> None:
+    """README: plan exits 0 printed, 1 unreadable source, 2 some objects rejected."""
+    bad = Path(str(tmp_path)) / "bad.yaml"
+    bad.write_text("apiVersion: v1\nkind: Service\nmetadata: {name: Bad_Name, namespace: default}\n"
+                   "spec: {clusterIP: 10.96.0.9, ports: [{port: 80}]}\n")
+
+    def plan(source: str) -> int:
+        return subprocess.run([sys.executable, "-m", "netproxy", "plan", "--backend", "nftables", "--source", source],
+                              capture_output=True).returncode
+
+    with open(os.path.join(REPO, "README.md")) as f:
+        row = next(line for line in f if line.startswith("| `netproxy plan --source PATH"))
+    assert "0 printed; 1 the source is unreadable" in row and "2 some objects rejected" in row
+    assert plan(os.path.join(REPO, "examples", "cluster.yaml")) == 0
+    assert plan(str(Path(str(tmp_path)) / "missing.yaml")) == 1
+    assert plan(str(bad)) == 2
