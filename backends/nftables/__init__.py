@@ -103,8 +103,18 @@ class NftablesBackend:
         netlink request); only then do the change notifications say whether it touched our tables.
         A reason drops the record, so the next sync rewrites the tables whole."""
         state = self._state
-        if state is None or state.generation is None:
-            return None  # no trusted record: the next full sync rewrites anyway
+        if state is None:
+            return None  # nothing written yet: the next full sync rewrites anyway
+        if state.generation is None:
+            # No trusted generation (another commit landed during our last write): the notifications
+            # cannot vouch for the tables, but a deleted table is still plain to see, and waiting for
+            # the periodic sync to notice it left the node without services for up to --sync-period.
+            gone = state.tables - self.kernel.existing_tables()
+            if not gone:
+                return None
+            self._state = None
+            log.warning("nftables: table %s netproxy deleted by someone else", ", ".join(sorted(gone)))
+            return "table-deleted"
         gen = self.kernel.generation()
         if gen is None or gen == state.generation:
             return None

@@ -118,7 +118,10 @@ def test_flushes_and_edits_behind_its_back_are_repaired_within_2s(proxy: Proxy, 
                 return f"kernel differs from the reference:\n{now[:1500]}"
             return _traffic_ok(sandbox, pods)
 
-        wait_for(repaired, 10, step=0.05)
+        try:
+            wait_for(repaired, 10, step=0.05)
+        except AssertionError as err:  # the run's own account of what it saw and did
+            raise AssertionError(f"{name}: {err}\n--- netproxy run's log ---\n{proxy.run_output()[-5000:]}") from None
         took = time.monotonic() - t0
         counted = sum(_repairs(sandbox).values()) - before
         results.append((name, took))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Dict, Tuple
+from typing import Any, Dict, Tuple
 
 import pytest
 
@@ -354,3 +354,23 @@ def test_incremental_syncs_end_with_the_reference_counts_of_a_fresh_full_build(s
             most = max([most, *got.shared.values(), *got.refs.values()])
         assert dumps(fake) == fresh_dumps(now)
     assert most > 1, "nothing was shared: nothing was tested"
+
+
+def test_a_deleted_table_is_repaired_even_when_our_last_write_could_not_be_vouched_for() -> None:
+    """Someone committed while our full sync wrote (its generation is not ours + 1): the record is
+    not trusted, so change notifications cannot clear a later commit — but a table deleted under it
+    (``nft flush ruleset``) is still seen at once, not only at the next periodic sync."""
+    b, fake = backend()
+    real_apply = fake.apply
+
+    def apply_with_a_commit_beside(ops: Any) -> int:
+        fake.foreign_write(ours=False)  # another program's transaction lands between ours' two reads
+        return int(real_apply(ops))
+
+    fake.apply = apply_with_a_commit_beside  # type: ignore[method-assign]
+    b.sync(_base(), Changes())
+    fake.apply = real_apply  # type: ignore[method-assign]
+    assert b._state is not None and b._state.generation is None, "the record should not be trusted"
+    assert b.tampered() is None, "nothing of ours changed: no repair"
+    fake.delete_tables()  # nft flush ruleset
+    assert b.tampered() == "table-deleted"
