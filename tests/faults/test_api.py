@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import pytest
 
+from netproxy.lab.apiserver_process import StandInProcess
 from netproxy.lab.cleanup import stop_process
 from netproxy.lab.combos import Combo
 from netproxy.lab.manifests import api_object, port, service
@@ -31,7 +32,6 @@ from tests.faults.figures import figure
 from tests.faults.storm import netproxy_pid, wait_until
 from tests.kernel.test_kube_source import kubeconfig as _kubeconfig
 from tests.kernel.test_kube_source import web_slice
-from tests.unit.kube.kube_process import StandInProcess
 
 # The quick tier runs this fault on the two default node kinds (nftables, iptables-legacy); the
 # full tier on every combination (netproxy/lab/tier.py).

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Sequence
 
 import pytest
 
+from netproxy.lab.apiserver_process import StandInProcess
 from netproxy.lab.checks import assert_only_and_all, wait_for
 from netproxy.lab.cleanup import stop_process
 from netproxy.lab.combos import Combo
@@ -27,7 +28,6 @@ from netproxy.lab.topology import NODE_NAME, Sandbox
 from tests.faults.figures import figure
 from tests.kernel.test_kube_source import kubeconfig as _kubeconfig
 from tests.unit.hostile_cases import MARK, Case, batch
-from tests.unit.kube.kube_process import StandInProcess
 
 # The quick tier runs this fault on the two default node kinds (nftables, iptables-legacy); the
 # full tier on every combination (netproxy/lab/tier.py).

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
+from netproxy.lab.apiserver_process import StandInProcess
 from netproxy.lab.checks import assert_only_and_all
 from netproxy.lab.cleanup import stop_process
 from netproxy.lab.combos import Combo
@@ -39,7 +40,6 @@ from tests.faults.storm import (
     write_atomically,
 )
 from tests.kernel.test_kube_source import kubeconfig as _kubeconfig
-from tests.unit.kube.kube_process import StandInProcess
 
 # The quick tier runs this fault on the two default node kinds (nftables, iptables-legacy); the
 # full tier on every combination (netproxy/lab/tier.py).

@@ -1,7 +1,7 @@
 """`netproxy run --kubeconfig` against the API stand-in, in the node namespace: traffic follows an
 endpoint change made through the API.
 
-The stand-in (tests/unit/kube/apiserver.py) runs inside the node namespace on 127.0.0.1, so netproxy
+The stand-in (netproxy/lab/apiserver.py) runs inside the node namespace on 127.0.0.1, so netproxy
 reaches it over the node's loopback and nothing listens in the host namespace.  The change is made with
 the official client from inside the node namespace too, as a controller would make it.
 """
@@ -15,13 +15,13 @@ from typing import Any, Dict, List, Sequence
 
 import pytest
 
+from netproxy.lab.apiserver_process import StandInProcess
 from netproxy.lab.checks import assert_only_and_all, wait_for
 from netproxy.lab.cleanup import stop_process
 from netproxy.lab.combos import Combo
 from netproxy.lab.manifests import api_object, endpoint_slice, port, service, slice_port
 from netproxy.lab.proxy import Proxy
 from netproxy.lab.topology import NODE_NAME, Pod, Sandbox
-from tests.unit.kube.kube_process import StandInProcess
 
 pytestmark = pytest.mark.kernel
 

@@ -18,12 +18,12 @@ from netproxy.backends.base import SyncError, SyncResult
 from netproxy.backends.fake import FakeBackend
 from netproxy.config import ProxyConfig
 from netproxy.healthcheck import ProxyHealth
+from netproxy.lab.apiserver import ApiServer
 from netproxy.model import Changes, NodeInfo, Snapshot
 from netproxy.proxier import Proxier
 from netproxy.runner import BoundedFrequencyRunner
 from netproxy.source.kube import KubeSource
 from netproxy.tracker import ChangeTracker
-from tests.unit.kube.apiserver import ApiServer
 from tests.unit.kube.kube_helpers import FAST, endpoint_slice, node, service, wait_for
 
 TIMEOUT = 1.0

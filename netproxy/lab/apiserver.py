@@ -19,7 +19,7 @@ It does what the source relies on, the way the real server does it:
 
 Run it alone (e.g. inside a network namespace for the kernel tests)::
 
-    python tests/unit/kube/apiserver.py --listen 127.0.0.1:0 --port-file /tmp/port [--load objs.json]
+    python -m netproxy.lab.apiserver --listen 127.0.0.1:0 --port-file /tmp/port [--load objs.json]
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The API stand-in as a separate process (so that a measurement sees only the client's work, and so
-that a kernel test can run it inside a network namespace), and generated clusters to load into it."""
+"""The API stand-in (:mod:`netproxy.lab.apiserver`) as a separate process (so that a measurement sees
+only the client's work, and so that a kernel test or the bench can run it inside a network namespace),
+and generated clusters to load into it."""
 
 from __future__ import annotations
 
