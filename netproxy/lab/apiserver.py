@@ -584,7 +584,7 @@ class ApiServer:
     @property
     def url(self) -> str:
         host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     def start(self) -> ApiServer:
         self.thread.start()
