@@ -213,6 +213,18 @@ def _count(text: str) -> int:
     return value
 
 
+def _add_source(p: argparse.ArgumentParser, file_help: str = "manifest file or directory",
+                verb: str = "list") -> None:
+    """Where the cluster comes from, the same for every command that reads it: manifests, or the API
+    (a kubeconfig, or the pod's service account when neither flag is given inside a cluster)."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--source", help=file_help)
+    src.add_argument("--kubeconfig", action=_Store,
+                     help=f"{verb} the Kubernetes API with this kubeconfig (in a pod without either flag: "
+                          "its service account)")
+    p.add_argument("--use-endpoints", action="store_true", help="read v1 Endpoints instead of EndpointSlices")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse exits 2 on a usage error; 2 means "some objects rejected, the rest applied" here,
     which would be a lie: nothing was applied, so a usage error exits 1."""
@@ -228,14 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"netproxy {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("sync", help="load the source, sync once, exit (0 ok, 1 write failed, 2 rejected)")
-    p.add_argument("--source", required=True, help="manifest file or directory")
+    _add_source(p)
     _add_common(p)
     _add_proxy(p)
     p = sub.add_parser("run", help="the long-running proxy: watch the source, keep the rules in sync")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--source", help="manifest file or directory, watched for changes")
-    src.add_argument("--kubeconfig", action=_Store, help="read the Kubernetes API with this kubeconfig")
-    p.add_argument("--use-endpoints", action="store_true", help="read v1 Endpoints instead of EndpointSlices")
+    _add_source(p, "manifest file or directory, watched for changes", "watch")
     p.add_argument("--init-only", action="store_true",
                    help="kube-proxy's flag: the set-up that needs full privileges (conntrack sysctls, "
                         "route_localnet, the backend's kernel modules), then exit 0 without a source or a rule "
@@ -247,13 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     _add_proxy(p)
     p = sub.add_parser("plan", help="print the ruleset that sync would write, touching nothing")
-    p.add_argument("--source", required=True, help="manifest file or directory")
+    _add_source(p)
     p.add_argument("--diff", action="store_true", help="show what a sync would change against the kernel now, "
                    "by service (exit 0 same, 1 differs, 2 bad input or unreadable kernel); writes nothing")
     _add_common(p)
     _add_proxy(p)
     p = sub.add_parser("trace", help="where a packet to a service address would go, and why; touches nothing")
-    p.add_argument("--source", required=True, help="manifest file or directory")
+    _add_source(p, "manifest file or directory (none with --kernel: the kernel's rules are traced)")
     p.add_argument("--to", required=True, metavar="ADDRESS:PORT",
                    help="destination, e.g. 10.96.0.10:53 or [fd00::10]:80")
     p.add_argument("--protocol", default="tcp", choices=["tcp", "udp", "sctp"])
@@ -266,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-address", action="append", default=[], metavar="ADDRESS",
                    help="this node's addresses (NodePorts, the node's own traffic); repeat")
     p.add_argument("--kernel", action="store_true", help="trace the rules the kernel holds now instead of the "
-                   "rendered ones (iptables backend)")
+                   "rendered ones (either backend; --node-address defaults to this node's addresses)")
     _add_common(p, ("auto", "nftables", "iptables"))
     _add_proxy(p)
     p = sub.add_parser("status", help="what a running `netproxy run` has programmed, from its /metrics and /healthz")
@@ -284,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, choices=["nftables", "iptables"], help="the dataplane to switch to")
     p.add_argument("--from-kube-proxy", action="store_true",
                    help="take over from kube-proxy: remove its rules (KUBE-* chains, kube-proxy tables), only those")
-    p.add_argument("--source", required=True, help="manifest file or directory")
+    _add_source(p)
     _add_logging(p)
     _add_writers(p)
     _add_proxy(p)

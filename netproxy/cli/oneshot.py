@@ -11,7 +11,7 @@ from typing import List, Sequence, Tuple
 from netproxy import features, skew
 from netproxy.backends.base import Backend, BackendError, Packet
 from netproxy.cli.args import EXIT_FAILED, EXIT_OK, EXIT_REJECTED
-from netproxy.cli.settings import choose_backend, make_backend, proxy_config, set_conntrack_sysctls
+from netproxy.cli.settings import choose_backend, kube_client, make_backend, proxy_config, set_conntrack_sysctls
 from netproxy.config import ProxyConfig
 from netproxy.model import Changes, NodeInfo, Snapshot, ValidationError, forget_parsed_addresses
 from netproxy.nodeconfig import ensure_localhost_nodeports, hostname
@@ -28,10 +28,16 @@ def _report_rejections(errors: Sequence[Exception]) -> None:
 
 
 def _load(args: argparse.Namespace) -> Loaded:
-    """One load of --source, for the one-shot commands.  They end after one write, and nothing they
-    build forms cycles: the cyclic collector stays off for their whole life."""
+    """One load of --source (or one list of the API), for the one-shot commands.  They end after one
+    write, and nothing they build forms cycles: the cyclic collector stays off for their whole life."""
     gc.disable()
-    return load(args.source, hostname(args))
+    if args.source:
+        return load(args.source, hostname(args))
+    if getattr(args, "kernel", False) and not args.kubeconfig:
+        return Loaded()  # trace --kernel: the rules are the kernel's, no cluster needed
+    from netproxy.source import kube
+
+    return kube.load_once(kube_client(args), hostname(args), use_endpoints=args.use_endpoints)
 
 
 def _snapshot(loaded: Loaded, config: ProxyConfig) -> Tuple[Snapshot, List[ValidationError]]:
@@ -138,6 +144,14 @@ def cmd_trace(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     snapshot, errors = _snapshot(loaded, config)
     local = frozenset(args.node_address)
+    if args.kernel and not local:
+        # The kernel's rules are this node's: so are its addresses, unless the caller names others.
+        import ipaddress
+
+        from netproxy.nodeaddr import local_addresses
+
+        local = frozenset(str(a) for a in local_addresses((ipaddress.ip_network("0.0.0.0/0"),
+                                                           ipaddress.ip_network("::/0"))))
     packet = Packet(args.node_address[0] if args.from_node and local else args.source_address, address, port,
                     args.protocol, hook="output" if args.from_node else "prerouting", local=local,
                     iif="" if args.from_node else args.from_interface)

@@ -14,7 +14,7 @@ from netproxy.cli.args import EXIT_FAILED, EXIT_OK
 from netproxy.cli.settings import conntrack_settings, make_backend, set_conntrack_sysctls
 from netproxy.nodeconfig import ensure_localhost_nodeports, hostname, start_node
 from netproxy.source.base import Source
-from netproxy.source.files import FileSource, SourceError
+from netproxy.source.files import FileSource
 from netproxy.wiring import build_proxy, writer
 
 log = logging.getLogger("netproxy")
@@ -85,11 +85,8 @@ def make_source(args: argparse.Namespace, hostname: str) -> Source:
     """The file source for --source; otherwise the Kubernetes API (--kubeconfig, or in-cluster)."""
     if args.source:
         return FileSource(args.source, node_name=hostname)
-    # Imported lazily: the kubernetes client is slow to import and file-source users never need it.
+    from netproxy.cli.settings import kube_client
     from netproxy.source import kube
 
-    try:
-        client = kube.api_client_from(args.kubeconfig)
-    except ValueError as err:
-        raise SourceError(f"{err}; pass --source PATH or --kubeconfig PATH") from None
+    client = kube_client(args)
     return kube.KubeSource(client, hostname, use_endpoints=args.use_endpoints)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from netproxy import ctsysctl, features
 from netproxy import detect as detect_mod
@@ -90,3 +90,15 @@ def make_backend(args: argparse.Namespace, node: Optional[NodeInfo] = None,
         node = read_node()
     config = proxy_config(args, backend, flavour, node)
     return new_backend(backend, config, lock_waits), config
+
+
+def kube_client(args: argparse.Namespace) -> Any:
+    """The API client of --kubeconfig, or of the pod's service account; SourceError when neither."""
+    # Imported lazily: the kubernetes client is slow to import and file-source users never need it.
+    from netproxy.source import kube
+    from netproxy.source.files import SourceError
+
+    try:
+        return kube.api_client_from(args.kubeconfig)
+    except ValueError as err:
+        raise SourceError(f"{err}; pass --source PATH or --kubeconfig PATH") from None

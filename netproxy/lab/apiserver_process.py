@@ -83,3 +83,14 @@ class StandInProcess:
         if self.proc is not None:
             stop_process(self.proc, timeout=10)
         self.tmp.cleanup()
+
+
+def write_kubeconfig(path: str, url: str) -> str:
+    """A kubeconfig at ``path`` for the stand-in at ``url`` (no credentials: it asks for none)."""
+    doc = {"apiVersion": "v1", "kind": "Config", "current-context": "standin",
+           "clusters": [{"name": "standin", "cluster": {"server": url}}],
+           "users": [{"name": "proxy", "user": {}}],
+           "contexts": [{"name": "standin", "context": {"cluster": "standin", "user": "proxy"}}]}
+    with open(path, "w") as f:
+        json.dump(doc, f)  # JSON is YAML: the client's loader reads it as is
+    return path

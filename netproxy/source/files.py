@@ -154,10 +154,10 @@ def flatten(docs: Sequence[Any], source: str = "") -> Iterator[Union[Mapping[str
 
 def parse_objects(objects: Iterator[Union[Mapping[str, Any], ValidationError]], node_name: str = "") -> Loaded:
     """Model objects from Kubernetes objects; each invalid one lands in ``errors``, the rest are used."""
-    return merge([_parse_part(objects, node_name)])
+    return merge([parse_part(objects, node_name)])
 
 
-def _parse_part(objects: Iterator[Union[Mapping[str, Any], ValidationError]], node_name: str) -> Loaded:
+def parse_part(objects: Iterator[Union[Mapping[str, Any], ValidationError]], node_name: str) -> Loaded:
     """One file's objects, converted; duplicates and legacy Endpoints are settled by :func:`merge`."""
     out = Loaded()
     seen: Set[Key] = set()
@@ -285,7 +285,7 @@ def _load(path: str, node_name: str, cache: Optional[Dict[str, Tuple[FileSig, Lo
         if hit is not None and sig is not None and hit[0] == sig:
             part = hit[1]
         else:
-            part = _parse_part(read_objects(f), node_name)
+            part = parse_part(read_objects(f), node_name)
         if sig is not None:
             fresh[f] = (sig, part)
         parts.append(part)

@@ -30,7 +30,8 @@ from netproxy.source.convert import (
     parse_service,
     parse_service_cidr,
 )
-from netproxy.source.kube_reflector import Obj, Reflector, ReflectorSettings
+from netproxy.source.files import Loaded, SourceError, merge, parse_part
+from netproxy.source.kube_reflector import Obj, Reflector, ReflectorSettings, api_status
 from netproxy.tracker import ChangeTracker
 
 log = logging.getLogger(__name__)
@@ -360,3 +361,51 @@ def reread_token(configuration: Any, path: str) -> None:
 
     refresh(configuration)  # now too: trimmed, as client-go trims it (the client keeps a final newline)
     configuration.refresh_api_key_hook = refresh
+
+
+class _Collect:
+    """A reflector's handler for one list: its objects converted as the file source converts them."""
+
+    def __init__(self, node_name: str) -> None:
+        self.node_name = node_name
+        self.loaded: Optional[Loaded] = None
+
+    def replace(self, items: Iterator[Obj]) -> None:
+        self.loaded = parse_part(items, self.node_name)
+
+    def apply(self, event_type: str, obj: Obj) -> None:  # a one-time list has no watch
+        raise AssertionError("a one-time list has no watch events")
+
+
+def load_once(api_client: Any, node_name: str, use_endpoints: bool = False,
+              settings: Optional[ReflectorSettings] = None) -> Loaded:
+    """One consistent read of the cluster for the one-shot commands (``sync``, ``plan``, ``trace``,
+    ``migrate`` with ``--kubeconfig``): the lists ``run`` starts from, with the same informer filter,
+    converted as a manifest would be; :class:`SourceError` names a collection that could not be listed."""
+    from kubernetes import client
+
+    settings = settings or ReflectorSettings()
+    core, discovery = client.CoreV1Api(api_client), client.DiscoveryV1Api(api_client)
+    mine = {"label_selector": PROXY_LABEL_SELECTOR}
+    lists: List[Tuple[str, Any, Dict[str, Any], bool]] = [
+        ("Service", core.list_service_for_all_namespaces, mine, True),
+        ("Endpoints", core.list_endpoints_for_all_namespaces, mine, True) if use_endpoints else
+        ("EndpointSlice", discovery.list_endpoint_slice_for_all_namespaces, mine, True),
+        ("Node", core.list_node, {"field_selector": f"metadata.name={node_name}"}, False),
+        ("ServiceCIDR", client.NetworkingV1Api(api_client).list_service_cidr, {}, False),
+    ]
+    parts: List[Loaded] = []
+    for kind, func, kwargs, needed in lists:
+        collect = _Collect(node_name)
+        try:
+            Reflector(kind, func, collect, settings, list_kwargs=kwargs).list_once()
+        except Exception as err:  # noqa: BLE001 - any failure to list is named, then judged
+            if not needed and api_status(err) in (403, 404):
+                log.warning("%s: not listed (HTTP %s): %s", kind, api_status(err),
+                            "the node's labels are not known" if kind == "Node" else
+                            "netproxy uses --service-cluster-ip-range alone for the service CIDRs")
+                continue
+            raise SourceError(f"the Kubernetes API: listing {kind} failed: {err}") from None
+        if collect.loaded is not None:
+            parts.append(collect.loaded)
+    return merge(parts)

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Sequence
 
 import pytest
 
-from netproxy.lab.apiserver_process import StandInProcess
+from netproxy.lab.apiserver_process import StandInProcess, write_kubeconfig
 from netproxy.lab.checks import assert_only_and_all, wait_for
 from netproxy.lab.cleanup import stop_process
 from netproxy.lab.combos import Combo
@@ -42,14 +42,7 @@ print("replaced")
 """
 
 
-def kubeconfig(path: str, url: str) -> str:
-    doc = {"apiVersion": "v1", "kind": "Config", "current-context": "standin",
-           "clusters": [{"name": "standin", "cluster": {"server": url}}],
-           "users": [{"name": "proxy", "user": {}}],
-           "contexts": [{"name": "standin", "context": {"cluster": "standin", "user": "proxy"}}]}
-    with open(path, "w") as f:
-        json.dump(doc, f)  # JSON is YAML: the client's loader reads it as is
-    return path
+kubeconfig = write_kubeconfig
 
 
 def web_slice(pods: Sequence[Pod]) -> Dict[str, Any]:

@@ -1,0 +1,113 @@
+"""``python -m bench.api`` — the API path at 10,000 services, with issue 27's targets (part of ``make bench``).
+
+    python -m bench.api [--services 10000] [--backends nftables,iptables-legacy/restore] [--out bench/results]
+
+One sandbox (client, node, 10 pods); for each backend :func:`bench.apipath.measure`; then a table
+of every figure against its target, written to ``api.md`` / ``api.json`` with the commit.  Every
+namespace is the sandbox's own and is deleted at the end, on failure and on a signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from bench import apipath
+from bench import client as client_mod
+from netproxy.lab import combos, netns
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+START_TARGET = {"nftables": 3.0, "iptables-legacy/restore": 3.5}
+RATIO_TARGET = 1.2
+RSS_TARGET = 180.0
+CONVERGE_TARGET = 2.0
+GROWTH_TARGET = 5.0
+
+
+def _get(cell: Dict[str, Any], *path: str) -> Optional[float]:
+    value: Any = cell
+    for step in path:
+        value = value.get(step) if isinstance(value, dict) else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def rows(name: str, cell: Dict[str, Any]) -> List[Tuple[str, str, str, str]]:
+    """(measure, figure, target, verdict) lines for one backend's cell."""
+    out: List[Tuple[str, str, str, str]] = []
+
+    def row(what: str, value: Optional[float], fmt: str, target: Optional[float], why: str = "") -> None:
+        if value is None:
+            out.append((what, why or "not measured", "" if target is None else f"≤ {target:g}", "MISSED"))
+            return
+        verdict = "" if target is None else ("met" if value <= target else "MISSED")
+        out.append((what, fmt.format(value), "" if target is None else f"≤ {target:g}", verdict))
+
+    start, source = _get(cell, "start", "seconds"), _get(cell, "source", "seconds")
+    failed = "; ".join(str(cell[k]["error"]) for k in ("start", "source", "burst")
+                       if isinstance(cell.get(k), dict) and "error" in cell[k])
+    row(f"{name}: start → last service answering (s)", start, "{:.2f}", START_TARGET.get(name), failed)
+    row(f"{name}: `run --source` of the same objects (s)", source, "{:.2f}", None, failed)
+    row(f"{name}: API ÷ file", start / source if start and source else None, "{:.2f}×", RATIO_TARGET, failed)
+    row(f"{name}: `run` peak RSS (MiB)", _get(cell, "burst", "maxrss_mib") or _get(cell, "start", "maxrss_mib"),
+        "{:.0f}", RSS_TARGET)
+    row(f"{name}: 2,000 slice updates: converged after the last (s)", _get(cell, "burst", "converged_seconds"),
+        "{:.2f}", CONVERGE_TARGET, failed)
+    row(f"{name}: RSS growth after the burst (MiB)", _get(cell, "burst", "rss_growth_mib"), "{:+.1f}",
+        GROWTH_TARGET, failed)
+    serve = sum(v for k, v in (cell.get("serve") or {}).items() if k.endswith("_seconds"))
+    row(f"{name}: the stand-in serving every page, undecoded (s)", serve or None, "{:.2f}", None)
+    row(f"{name}: the 2,000 PUTs themselves (s)", _get(cell, "burst", "puts_seconds"), "{:.2f}", None)
+    return out
+
+
+def commit() -> str:
+    out = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "?"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.api", description=__doc__.splitlines()[0])
+    p.add_argument("--services", type=int, default=10000)
+    p.add_argument("--backends", default="nftables,iptables-legacy/restore")
+    p.add_argument("--burst", type=int, default=apipath.BURST)
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = p.parse_args(argv)
+    from netproxy.lab.topology import Sandbox
+
+    netns.remove_stale()
+    workdir = tempfile.mkdtemp(prefix="netproxy-bench-api-")
+    client = client_mod.build(workdir)
+    results: Dict[str, Any] = {"commit": commit(), "services": args.services, "workdir": workdir, "cells": {}}
+    with Sandbox(pods=10, udp_ports=()) as sb:
+        for combo in combos.parse(args.backends):
+            print(f"bench.api: {combo.name} N={args.services:,} …", flush=True)
+            cell = apipath.measure(sb, combo, args.services, client, workdir, burst_count=args.burst)
+            results["cells"][combo.name] = cell
+            print(json.dumps(cell), flush=True)
+    lines = [f"# The API path (`python -m bench.api`, commit {results['commit']}, "
+             f"{args.services:,} services × 10 endpoints)", "",
+             "| measure | figure | target | |", "|---|---|---|---|"]
+    missed = 0
+    for name, cell in results["cells"].items():
+        for what, figure, target, verdict in rows(name, cell):
+            lines.append(f"| {what} | {figure} | {target} | {verdict} |")
+            missed += verdict == "MISSED"
+    text = "\n".join(lines) + "\n"
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "api.md"), "w", encoding="utf-8") as fh:
+        fh.write(text)
+    with open(os.path.join(args.out, "api.json"), "w", encoding="utf-8") as fh:
+        json.dump(results, fh, indent=1)
+    print(f"bench.api: {missed} target(s) missed; logs in {workdir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
