@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from typing import List, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 from netproxy.lab.cleanup import stop_process
 from netproxy.lab.combos import Combo, has_iptables
@@ -44,12 +44,14 @@ class Proxy:
         assert proc.returncode == expect, _explain(f"cleanup exited {proc.returncode}", proc)
         return proc
 
-    def start_run(self, objects: Sequence[Manifest], *extra: str) -> subprocess.Popen:  # type: ignore[type-arg]
+    def start_run(self, objects: Sequence[Manifest], *extra: str,
+                  env: Optional[Mapping[str, str]] = None) -> subprocess.Popen:  # type: ignore[type-arg]
         """``netproxy run --source FILE`` in the background; stopped after the test."""
         write_manifests(self.source, objects)
         self.run_log = os.path.join(self.workdir, f"run-{len(self._runs)}.log")
         args = ["run", "--source", self.source, "--metrics-bind-address", "", *self.base_flags, *self.combo.flags]
-        proc = self.sandbox.start_netproxy([*args, *extra], flavour=self.combo.path_flavour, log_path=self.run_log)
+        proc = self.sandbox.start_netproxy([*args, *extra], flavour=self.combo.path_flavour, log_path=self.run_log,
+                                           env=env)
         self._runs.append(proc)
         return proc
 

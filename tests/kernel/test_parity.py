@@ -30,6 +30,7 @@ import pytest
 from netproxy.lab.checks import assert_only_and_all, wait_for
 from netproxy.lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
 from netproxy.lab.proxy import Proxy
+from netproxy.lab.refuse import WritesRefused
 from netproxy.lab.topology import CLIENT4, CLIENT6, EXT4, GATEWAY4, NODE_EXT4, NODE_NAME, REMOTE_NODE_NAME, Pod, Sandbox
 from netproxy.lab.traffic import ConnectResult
 from tests.kernel import traced
@@ -204,21 +205,27 @@ def connect_all(sb: Sandbox, *calls: Call) -> List[ConnectResult]:
 
 HTTP_GET = """
 import json, sys, urllib.error, urllib.request
+headers = {}
 try:
     with urllib.request.urlopen(sys.argv[1], timeout=2) as r:
-        code, body = r.status, r.read().decode()
+        code, body, headers = r.status, r.read().decode(), dict(r.headers)
 except urllib.error.HTTPError as e:
-    code, body = e.code, e.read().decode()
+    code, body, headers = e.code, e.read().decode(), dict(e.headers)
 except OSError as e:
     code, body = 0, repr(e)
-print(json.dumps({"code": code, "body": body}))
+print(json.dumps({"code": code, "body": body, "headers": headers}))
 """
 
 
 def http_get(sb: Sandbox, ns: str, url: str) -> Tuple[int, str]:
+    code, body, _ = http_get_headers(sb, ns, url)
+    return code, body
+
+
+def http_get_headers(sb: Sandbox, ns: str, url: str) -> Tuple[int, str, Dict[str, str]]:
     proc = sb.exec(ns, [sys.executable, "-c", HTTP_GET, url], check=True, timeout=10)
     out = json.loads(proc.stdout)
-    return int(out["code"]), str(out["body"])
+    return int(out["code"]), str(out["body"]), {k.lower(): str(v) for k, v in out["headers"].items()}
 
 
 def alive(proxy: Proxy) -> None:
@@ -436,6 +443,49 @@ def test_health_check_node_port(proxy: Proxy, sandbox: Sandbox) -> None:
     write_manifests(proxy.source, web(there, **spec))
     took = run_wait(proxy, lambda: status(503, 0), timeout=8, step=0.3)
     log.info("%s: health check turned 503 after %.2fs", proxy.combo.name, took)
+
+
+def test_health_check_node_port_turns_503_while_the_proxy_cannot_write(proxy: Proxy, sandbox: Sandbox) -> None:
+    """kube-proxy's service health server: 200 only while the service has local endpoints *and* the
+    proxy is healthy; a proxy whose writes are refused (the kernel refuses them, or another writer
+    holds the xtables lock) with a change waiting past 2 x --sync-period answers 503 with
+    ``serviceProxyHealthy: false`` — so a cloud load balancer stops sending to this node — and 200
+    again once its writes go through.  ``X-Load-Balancing-Endpoint-Weight`` is the local count."""
+    here, there = local(sandbox)[:2], remote(sandbox)[:1]
+    spec: Dict[str, Any] = {"node_port": NODE_PORT, "type": "LoadBalancer", "externalTrafficPolicy": "Local",
+                            "healthCheckNodePort": HC_PORT}
+    refused = WritesRefused(sandbox, proxy.combo, proxy.workdir)
+    proxy.start_run(web([*here, *there], **spec), "--healthz-bind-address", "0.0.0.0:10256",
+                    "--sync-period", "2s", "--min-sync-period", "200ms", env=refused.env)
+    url = f"http://{NODE_EXT4}:{HC_PORT}/"
+
+    def answer(code: int, count: int, healthy: bool) -> Callable[[], Optional[str]]:
+        def check() -> Optional[str]:
+            alive(proxy)
+            got, body, headers = http_get_headers(sandbox, sandbox.ext, url)
+            try:
+                doc = json.loads(body)
+            except ValueError:
+                return f"{url}: HTTP {got}, not JSON: {body!r}"
+            want = {"service": {"namespace": "default", "name": "web"}, "localEndpoints": count,
+                    "serviceProxyHealthy": healthy}
+            weight = headers.get("x-load-balancing-endpoint-weight")
+            if got != code or doc != want or weight != str(count):
+                return f"{url}: HTTP {got} {doc} weight {weight}; want {code} {want} weight {count}"
+            return None
+        return check
+
+    run_wait(proxy, answer(200, 2, True), timeout=15, step=0.3)
+    with refused:
+        write_manifests(proxy.source, web([here[0], *there], **spec))  # a change that cannot be written
+        # The local count is what was last programmed (kube-proxy updates it after a write that
+        # went through); health turns once the change has waited 2 x 2 s.
+        took = run_wait(proxy, answer(503, 2, False), timeout=15, step=0.3)
+        code, body = http_get(sandbox, sandbox.ext, f"http://{NODE_EXT4}:10256/healthz")
+        assert code == 503, f"/healthz while writes are refused: {code} {body}"
+    log.info("%s: health check 503 after %.2fs of refused writes", proxy.combo.name, took)
+    run_wait(proxy, answer(200, 1, True), timeout=20, step=0.3)
+    assert_only_and_all(sandbox.connect(SVC_IP, 80, count=30), [here[0], *there], total=30)
 
 
 # ---- internalTrafficPolicy: Local ---------------------------------------------------------------
