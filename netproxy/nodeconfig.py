@@ -118,14 +118,17 @@ def start_node(args: Any, source: Any) -> Optional[NodeInfo]:
     name = hostname(args)
     client = getattr(source, "api_client", None)
     deadline = time.monotonic() + NODE_WAIT
+    pause = 0.1  # doubling to 2 s: a node that registers a moment later is not waited for in 2 s steps
     while True:
         node = kube.read_node(client, name)
         if getattr(args, "detect_local_mode", "") != "NodeCIDR" or (node is not None and node.pod_cidrs):
             return node  # primary alone: no Node yet is kube-proxy's "assume loopback", all addresses
         if time.monotonic() >= deadline:
             return node
-        log.info("waiting for the Node %r%s", name, " and its spec.podCIDRs" if node is not None else "")
-        time.sleep(2.0)
+        if pause >= 1.0:
+            log.info("waiting for the Node %r%s", name, " and its spec.podCIDRs" if node is not None else "")
+        time.sleep(pause)
+        pause = min(2.0, pause * 2)
 
 
 def ensure_localhost_nodeports(backend: str, config: ProxyConfig) -> None:
