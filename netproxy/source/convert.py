@@ -35,6 +35,7 @@ from netproxy.model import (
     check_subdomain,
     check_zone,
     shown,
+    valid_ip,
 )
 
 T = TypeVar("T")
@@ -334,22 +335,49 @@ def parse_endpoint_slice(obj: Mapping[str, Any], families: Tuple[str, ...] = ("I
     return _guard(kind, ref, build)
 
 
+_NAMES: Dict[str, str] = {}
+"""Node names and zones already checked, interned: 100k endpoints name a few nodes and zones, and
+checking each copy against its pattern cost a sixth of a slice's conversion.  Bounded: a hostile
+source with a million names stops filling it, and checks those names every time."""
+_NAMES_MAX = 1 << 16
+
+
+def _known(value: Any, kind: str, check: Callable[[Any, str], Optional[str]]) -> Optional[str]:
+    """``value`` checked by ``check`` (a node name or a zone), from :data:`_NAMES` when seen before."""
+    if value is None:
+        return None
+    if type(value) is str:
+        hit = _NAMES.get(kind + value)
+        if hit is not None:
+            return hit
+    checked = check(value, kind)
+    if checked is None:
+        return None
+    checked = sys.intern(checked)
+    if len(_NAMES) < _NAMES_MAX:
+        _NAMES[kind + checked] = checked
+    return checked
+
+
 def _slice_endpoint(raw: Any, addr_type: str, port: int, out: List[Endpoint]) -> None:
     """One EndpointSlice endpoint → one Endpoint per address, appended to ``out``."""
-    e = _map(raw, "")
-    cond = _map(e.get("conditions"), "conditions")
+    e = raw if type(raw) is dict else _map(raw, "")
+    cond = e.get("conditions")
+    cond = cond if type(cond) is dict else _map(cond, "conditions")
     # The API's defaults, as kube-proxy reads them (pkg/proxy/endpointslicecache.go): an absent
     # ready or serving is true, an absent terminating false.  (Serving is not "ready when absent":
     # a terminating endpoint whose controller sets no serving is still the fallback.)
-    ready = _bool(cond.get("ready"), True, "conditions.ready")
-    serving = _bool(cond.get("serving"), True, "conditions.serving")
-    terminating = _bool(cond.get("terminating"), False, "conditions.terminating")
-    node = e.get("nodeName")
-    if node is not None:
-        # Interned: JSON gives every endpoint its own copy of its node's name (100k copies of a
-        # few names at 10k services, ~6 MB), and backends compare it with this node's name.
-        node = sys.intern(check_subdomain(node, "nodeName"))
-    zone = check_zone(e.get("zone"), "zone")
+    ready, serving, terminating = cond.get("ready"), cond.get("serving"), cond.get("terminating")
+    ready = True if ready is None else ready
+    serving = True if serving is None else serving
+    terminating = False if terminating is None else terminating
+    if type(ready) is not bool or type(serving) is not bool or type(terminating) is not bool:
+        for name, value in (("ready", ready), ("serving", serving), ("terminating", terminating)):
+            _bool(value, False, f"conditions.{name}")
+    # Interned: JSON gives every endpoint its own copy of its node's name (100k copies of a few
+    # names at 10k services, ~6 MB), and backends compare it with this node's name.
+    node = _known(e.get("nodeName"), "nodeName", check_subdomain)
+    zone = _known(e.get("zone"), "zone", check_zone)
     zone_hints: Tuple[str, ...] = ()
     node_hints: Tuple[str, ...] = ()
     hints = e.get("hints")
@@ -360,9 +388,12 @@ def _slice_endpoint(raw: Any, addr_type: str, port: int, out: List[Endpoint]) ->
         for_nodes = _list(hint_map.get("forNodes"), "hints.forNodes")
         node_hints = tuple(sys.intern(_hint_name(n, f"hints.forNodes[{k}]", check_subdomain))
                            for k, n in enumerate(for_nodes))
+    version = 6 if addr_type == "IPv6" else 4
     for j, addr in enumerate(_list(e.get("addresses"), "addresses")):
-        ip = check_ip(addr, f"addresses[{j}]")
-        if ("IPv6" if ip.version == 6 else "IPv4") != addr_type:
+        ip = valid_ip(addr)
+        if ip is None:
+            ip = check_ip(addr, f"addresses[{j}]")  # raises, naming the field
+        if ip.version != version:
             raise FieldError(f"addresses[{j}]", f"{shown(addr)} is not of addressType {addr_type}")
         out.append(Endpoint(ip, port, ready, serving, terminating, node, zone, zone_hints, node_hints))
 
