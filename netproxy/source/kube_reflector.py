@@ -18,6 +18,7 @@ import json
 import logging
 import random
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
 
@@ -26,6 +27,10 @@ log = logging.getLogger(__name__)
 # A client list function, e.g. CoreV1Api.list_service_for_all_namespaces, with its keyword arguments.
 ListFunc = Callable[..., Any]
 Obj = Dict[str, Any]
+
+
+decode: Callable[[bytes], Any] = json.loads
+"""How list pages and watch events are decoded (see docs/performance.md, "The API path")."""
 
 
 class Handler(Protocol):
@@ -223,41 +228,56 @@ class Reflector:
         return result["resourceVersion"]
 
     def _pages(self, result: Dict[str, str]) -> Iterator[Obj]:
-        cont: Optional[str] = None
-        item_kind = self.kind
-        while not self._stop.is_set():
-            kwargs = dict(self.list_kwargs, limit=self.settings.page_size,
-                          _preload_content=False,
-                          _request_timeout=(self.settings.connect_timeout, self.settings.list_timeout))
-            if cont:
-                kwargs["_continue"] = cont
-            try:
-                resp = self.list_func(**kwargs)
-            except Exception as err:
-                if api_status(err) == 410:
-                    # The continue token expired: a consistent list must start over.
-                    raise Expired(f"list continue token expired: {_describe(err)}") from None
-                raise
-            try:
-                body = json.loads(resp.data)
-            finally:
-                resp.release_conn()
-            meta = body.get("metadata") or {}
-            items: List[Obj] = body.get("items") or []
-            del body
-            for item in items:
-                # Items of a list carry no kind (the list does); conversion needs it for messages and
-                # for name rules (an EndpointSlice name is a subdomain, a Service name a label).
-                if isinstance(item, dict):
-                    item.setdefault("kind", item_kind)
-                yield item  # a non-object item is the handler's to reject: the list must not fail for it
-            del items
-            cont = meta.get("continue") or None
-            if not cont:
-                result["resourceVersion"] = str(meta.get("resourceVersion") or "")
-                return
-        # Stopped half-way: raising keeps the handler from applying a partial list.
-        raise InterruptedError(f"{self.kind}: stopped during a list")
+        """Every item of every page.  The next page is requested as soon as the current one's
+        continue token is known, in a helper thread, so the server builds it (and the network
+        carries it) while this thread converts the current one: at 10k services the server's share
+        is hidden rather than added."""
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"list-{self.kind}")
+        try:
+            pending: Optional[Future[Tuple[List[Obj], Dict[str, Any]]]] = pool.submit(self._page, None)
+            while pending is not None:
+                if self._stop.is_set():
+                    # Stopped half-way: raising keeps the handler from applying a partial list.
+                    raise InterruptedError(f"{self.kind}: stopped during a list")
+                items, meta = pending.result()
+                cont = meta.get("continue") or None
+                pending = pool.submit(self._page, cont) if cont else None
+                for item in items:
+                    # Items of a list carry no kind (the list does); conversion needs it for messages
+                    # and for name rules (an EndpointSlice name is a subdomain, a Service name a label).
+                    if isinstance(item, dict):
+                        item.setdefault("kind", self.kind)
+                    yield item  # a non-object item is the handler's to reject: the list must not fail
+                del items
+                if not cont:
+                    result["resourceVersion"] = str(meta.get("resourceVersion") or "")
+        finally:
+            # A list abandoned half-way (the handler failed, or a stop) leaves its prefetch behind
+            # rather than waiting for it: its answer is dropped when it comes.
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _page(self, cont: Optional[str]) -> Tuple[List[Obj], Dict[str, Any]]:
+        """One page of the list: its items and its list metadata."""
+        kwargs = dict(self.list_kwargs, limit=self.settings.page_size, _preload_content=False,
+                      _request_timeout=(self.settings.connect_timeout, self.settings.list_timeout))
+        if cont:
+            kwargs["_continue"] = cont
+        try:
+            resp = self.list_func(**kwargs)
+        except Exception as err:
+            if api_status(err) == 410:
+                # The continue token expired: a consistent list must start over.
+                raise Expired(f"list continue token expired: {_describe(err)}") from None
+            raise
+        try:
+            body = decode(resp.data)
+        finally:
+            resp.release_conn()
+        if not isinstance(body, dict):
+            raise WatchError(f"{self.kind}: a list page that is not a JSON object")
+        meta = body.get("metadata")
+        items = body.get("items")
+        return (items if isinstance(items, list) else []), (meta if isinstance(meta, dict) else {})
 
     # -- watch ----------------------------------------------------------------------------------
 
@@ -285,7 +305,7 @@ class Reflector:
 
     def _event(self, line: bytes) -> None:
         try:
-            event = json.loads(line)
+            event = decode(line)
             event_type = event["type"]
             obj = event["object"]
         except (ValueError, KeyError, TypeError):

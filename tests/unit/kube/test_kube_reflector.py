@@ -89,3 +89,48 @@ def test_error_events() -> None:
         r._event(b'{"type":"ERROR","object":{"kind":"Status","code":500,"message":"etcd leader changed"}}')
     with pytest.raises(WatchError, match="malformed"):
         r._event(b'{"type": "ADDED"')
+
+
+class PageResponse:
+    def __init__(self, body: dict) -> None:
+        self.data = json.dumps(body).encode()
+
+    def release_conn(self) -> None:
+        pass
+
+
+def test_the_next_page_is_requested_while_the_current_one_is_converted() -> None:
+    """The list's pages overlap the handler's work: page 2 is asked for before page 1's items have
+    all been handed over, and the items still arrive whole and in order."""
+    import threading
+
+    asked: List[str] = []
+    second_asked = threading.Event()
+
+    def list_func(**kwargs: object) -> PageResponse:
+        cont = str(kwargs.get("_continue") or "")
+        asked.append(cont)
+        if cont == "2":
+            second_asked.set()
+        nxt = {"": "2", "2": "3", "3": ""}[cont]
+        page = int(cont or 1)
+        return PageResponse({"metadata": {"continue": nxt, "resourceVersion": "9"},
+                             "items": [{"metadata": {"name": f"p{page}-{i}"}} for i in range(3)]})
+
+    seen: List[str] = []
+    overlapped: List[bool] = []
+
+    class Slow:
+        def replace(self, items: Iterator[dict]) -> None:
+            for item in items:
+                if item["metadata"]["name"] == "p1-0":
+                    overlapped.append(second_asked.wait(5))
+                seen.append(item["metadata"]["name"])
+
+        def apply(self, event_type: str, obj: dict) -> None:
+            raise AssertionError("no watch here")
+
+    assert Reflector("Service", list_func, Slow()).list_once() == "9"
+    assert overlapped == [True]
+    assert seen == [f"p{p}-{i}" for p in (1, 2, 3) for i in range(3)]
+    assert asked == ["", "2", "3"]
