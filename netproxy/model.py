@@ -116,12 +116,13 @@ def check_protocol(value: object, field_path: str) -> str:
     return str(proto)
 
 
-def valid_ip(value: object) -> Optional[IPAddress]:
+def valid_ip(value: object, cache: bool = True) -> Optional[IPAddress]:
     """The address ``value`` spells if :func:`check_ip` accepts it, else None: the hot path's check,
-    which builds no field path (at 100k endpoints formatting one per address costs more than this)."""
+    which builds no field path (at 100k endpoints formatting one per address costs more than this).
+    ``cache=False`` parses without the address cache (see :func:`_parse_ip`)."""
     if type(value) is not str or len(value) > _MAX_IP_TEXT:
         return None
-    ip = _parse_ip(value)
+    ip = _parse_ip(value) if cache else _parse_ip.__wrapped__(value)
     if ip is None or (ip.version == 6 and ip.scope_id is not None):
         return None
     return ip

@@ -303,9 +303,13 @@ def _bool(value: Any, default: bool, path: str) -> bool:
     return value
 
 
-def parse_endpoint_slice(obj: Mapping[str, Any], families: Tuple[str, ...] = ("IPv4", "IPv6")
-                         ) -> Optional[EndpointSet]:
-    """A discovery.k8s.io/v1 EndpointSlice → its endpoints; None for an address type not served."""
+def parse_endpoint_slice(obj: Mapping[str, Any], families: Tuple[str, ...] = ("IPv4", "IPv6"),
+                         cache: bool = True) -> Optional[EndpointSet]:
+    """A discovery.k8s.io/v1 EndpointSlice → its endpoints; None for an address type not served.
+
+    ``cache``: parse addresses through the address cache.  The file source re-reads every address
+    at each change of its files, and gains by it; the API source sees each address once (then one
+    event per change), so the cache would only grow with pod churn: it passes False."""
     kind, ns, name = object_ref(obj)
     ref = f"{ns}/{name}"
 
@@ -324,7 +328,7 @@ def parse_endpoint_slice(obj: Mapping[str, Any], families: Tuple[str, ...] = ("I
         eps: List[Endpoint] = []
         for i, raw in enumerate(_list(obj.get("endpoints"), "endpoints")):
             try:
-                _slice_endpoint(raw, addr_type, port0, eps)
+                _slice_endpoint(raw, addr_type, port0, eps, cache)
             except FieldError as err:
                 # Field paths are relative inside the loop and prefixed only on error: formatting
                 # "endpoints[i]..." for every field of 100k endpoints cost more than parsing them.
@@ -359,7 +363,7 @@ def _known(value: Any, kind: str, check: Callable[[Any, str], Optional[str]]) ->
     return checked
 
 
-def _slice_endpoint(raw: Any, addr_type: str, port: int, out: List[Endpoint]) -> None:
+def _slice_endpoint(raw: Any, addr_type: str, port: int, out: List[Endpoint], cache: bool = True) -> None:
     """One EndpointSlice endpoint → one Endpoint per address, appended to ``out``."""
     e = raw if type(raw) is dict else _map(raw, "")
     cond = e.get("conditions")
@@ -390,7 +394,7 @@ def _slice_endpoint(raw: Any, addr_type: str, port: int, out: List[Endpoint]) ->
                            for k, n in enumerate(for_nodes))
     version = 6 if addr_type == "IPv6" else 4
     for j, addr in enumerate(_list(e.get("addresses"), "addresses")):
-        ip = valid_ip(addr)
+        ip = valid_ip(addr, cache)
         if ip is None:
             ip = check_ip(addr, f"addresses[{j}]")  # raises, naming the field
         if ip.version != version:

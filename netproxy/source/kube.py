@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from netproxy.model import IPNetwork, NodeInfo, ServicePort, ValidationError
 from netproxy.source.convert import (
@@ -46,6 +46,47 @@ def object_key(obj: Mapping[str, Any]) -> Optional[Key]:
         return None
     namespace = meta.get("namespace") or "default"
     return (namespace, meta["name"]) if isinstance(namespace, str) else None
+
+
+COLLECTIONS = {
+    "Service": "/api/v1/services",
+    "Endpoints": "/api/v1/endpoints",
+    "EndpointSlice": "/apis/discovery.k8s.io/v1/endpointslices",
+    "Node": "/api/v1/nodes",
+    "ServiceCIDR": "/apis/networking.k8s.io/v1/servicecidrs",
+}
+"""The cluster-wide collections netproxy lists and watches, by kind."""
+
+_QUERY = {"label_selector": "labelSelector", "field_selector": "fieldSelector", "limit": "limit",
+          "_continue": "continue", "watch": "watch", "resource_version": "resourceVersion",
+          "allow_watch_bookmarks": "allowWatchBookmarks", "timeout_seconds": "timeoutSeconds"}
+
+
+def lister(api_client: Any, kind: str) -> Callable[..., Any]:
+    """A list/watch function for ``kind`` taking the typed API methods' keyword arguments (e.g.
+    ``CoreV1Api.list_service_for_all_namespaces(..., _preload_content=False)``) and answering as they
+    do — the raw urllib3 response, an ``ApiException`` for a status that is not 2xx — through the
+    client's own request machinery (configuration, credentials, TLS, timeouts), without its typed API
+    classes: their first use imports every model class they name, measured at 0.8 s and 21 MB of a
+    `run`'s start (docs/performance.md) for objects that netproxy reads as raw JSON anyway."""
+    from kubernetes.client.exceptions import ApiException
+
+    path = COLLECTIONS[kind]
+
+    def call(_preload_content: bool = False, _request_timeout: Any = None, **kwargs: Any) -> Any:
+        if _preload_content:
+            raise ValueError("netproxy reads list and watch responses raw")
+        query = [(_QUERY[k], v) for k, v in kwargs.items() if v is not None]
+        request = api_client.param_serialize(method="GET", resource_path=path, query_params=query,
+                                             header_params={"Accept": "application/json"},
+                                             auth_settings=["BearerToken"])
+        resp = api_client.call_api(*request, _request_timeout=_request_timeout)
+        if not 200 <= resp.status <= 299:
+            resp.read()
+            raise ApiException.from_response(http_resp=resp, body=None, data=None)
+        return resp.response
+
+    return call
 
 
 class ServiceHandler:
@@ -101,7 +142,7 @@ class SliceHandler:
         try:
             if self.legacy:
                 return key, self._legacy(parse_endpoints(obj))
-            return key, parse_endpoint_slice(obj, self.families)
+            return key, parse_endpoint_slice(obj, self.families, cache=False)
         except ValidationError as err:
             self.tracker.reject(err)
             return key, None
@@ -228,30 +269,24 @@ class KubeSource:
         self.reflectors: List[Reflector] = []
 
     def start(self, tracker: ChangeTracker) -> None:
-        # Imported here so that netproxy's file-source paths never pay for the client's import.
-        from kubernetes import client
-
-        core = client.CoreV1Api(self.api_client)
+        api = self.api_client
         # kube-proxy's informer filter: services of another proxy and headless services' slices
         # are never listed, held or woken for (the server filters, lists and watches alike).
         mine = {"label_selector": PROXY_LABEL_SELECTOR}
         if self.use_endpoints:
-            endpoints = Reflector("Endpoints", core.list_endpoints_for_all_namespaces,
+            endpoints = Reflector("Endpoints", lister(api, "Endpoints"),
                                   SliceHandler(tracker, self.families, legacy=True), self.settings, list_kwargs=mine)
         else:
-            discovery = client.DiscoveryV1Api(self.api_client)
-            endpoints = Reflector("EndpointSlice", discovery.list_endpoint_slice_for_all_namespaces,
+            endpoints = Reflector("EndpointSlice", lister(api, "EndpointSlice"),
                                   SliceHandler(tracker, self.families), self.settings, list_kwargs=mine)
         self.reflectors = [
-            Reflector("Service", core.list_service_for_all_namespaces, ServiceHandler(tracker), self.settings,
-                      list_kwargs=mine),
+            Reflector("Service", lister(api, "Service"), ServiceHandler(tracker), self.settings, list_kwargs=mine),
             endpoints,
-            Reflector("Node", core.list_node, NodeHandler(tracker, self.node_name), self.settings,
+            Reflector("Node", lister(api, "Node"), NodeHandler(tracker, self.node_name), self.settings,
                       list_kwargs={"field_selector": f"metadata.name={self.node_name}"}),
             # networking.k8s.io/v1 (Kubernetes >= 1.33): the service CIDRs whose unowned addresses
             # are dropped.  Not a readiness condition: without them only the drop is missing.
-            Reflector("ServiceCIDR", client.NetworkingV1Api(self.api_client).list_service_cidr,
-                      ServiceCIDRHandler(tracker), self.settings,
+            Reflector("ServiceCIDR", lister(api, "ServiceCIDR"), ServiceCIDRHandler(tracker), self.settings,
                       instead="netproxy uses --service-cluster-ip-range alone for the service CIDRs"),
         ]
         log.info("watching services, %s, servicecidrs and node %s",
@@ -272,11 +307,8 @@ def read_node(api_client: Any, node_name: str) -> Optional[NodeInfo]:
     primary``) before the watches run."""
     import json
 
-    from kubernetes import client
-
     try:
-        resp: Any = client.CoreV1Api(api_client).list_node(field_selector=f"metadata.name={node_name}",
-                                                           _preload_content=False, _request_timeout=(5, 10))
+        resp: Any = lister(api_client, "Node")(field_selector=f"metadata.name={node_name}", _request_timeout=(5, 10))
         try:
             items = json.loads(resp.data).get("items") or []
         finally:
@@ -382,23 +414,19 @@ def load_once(api_client: Any, node_name: str, use_endpoints: bool = False,
     """One consistent read of the cluster for the one-shot commands (``sync``, ``plan``, ``trace``,
     ``migrate`` with ``--kubeconfig``): the lists ``run`` starts from, with the same informer filter,
     converted as a manifest would be; :class:`SourceError` names a collection that could not be listed."""
-    from kubernetes import client
-
     settings = settings or ReflectorSettings()
-    core, discovery = client.CoreV1Api(api_client), client.DiscoveryV1Api(api_client)
     mine = {"label_selector": PROXY_LABEL_SELECTOR}
-    lists: List[Tuple[str, Any, Dict[str, Any], bool]] = [
-        ("Service", core.list_service_for_all_namespaces, mine, True),
-        ("Endpoints", core.list_endpoints_for_all_namespaces, mine, True) if use_endpoints else
-        ("EndpointSlice", discovery.list_endpoint_slice_for_all_namespaces, mine, True),
-        ("Node", core.list_node, {"field_selector": f"metadata.name={node_name}"}, False),
-        ("ServiceCIDR", client.NetworkingV1Api(api_client).list_service_cidr, {}, False),
+    lists: List[Tuple[str, Dict[str, Any], bool]] = [
+        ("Service", mine, True),
+        ("Endpoints" if use_endpoints else "EndpointSlice", mine, True),
+        ("Node", {"field_selector": f"metadata.name={node_name}"}, False),
+        ("ServiceCIDR", {}, False),
     ]
     parts: List[Loaded] = []
-    for kind, func, kwargs, needed in lists:
+    for kind, kwargs, needed in lists:
         collect = _Collect(node_name)
         try:
-            Reflector(kind, func, collect, settings, list_kwargs=kwargs).list_once()
+            Reflector(kind, lister(api_client, kind), collect, settings, list_kwargs=kwargs).list_once()
         except Exception as err:  # noqa: BLE001 - any failure to list is named, then judged
             if not needed and api_status(err) in (403, 404):
                 log.warning("%s: not listed (HTTP %s): %s", kind, api_status(err),
