@@ -83,8 +83,8 @@ class WritesRefused:
 
 def _take(spec: Sequence[Tuple[int, str]]) -> Any:
     """Delete each table (if there) and create it again owned by a socket kept open; that socket."""
-    from backends.nftables import wire
-    from backends.nftables.kernel.nlsocket import NetlinkError, NlSocket
+    from netproxy.backends.nftables import wire
+    from netproxy.backends.nftables.kernel.nlsocket import NetlinkError, NlSocket
 
     sock = NlSocket()
     for family, name in spec:

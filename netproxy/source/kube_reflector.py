@@ -22,6 +22,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
 
+import msgspec
+
+from netproxy.source.kube_schema import SHAPES
+
 log = logging.getLogger(__name__)
 
 # A client list function, e.g. CoreV1Api.list_service_for_all_namespaces, with its keyword arguments.
@@ -29,8 +33,33 @@ ListFunc = Callable[..., Any]
 Obj = Dict[str, Any]
 
 
-decode: Callable[[bytes], Any] = json.loads
-"""How list pages and watch events are decoded (see docs/performance.md, "The API path")."""
+class Decoder:
+    """List pages and watch events of one kind, decoded into :mod:`kube_schema`'s shapes where it
+    has one (the fields netproxy reads, the rest skipped in C), whole with ``json`` otherwise and
+    whenever the shaped decoding refuses the text, so that conversion judges it object by object."""
+
+    def __init__(self, kind: str) -> None:
+        shapes = SHAPES.get(kind)
+        self._page = msgspec.json.Decoder(shapes[0]) if shapes else None
+        self._event = msgspec.json.Decoder(shapes[1]) if shapes else None
+
+    def page(self, data: bytes) -> Any:
+        if self._page is not None:
+            try:
+                return self._page.decode(data)
+            except msgspec.MsgspecError:
+                pass  # a container of another shape: the plain decoder, and conversion, will say
+        return json.loads(data)
+
+    def event(self, line: bytes) -> Any:
+        if self._event is not None:
+            try:
+                event = self._event.decode(line)
+                if event.get("type") != "ERROR":  # an ERROR's object is a Status: read it whole
+                    return event
+            except msgspec.MsgspecError:
+                pass
+        return json.loads(line)
 
 
 class Handler(Protocol):
@@ -123,6 +152,7 @@ class Reflector:
         """``instead``: for an optional resource, what netproxy does while the server does not
         serve it (404) or may not show it (403); said once, then checked every ``absent_recheck``."""
         self.kind = kind
+        self.decoder = Decoder(kind)
         self.instead = instead
         self._said: Optional[Tuple[Optional[int], str]] = None
         self.list_func = list_func
@@ -270,7 +300,7 @@ class Reflector:
                 raise Expired(f"list continue token expired: {_describe(err)}") from None
             raise
         try:
-            body = decode(resp.data)
+            body = self.decoder.page(resp.data)
         finally:
             resp.release_conn()
         if not isinstance(body, dict):
@@ -305,7 +335,7 @@ class Reflector:
 
     def _event(self, line: bytes) -> None:
         try:
-            event = decode(line)
+            event = self.decoder.event(line)
             event_type = event["type"]
             obj = event["object"]
         except (ValueError, KeyError, TypeError):
