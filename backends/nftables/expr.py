@@ -21,9 +21,9 @@ _BASES = {LINK: "link", NETWORK: "network", TRANSPORT: "transport"}
 META_MARK, META_IIFNAME, META_L4PROTO = 3, 6, 16
 _META_KEYS = {META_MARK: "mark", META_IIFNAME: "iifname", META_L4PROTO: "l4proto"}
 IFNAMSIZ = 16
-CT_STATE, CT_STATUS, CT_PROTO_DST, CT_DST_IP, CT_DST_IP6 = 0, 2, 12, 20, 22
-_CT_KEYS = {CT_STATE: "state", CT_STATUS: "status", CT_PROTO_DST: "proto_dst", CT_DST_IP: "dst_ip",
-            CT_DST_IP6: "dst_ip6"}
+CT_STATE, CT_STATUS, CT_PROTO_SRC, CT_PROTO_DST, CT_DST_IP, CT_DST_IP6 = 0, 2, 11, 12, 20, 22
+_CT_KEYS = {CT_STATE: "state", CT_STATUS: "status", CT_PROTO_SRC: "proto_src", CT_PROTO_DST: "proto_dst",
+            CT_DST_IP: "dst_ip", CT_DST_IP6: "dst_ip6"}
 CMP_EQ, CMP_NEQ = 0, 1
 _CMP_OPS = {CMP_EQ: "eq", CMP_NEQ: "neq"}
 NAT_DNAT = 1

@@ -239,8 +239,9 @@ Shared = Union[Pick, Record]
 def shared_chain(shared: Shared, family: str, config: ProxyConfig) -> Tuple[Chain, Tuple[Rule, ...], Optional[Set]]:
     if isinstance(shared, Record):
         fam = family
+        # The endpoint's port as conntrack's reply source, not the packet's dport: see CT_REPLY_PROTO_SRC.
         update = st.update(names.affinity_map(shared.proto), (st.addr(fam, "saddr"), st.ct_daddr(fam), st.CT_PROTO_DST),
-                           (st.addr(fam, "daddr"), st.DPORT), shared.timeout)
+                           (st.addr(fam, "daddr"), st.CT_REPLY_PROTO_SRC), shared.timeout)
         return Chain(shared.chain), (st.rule(shared.chain, st.l4proto(shared.proto), update),), None
     return pick_chain(shared, family, config)
 

@@ -88,9 +88,9 @@ def affinity_chain(name: ServicePortName, kind: str) -> str:
     return identifier(f"{AFFINITY_PREFIX[kind]}-{service_id(name)}")
 
 
-def affinity_set(name: ServicePortName) -> str:
-    """The dynamic set of ``client . endpoint . port`` that a service port's affinity remembers."""
-    return identifier(f"aff-{service_id(name)}")
+def affinity_set(name: ServicePortName, address: str, port: int) -> str:
+    """The dynamic set of clients that a service port's affinity sends to one endpoint."""
+    return identifier(f"aff-{service_id(name)}-{address}-{port}")
 
 
 def _pick_infix(nodeport: bool, sticky: bool) -> str:

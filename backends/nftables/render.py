@@ -183,10 +183,11 @@ class _Port:
             to_all = self.affinity_chain(EXEMPT) if kind == LOCAL else None
             eps = [ep for _, ep in self.choices[kind]]
             self.out.chains[cname] = _affinity_rules(self.svc, cname, kind, eps, self.family, self.config, to_all)
-            aff: str = names.affinity_set(self.svc.name)
-            self.out.sets[aff] = Set(aff, f"{ADDR_TYPE[self.family]} . {ADDR_TYPE[self.family]} . inet_service",
-                                     flags=("dynamic", "timeout"), timeout=self.svc.affinity_timeout,
-                                     comment=str(self.svc.name))
+            for ep in eps:
+                aff = names.affinity_set(self.svc.name, ip_text(ep.ip), ep.port)
+                self.out.sets[aff] = Set(aff, ADDR_TYPE[self.family], flags=("dynamic", "timeout"),
+                                         timeout=self.svc.affinity_timeout,
+                                         comment=f"{self.svc.name} clients of {ip_text(ep.ip)} port {ep.port}")
         return cname
 
 
@@ -195,15 +196,16 @@ def _affinity_rules(svc: ServicePort, cname: str, kind: str, eps: Sequence[Endpo
     """One service port's ClientIP affinity chain for traffic of ``kind``, in families outside
     :data:`~layout.AFFINITY_FAMILIES` (IPv6: see there why).
 
-    The iptables backend's shape with one dynamic set per service port, keyed by ``client . endpoint
-    address . endpoint port``: first one rule per endpoint "this client is remembered for this endpoint:
-    refresh it and DNAT there" (``recent --update --seconds T --reap``), then the random choice as
-    iptables' statistic rules, rule i taken with probability 1/(N-i), each remembering the client before
-    its DNAT.  The chains of one service port (cluster, external, and externalTrafficPolicy Local's
-    exceptions) share its set, as iptables' KUBE-SVC-/KUBE-SVL- do.  ``nft list`` prints the
-    constants of the lookup oddly, hence the comment on each rule.
+    kube-proxy's nftables shape: one dynamic set of client addresses per endpoint, first one rule per
+    endpoint "this client is in its set: refresh it and DNAT there", then the random choice as
+    iptables' statistic rules, rule i taken with probability 1/(N-i), each adding the client to its
+    endpoint's set before the DNAT.  The chains of one service port (cluster, external, and
+    externalTrafficPolicy Local's exceptions) share its sets, as iptables' KUBE-SVC-/KUBE-SVL- do.
+    Keyed by the client alone, every rule reads back from ``nft list`` as nft itself would write it
+    (an earlier per-service set keyed ``client . endpoint . port`` needed constants inside a looked-up
+    concatenation, which nft lists in a form it cannot load again), and an endpoint that leaves takes
+    its clients with its set.
     """
-    aff: str = names.affinity_set(svc.name)
     rules: List[Rule] = []
     masq = masquerade_rule(cname, kind, family, config)
     if masq is not None:
@@ -211,18 +213,20 @@ def _affinity_rules(svc: ServicePort, cname: str, kind: str, eps: Sequence[Endpo
     if to_all is not None:
         rules.extend(exemption_rules(cname, family, config, st.goto(to_all)))
     proto = st.l4proto(svc.protocol.lower())
+    client = (st.addr(family, "saddr"),)
     steps = []
     for ep in eps:
         addr = ip_text(ep.ip)
         note = f"{svc.name} endpoint {addr} port {ep.port}"
-        steps.append((ep, addr, note))
-        rules.append(st.rule(cname, proto, st.remembered(family, aff, addr, ep.port),
-                             st.remember(family, aff, addr, ep.port), st.dnat_to(family, addr, ep.port), comment=note))
-    n = len(steps)
-    for i, (ep, addr, note) in enumerate(steps):
-        chance = (st.numgen_is_zero(n - i),) if i < n - 1 else ()
-        rules.append(st.rule(cname, proto, *chance, st.remember(family, aff, addr, ep.port),
+        aff = names.affinity_set(svc.name, addr, ep.port)
+        steps.append((ep, addr, note, aff))
+        rules.append(st.rule(cname, proto, st.lookup(client, aff), st.remember(family, aff),
                              st.dnat_to(family, addr, ep.port), comment=note))
+    n = len(steps)
+    for i, (ep, addr, note, aff) in enumerate(steps):
+        chance = (st.numgen_is_zero(n - i),) if i < n - 1 else ()
+        rules.append(st.rule(cname, proto, *chance, st.remember(family, aff), st.dnat_to(family, addr, ep.port),
+                             comment=note))
     if not steps:
         rules.append(st.rule(cname, st.DROP, comment="no local endpoint"))
     return tuple(rules)

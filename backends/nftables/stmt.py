@@ -46,6 +46,10 @@ def addr(family: str, which: str) -> Field:
 L4PROTO = Field("meta l4proto", 1, "l4proto")
 DPORT = Field("th dport", 1, "dport")
 CT_PROTO_DST = Field("ct original proto-dst", 1, "ct-proto-dst")
+CT_REPLY_PROTO_SRC = Field("ct reply proto-src", 1, "ct-reply-proto-src")
+"""The port a DNAT-ed connection's replies come from: its endpoint's port.  Used where the packet's
+own ``th dport`` would do, so that nft's listing keeps the rule's ``meta l4proto`` (a ``tcp dport``
+would let it elide that match, and nft 1.0.6 cannot read its own listing back without it)."""
 
 
 def ct_daddr(family: str) -> Field:
@@ -68,6 +72,8 @@ def _load(f: Field, word: int) -> ex.Expr:
         return ex.Ct(ex.CT_DST_IP6 if f.arg else ex.CT_DST_IP, r, direction=0)
     if f.kind == "ct-proto-dst":
         return ex.Ct(ex.CT_PROTO_DST, r, direction=0)
+    if f.kind == "ct-reply-proto-src":
+        return ex.Ct(ex.CT_PROTO_SRC, r, direction=1)
     if f.kind == "numgen":
         return ex.Numgen(r, f.arg)
     raise ValueError(f"unknown field {f!r}")
@@ -223,27 +229,11 @@ def _addr_words(family: str) -> int:
     return 4 if family == "ip6" else 1
 
 
-def remembered(family: str, set_name: str, address: str, port: int) -> Stmt:
-    """``ip saddr . (ip saddr & 0.0.0.0 | A) . (th dport & 0 | P) @set``: this client is in ``set``
-    for endpoint ``A:P``.  nft cannot type a constant inside a looked-up concatenation, so the
-    constants are computed from the packet (and-zero, xor-constant), as nft emits them."""
-    w = _addr_words(family)
-    value = _packed(family, address)
+def remember(family: str, set_name: str) -> Stmt:
+    """``update @set { ip saddr }``: the client joins (or refreshes) ``set`` with its own timeout."""
     saddr = addr(family, "saddr")
-    exprs = (ex.Payload(ex.NETWORK, saddr.arg, 4 * w, 1), ex.Payload(ex.NETWORK, saddr.arg, 4 * w, ex.reg(w)),
-             ex.Bitwise(ex.reg(w), b"\0" * (4 * w), value), ex.Payload(ex.TRANSPORT, 2, 2, ex.reg(2 * w)),
-             ex.Bitwise(ex.reg(2 * w), b"\0\0", port.to_bytes(2, "big")), ex.Lookup(set_name, 1))
-    zero = "::" if family == "ip6" else "0.0.0.0"
-    return Stmt(f"{family} saddr . ({family} saddr & {zero} | {address}) . (th dport & 0 | {port}) @{set_name}", exprs)
-
-
-def remember(family: str, set_name: str, address: str, port: int) -> Stmt:
-    """``update @set { ip saddr . A . P }`` with the set's own timeout."""
-    w = _addr_words(family)
-    exprs = (ex.Payload(ex.NETWORK, addr(family, "saddr").arg, 4 * w, 1),
-             ex.Immediate(ex.reg(w), _packed(family, address)), ex.Immediate(ex.reg(2 * w), port.to_bytes(2, "big")),
-             ex.Dynset(set_name, 1, 0, 0))
-    return Stmt(f"update @{set_name} {{ {family} saddr . {address} . {port} }}", exprs)
+    exprs = (ex.Payload(ex.NETWORK, saddr.arg, 4 * saddr.words, 1), ex.Dynset(set_name, 1, 0, 0))
+    return Stmt(f"update @{set_name} {{ {family} saddr }}", exprs)
 
 
 def dnat_to(family: str, address: str, port: int) -> Stmt:

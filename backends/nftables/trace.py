@@ -229,6 +229,8 @@ class Tracer:
                 _store(regs, e.dreg, ipaddress.ip_address(p.daddr).packed)
             elif e.key == ex.CT_PROTO_DST:
                 _store(regs, e.dreg, struct.pack(">H", p.dport))
+            elif e.key == ex.CT_PROTO_SRC:  # the reply's source: the port the packet is DNAT-ed to
+                _store(regs, e.dreg, struct.pack(">H", dport))
             return None
         if isinstance(e, ex.Cmp):
             equal = _load(regs, e.sreg, len(e.data)) == e.data

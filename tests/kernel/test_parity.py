@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 import shutil
 import sys
@@ -878,3 +879,66 @@ def test_hairpin(proxy: Proxy, sandbox: Sandbox) -> None:
     res = sandbox.connect(SVC_IP, 80, count=10, source=pod.netns)
     assert_only_and_all(res, [pod], total=10)
     assert_masqueraded(res, pod.ip)
+
+
+# ---- the node's own tools read back what netproxy wrote ----------------------------------------
+
+
+def _dump_and_reload(proxy: Proxy, sandbox: Sandbox) -> None:
+    """What an operator does to back up and restore a node's ruleset, with the node's own tools:
+    ``nft list table`` then ``nft -f`` (the tables deleted between), or ``iptables-save |
+    iptables-restore`` (v4 and v6)."""
+    node = sandbox.node
+    if proxy.combo.backend == "nftables":
+        listed = {fam: sandbox.exec(node, ["nft", "list", "table", fam, "netproxy"], check=True).stdout
+                  for fam in ("ip", "ip6")}
+        for fam in listed:
+            sandbox.exec(node, ["nft", "delete", "table", fam, "netproxy"], check=True)
+        for fam, text in listed.items():
+            path = os.path.join(proxy.workdir, f"netproxy-{fam}.nft")
+            with open(path, "w") as f:
+                f.write(text)
+            loaded = sandbox.exec(node, ["nft", "-f", path])
+            assert loaded.returncode == 0, f"nft -f of `nft list table {fam} netproxy`: {loaded.stderr}"
+        return
+    flavour = proxy.combo.flavour
+    for tool in ("iptables", "ip6tables"):
+        saved = sandbox.exec(node, [f"{tool}-{flavour}-save"], check=True).stdout
+        restored = sandbox.exec(node, [f"{tool}-{flavour}-restore"], input=saved)
+        assert restored.returncode == 0, f"{tool}-{flavour}-restore of its own save: {restored.stderr}"
+
+
+def test_the_nodes_own_tools_reload_what_netproxy_wrote(proxy: Proxy, sandbox: Sandbox) -> None:
+    """kube-proxy 1.36+'s rulesets re-load with the node's own nft and iptables-restore, and so do
+    netproxy's, written over netlink or by the tools: a dual-stack NodePort service with ClientIP
+    affinity (its remembered clients included) listed or saved, removed, loaded again; afterwards the
+    kernel holds exactly the plan (`plan --diff` exits 0) and every client keeps its endpoint."""
+    pods = local(sandbox)
+    sticky = {"sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}}}
+    http = [port(8080, name="http")]
+    proxy.sync([
+        service("web", SVC_IP, [http_port(NODE_PORT)], type="NodePort", clusterIPs=[SVC_IP, SVC_IP6],
+                ipFamilies=["IPv4", "IPv6"], ipFamilyPolicy="RequireDualStack", **sticky),
+        endpoint_slice("web", [ep(p) for p in pods], http, suffix="v4"),
+        endpoint_slice("web", [ep(p, ipv6=True) for p in pods], http, suffix="v6", address_type="IPv6"),
+    ])
+    clients = sandbox.client_addresses(8)
+
+    def landed() -> Tuple[Dict[str, set], set]:  # type: ignore[type-arg]
+        # One connection at a time: a client's second SYN must not overtake its first, which records it.
+        v4 = sandbox.connect(SVC_IP, 80, count=len(clients) * 2, sources=clients, concurrency=1,
+                             timeout=ANSWER_TIMEOUT)
+        v6 = sandbox.connect(SVC_IP6, 80, count=4, concurrency=1, timeout=ANSWER_TIMEOUT)
+        assert not v4.errors and not v6.errors, (v4.errors, v6.errors)
+        chosen: Dict[str, set] = {}  # type: ignore[type-arg]
+        for i, answer in enumerate(v4.sequence):
+            chosen.setdefault(clients[i % len(clients)], set()).add(answer)
+        return chosen, set(v6.sequence)
+
+    before, before6 = landed()
+    assert all(len(p) == 1 for p in before.values()) and len(before6) == 1, (before, before6)
+    _dump_and_reload(proxy, sandbox)
+    diff = proxy.command("plan", "--diff", "--source", proxy.source, *proxy.base_flags)
+    assert diff.returncode == 0, f"the kernel differs from the plan after the reload:\n{diff.stdout}{diff.stderr}"
+    after, after6 = landed()
+    assert after == before and after6 == before6, f"affinity lost in the reload: {before} {before6} -> {after} {after6}"

@@ -73,7 +73,7 @@ def test_ipv4_affinity_is_one_lookup_in_a_shared_map_then_the_random_pick_and_is
     assert fake.elements("ip", names.AFFINITY_SERVICES) == {"10.96.0.20 . tcp . 80": "goto affinity-tcp-42"}
     assert fake.chain_rules("ip", "affinity-tcp-42") == [
         "meta l4proto tcp update @affinity-tcp { ip saddr . ct original ip daddr . ct original proto-dst "
-        "timeout 42s : ip daddr . th dport }"]
+        "timeout 42s : ip daddr . ct reply proto-src }"]
     assert any("vmap @affinity-services" in r for r in fake.chain_rules("ip", "affinity-prerouting"))
     assert not [n for n in fake.tables["ip"].sets if n.startswith("aff-")], "no set per service port"
     assert not [c for c in fake.tables["ip"].chains if c.startswith("svc-")], "no chain per service port"
@@ -83,9 +83,9 @@ def test_ipv6_affinity_checks_every_endpoint_before_the_random_choice_and_refres
     b, fake = backend()
     b.sync(snap((svc("s", "fd00::20", affinity=True, timeout=42), eps("fd01::4", "fd01::5", "fd01::6"))),
            Changes())
-    aff = "aff-ns/s/http"
-    step = [f"update @{aff} {{ ip6 saddr . fd01::{i} . 8080 }} dnat ip6 to [fd01::{i}]:8080" for i in (4, 5, 6)]
-    known = [f"ip6 saddr . (ip6 saddr & :: | fd01::{i}) . (th dport & 0 | 8080) @{aff}" for i in (4, 5, 6)]
+    aff = {i: f"aff-ns/s/http-fd01__{i}-8080" for i in (4, 5, 6)}  # one set of clients per endpoint
+    step = [f"update @{aff[i]} {{ ip6 saddr }} dnat ip6 to [fd01::{i}]:8080" for i in (4, 5, 6)]
+    known = [f"ip6 saddr @{aff[i]}" for i in (4, 5, 6)]
     assert fake.chain_rules("ip6", "svc-ns/s/http") == [
         # every remembered client first (iptables: recent --rcheck, then --set in the endpoint's chain)
         f"meta l4proto tcp {known[0]} {step[0]}",
@@ -96,9 +96,10 @@ def test_ipv6_affinity_checks_every_endpoint_before_the_random_choice_and_refres
         f"meta l4proto tcp numgen random mod 2 == 0 {step[1]}",
         f"meta l4proto tcp {step[2]}",
     ]
-    s = fake.tables["ip6"].sets[aff]
-    assert s.timeout == 42 and set(s.flags) == {"dynamic", "timeout"}
-    assert s.key_type == "ipv6_addr . ipv6_addr . inet_service"
+    for name in aff.values():
+        s = fake.tables["ip6"].sets[name]
+        assert s.timeout == 42 and set(s.flags) == {"dynamic", "timeout"}
+        assert s.key_type == "ipv6_addr"
     assert fake.elements("ip6", names.SERVICE_IPS) == {"fd00::20 . tcp . 80": "goto svc-ns/s/http"}
 
 
