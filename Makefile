@@ -50,6 +50,7 @@ test-all:
 
 bench: setup
 	$(PY) -m bench
+	$(PY) -m bench.api
 	$(PY) -m bench.storm
 
 clean:
