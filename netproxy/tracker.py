@@ -58,6 +58,7 @@ class ChangeTracker:
         self._node_addresses: Tuple[IPAddress, ...] = ()
         self._services_synced = False
         self._endpoints_synced = False
+        self._addresses_expected = False
         self.rejected = 0  # a count: a long-running proxy must not keep every error it ever saw
         self.on_change = on_change
         self.service_changes = 0
@@ -113,6 +114,7 @@ class ChangeTracker:
     def set_node_addresses(self, addresses: Tuple[IPAddress, ...]) -> None:
         """The node's local addresses changed (kept apart from set_node: two sources feed them)."""
         with self._lock:
+            self._addresses_expected = False
             if addresses != self._node_addresses:
                 self._node_addresses = addresses
                 self._node_changed = True
@@ -165,11 +167,18 @@ class ChangeTracker:
 
     # -- the sync loop's side -------------------------------------------------------------------
 
+    def expect_node_addresses(self) -> None:
+        """The node's addresses for NodePorts will come (``--nodeport-addresses``): the first sync
+        waits for them, so that it is not followed at once by a second full one when they arrive."""
+        with self._lock:
+            self._addresses_expected = True
+
     @property
     def ready(self) -> bool:
-        """The seed's rule: never write before both services and endpoints were seen once."""
+        """Never write before services and endpoints were each seen once (kube-proxy's rule), nor
+        before the node's addresses are known when they are expected."""
         with self._lock:
-            return self._services_synced and self._endpoints_synced
+            return self._services_synced and self._endpoints_synced and not self._addresses_expected
 
     def pending(self) -> bool:
         with self._lock:

