@@ -24,6 +24,7 @@ from netproxy.model import IPNetwork, NodeInfo, ServicePort, ValidationError
 from netproxy.source.convert import (
     PROXY_LABEL_SELECTOR,
     EndpointSet,
+    is_mapping,
     parse_endpoint_slice,
     parse_endpoints,
     parse_node,
@@ -41,8 +42,8 @@ Key = Tuple[str, str]
 
 def object_key(obj: Mapping[str, Any]) -> Optional[Key]:
     """(namespace, name) straight from metadata, unvalidated: a delete must find what an add stored."""
-    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
-    if not isinstance(meta, Mapping) or not isinstance(meta.get("name"), str):
+    meta = obj.get("metadata") if is_mapping(obj) else None
+    if not is_mapping(meta) or not isinstance(meta.get("name"), str):
         return None
     namespace = meta.get("namespace") or "default"
     return (namespace, meta["name"]) if isinstance(namespace, str) else None
