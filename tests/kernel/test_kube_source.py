@@ -125,3 +125,36 @@ def test_services_of_another_proxy_and_headless_slices_are_not_programmed(proxy:
         finally:
             stop_process(run, timeout=15)
     assert run.returncode == 0
+
+
+def test_one_shot_commands_read_the_cluster_from_the_api(proxy: Proxy, sandbox: Sandbox, combo: Combo,
+                                                         tmp_path: Any) -> None:
+    """``sync``, ``plan --diff``, ``trace`` and ``migrate`` take ``--kubeconfig`` as ``run`` does: one
+    list with kube-proxy's informer filter; another proxy's service gets no rules either way."""
+    pods = sandbox.pods[:2]
+    theirs = api_object(service("other", OTHER_IP, [port(80, 8080, name="http")]))
+    theirs["metadata"]["labels"] = {"service.kubernetes.io/service-proxy-name": "another-proxy"}
+    objects: Dict[str, List[Dict[str, Any]]] = {
+        "services": [api_object(service("web", WEB_IP, [port(80, 8080, name="http")])), theirs],
+        "endpointslices": [web_slice(pods)],
+    }
+    with StandInProcess(objects, prefix=["ip", "netns", "exec", sandbox.node]) as url:
+        source = ["--kubeconfig", kubeconfig(str(tmp_path / "kubeconfig"), url), *proxy.base_flags]
+        synced = proxy.command("sync", *source)
+        assert synced.returncode == 0, synced.stderr
+        assert_only_and_all(sandbox.connect(WEB_IP, 80, count=60), pods, total=60)
+        assert sandbox.connect(OTHER_IP, 80, count=2, timeout=0.5).answered == 0
+        diff = proxy.command("plan", "--diff", *source)
+        assert diff.returncode == 0, diff.stdout + diff.stderr
+        traced_ = proxy.command("trace", "--to", f"{WEB_IP}:80", *source)
+        assert traced_.returncode == 0 and all(p.ip in traced_.stdout for p in pods), traced_.stdout
+        other = "iptables" if combo.backend == "nftables" else "nftables"
+        flags = [f for i, f in enumerate(combo.flags)  # migrate's --to is the backend
+                 if f != "--backend" and (i == 0 or combo.flags[i - 1] != "--backend")]
+        moved = proxy.command("migrate", "--to", other, *source, *flags, combo_flags=False)
+        assert moved.returncode == 0, moved.stdout + moved.stderr
+        assert_only_and_all(sandbox.connect(WEB_IP, 80, count=60), pods, total=60)
+        # Back to the combination's own dataplane, so that the sandbox's cleanup finds what it expects.
+        back = proxy.command("migrate", "--to", combo.backend, *source, *flags, combo_flags=False)
+        assert back.returncode == 0, back.stdout + back.stderr
+        assert_only_and_all(sandbox.connect(WEB_IP, 80, count=60), pods, total=60)
