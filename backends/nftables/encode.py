@@ -72,11 +72,14 @@ def _length(fields: Sequence[str]) -> int:
 
 
 def _typeof_udata(spec: str) -> bytes:
-    items = []
+    """nft's typeof user data: one expression's (type, attributes), or a concatenation of them."""
+    items: List[Tuple[int, bytes]] = []
     for i, part in enumerate(p.strip() for p in spec.split(" . ")):
         kind, args = _TYPEOF[part][1]
         inner: bytes = wire.udata(*[(j, _u32le(a)) for j, a in enumerate(args)])
         items.append((i, wire.udata((0, _u32le(kind)), (1, inner))))
+    if len(items) == 1:
+        return items[0][1]
     out: bytes = wire.udata((0, _u32le(_CONCAT)), (1, wire.udata(*items)))
     return out
 
@@ -87,9 +90,10 @@ def set_udata(s: Set) -> bytes:
     items = [(UD_KEYBYTEORDER, _u32le(0 if concat else _TYPES[key[0]][2]))]
     if s.is_map:
         items.append((UD_DATABYTEORDER, _u32le(0)))
-    if concat:
-        items.append((UD_KEY_TYPEOF, _typeof_udata(s.key_type) if s.typeof else wire.udata((0, _u32le(_CONCAT)),
-                                                                                            (1, b""))))
+    if s.typeof:
+        items.append((UD_KEY_TYPEOF, _typeof_udata(s.key_type)))
+    elif concat:
+        items.append((UD_KEY_TYPEOF, wire.udata((0, _u32le(_CONCAT)), (1, b""))))
     if s.is_map and s.typeof and s.value_type is not None:
         items.append((UD_DATA_TYPEOF, _typeof_udata(s.value_type)))
     if s.is_map:

@@ -251,6 +251,10 @@ def endpoints_map(pick: Pick, family: str) -> Set:
     ``endpoint . port``."""
     key = "th dport" if pick.nodeport else f"{family} daddr . th dport"
     what = "nodePort" if pick.nodeport else "service address . port"
+    if pick.size == 1:
+        # One endpoint: no random draw (kube-proxy 1.37, kubernetes #140723), so no index either.
+        return Set(pick.map, key, f"{family} daddr . th dport", typeof=True,
+                   comment=f"{pick.kind} {pick.proto} {what}: its one endpoint")
     return Set(pick.map, f"{key} . numgen random mod 1", f"{family} daddr . th dport", typeof=True,
                comment=f"{pick.kind} {pick.proto} {what} . index: endpoint")
 
@@ -313,5 +317,6 @@ def pick_chain(pick: Pick, family: str, config: ProxyConfig) -> Tuple[Chain, Tup
                              comment="ClientIP affinity: a remembered client"))
     emap = endpoints_map(pick, family)
     key = (st.DPORT,) if pick.nodeport else (st.addr(family, "daddr"), st.DPORT)
-    rules.append(st.rule(name, proto, st.dnat_map(family, key + (st.numgen(pick.size),), emap.name)))
+    draw = (st.numgen(pick.size),) if pick.size > 1 else ()
+    rules.append(st.rule(name, proto, st.dnat_map(family, key + draw, emap.name)))
     return Chain(name), tuple(rules), emap

@@ -90,8 +90,13 @@ class ElementRun(NamedTuple):
     set: str
     prefix: str
     values: Tuple[str, ...]
+    indexed: bool = True
+    """False for a one-endpoint map: its only element is ``<prefix> : value`` (no index to draw)."""
 
     def elements(self) -> Tuple[Element, ...]:
+        """One :class:`Element` per endpoint (the slow path: the serialisers expand runs themselves)."""
+        if not self.indexed:
+            return tuple(Element(self.set, self.prefix, v) for v in self.values)
         return tuple(Element(self.set, f"{self.prefix} . {i}", v) for i, v in enumerate(self.values))
 
 

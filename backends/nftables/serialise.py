@@ -100,7 +100,9 @@ def ops_lines(ops: Sequence[Op], table: str = names.TABLE) -> List[str]:
             if isinstance(o2, ElementRun):
                 # This loop runs once per endpoint (100k at 10k services): keep it to one f-string.
                 p = o2.prefix
-                if with_value:
+                if not o2.indexed:
+                    batch.extend([f"{p} : {v}" if with_value else p for v in o2.values])
+                elif with_value:
                     batch.extend([f"{p} . {k} : {v}" for k, v in enumerate(o2.values)])
                 else:
                     batch.extend([f"{p} . {k}" for k in range(len(o2.values))])

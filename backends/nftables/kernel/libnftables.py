@@ -152,7 +152,14 @@ class LibNftRunner:
             if "No such file or directory" in err:
                 return None
             raise SyncError("cannot read the nftables ruleset", line=what, detail=err.strip())
-        items: List[Dict[str, Any]] = json.loads(out).get("nftables", [])
+        try:
+            doc = json.loads(out)
+        except ValueError:
+            # Seen with a table another process owns (NFT_TABLE_F_OWNER): the listing is not one JSON
+            # document.  A read that fails is a failed sync (retried), never a crash of `run`.
+            raise SyncError("cannot read the nftables ruleset: the listing is not JSON", line=what,
+                            detail=out.strip()[:300]) from None
+        items: List[Dict[str, Any]] = doc.get("nftables", []) if isinstance(doc, dict) else []
         return items
 
     def existing_tables(self) -> FrozenSet[str]:

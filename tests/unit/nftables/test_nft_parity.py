@@ -117,11 +117,11 @@ def test_etp_local_local_endpoints_unmarked_with_exceptions_for_pods_and_node() 
     b.sync(snap((s, endpoints), node="node-a"), Changes())
     assert fake.elements("ip", names.SERVICE_IPS)["198.51.100.10 . tcp . 80"] == "goto local-tcp-pick-1"
     assert fake.elements("ip", names.SERVICE_NODEPORTS) == {"tcp . 30080": "goto local-tcp-nodeport-pick-1"}
-    assert fake.elements("ip", "local-tcp-nodeport-endpoints-1") == {"30080 . 0": "10.1.0.1 . 8080"}
+    assert fake.elements("ip", "local-tcp-nodeport-endpoints-1") == {"30080": "10.1.0.1 . 8080"}
     assert fake.chain_rules("ip", "local-tcp-nodeport-pick-1") == [
         "ip saddr @cluster-cidrs meta l4proto . th dport vmap @exempt-nodeports",
         f"fib saddr type local {MARK} meta l4proto . th dport vmap @exempt-nodeports",
-        "meta l4proto tcp dnat ip to th dport . numgen random mod 1 map @local-tcp-nodeport-endpoints-1",
+        "meta l4proto tcp dnat ip to th dport map @local-tcp-nodeport-endpoints-1",
     ]
     # The exceptions reach every endpoint, unmarked (even with --masquerade-all, as kube-proxy).
     assert fake.elements("ip", names.EXEMPT_NODEPORTS) == {"tcp . 30080": "goto exempt-tcp-nodeport-pick-3"}
@@ -153,7 +153,7 @@ def test_itp_local_cluster_traffic_local_only_external_unrestricted() -> None:
     s = nodeport(svc("web", "10.96.0.10"), internal_traffic_policy="Local")
     endpoints = eps("10.1.0.1", node="node-a") + eps("10.1.0.8", "10.1.0.9", node="node-b")
     b.sync(snap((s, endpoints), node="node-a"), Changes())
-    assert fake.elements("ip", "cluster-tcp-endpoints-1") == {"10.96.0.10 . 80 . 0": "10.1.0.1 . 8080"}
+    assert fake.elements("ip", "cluster-tcp-endpoints-1") == {"10.96.0.10 . 80": "10.1.0.1 . 8080"}
     assert fake.elements("ip", names.SERVICE_NODEPORTS) == {"tcp . 30080": "goto external-tcp-nodeport-pick-3"}
     b.sync(snap((s, eps("10.1.0.8", node="node-b")), node="node-a"), Changes())
     assert fake.elements("ip", names.NO_ENDPOINTS) == {"10.96.0.10 . tcp . 80": "drop"}
@@ -169,9 +169,8 @@ def test_affinity_with_etp_local_goes_through_the_exceptions_chain() -> None:
     # clients, then the local endpoints only
     assert rules == [f"fib saddr type local {MARK} meta l4proto . th dport vmap @exempt-nodeports",
                      "meta l4proto tcp dnat ip to ip saddr . ip daddr . th dport map @affinity-tcp",
-                     "meta l4proto tcp dnat ip to th dport . numgen random mod 1 map "
-                     "@local-tcp-nodeport-sticky-endpoints-1"]
-    assert fake.elements("ip", "local-tcp-nodeport-sticky-endpoints-1") == {"30080 . 0": "10.1.0.1 . 8080"}
+                     "meta l4proto tcp dnat ip to th dport map @local-tcp-nodeport-sticky-endpoints-1"]
+    assert fake.elements("ip", "local-tcp-nodeport-sticky-endpoints-1") == {"30080": "10.1.0.1 . 8080"}
     assert fake.elements("ip", names.EXEMPT_NODEPORTS) == {"tcp . 30080": "goto exempt-tcp-nodeport-sticky-pick-2"}
     assert set(fake.elements("ip", "exempt-tcp-nodeport-sticky-endpoints-2").values()) == {
         "10.1.0.1 . 8080", "10.1.0.2 . 8080"}
@@ -226,7 +225,7 @@ def test_dual_stack_service_renders_into_both_tables() -> None:
     s = dataclasses.replace(svc("web", "10.96.0.10"), cluster_ips=(ipaddress.ip_address("10.96.0.10"),
                                                                     ipaddress.ip_address("fd00::10")))
     b.sync(snap((s, eps("10.1.0.1", "fd01::1"))), Changes())
-    assert fake.elements("ip", "cluster-tcp-endpoints-1") == {"10.96.0.10 . 80 . 0": "10.1.0.1 . 8080"}
-    assert fake.elements("ip6", "cluster-tcp-endpoints-1") == {"fd00::10 . 80 . 0": "fd01::1 . 8080"}
+    assert fake.elements("ip", "cluster-tcp-endpoints-1") == {"10.96.0.10 . 80": "10.1.0.1 . 8080"}
+    assert fake.elements("ip6", "cluster-tcp-endpoints-1") == {"fd00::10 . 80": "fd01::1 . 8080"}
     assert fake.chain_rules("ip6", names.SERVICES)[-1].startswith("fib daddr type local ip6 daddr != ::1")
     assert set(fake.elements("ip6", names.CLUSTER_IPS)) == {"fd00::10"}

@@ -118,7 +118,7 @@ def test_no_endpoints_rejects_and_local_policy_without_local_endpoints_drops() -
     assert fake.chain_rules("ip", "local-tcp-pick-0") == [
         f"fib saddr type local {mark} ip daddr . meta l4proto . th dport vmap @{names.EXEMPT_IPS}", "drop"]
     assert fake.elements("ip", names.EXEMPT_IPS) == {"192.0.2.31 . tcp . 80": "goto exempt-tcp-pick-1"}
-    assert fake.elements("ip", "exempt-tcp-endpoints-1") == {"192.0.2.31 . 80 . 0": "10.1.0.9 . 8080"}
+    assert fake.elements("ip", "exempt-tcp-endpoints-1") == {"192.0.2.31 . 80": "10.1.0.9 . 8080"}
     assert not any("meta mark" in r for r in fake.chain_rules("ip", "exempt-tcp-pick-1"))
     assert fake.chain_rules("ip", names.REJECT) == ["reject"]
 
@@ -128,12 +128,12 @@ def test_local_policy_uses_local_endpoints_without_masquerade() -> None:
     s = svc("local", "10.96.0.31", external=["192.0.2.31"], ext_policy="Local")
     endpoints = eps("10.1.0.8", node="node-a") + eps("10.1.0.9", node="node-b")
     b.sync(snap((s, endpoints), node="node-a"), Changes())
-    assert fake.elements("ip", "local-tcp-endpoints-1") == {"192.0.2.31 . 80 . 0": "10.1.0.8 . 8080"}
+    assert fake.elements("ip", "local-tcp-endpoints-1") == {"192.0.2.31 . 80": "10.1.0.8 . 8080"}
     rules = fake.chain_rules("ip", "local-tcp-pick-1")
     # Only the node's own connections (fib saddr type local) are marked; the rest keep their source.
     assert [r for r in rules if "meta mark" in r] == [r for r in rules if r.startswith("fib saddr type local")]
-    assert rules[-1] == ("meta l4proto tcp dnat ip to ip daddr . th dport . numgen random mod 1 "
-                         "map @local-tcp-endpoints-1")
+    # One local endpoint: no random draw (kube-proxy 1.37), the map keyed without an index.
+    assert rules[-1] == "meta l4proto tcp dnat ip to ip daddr . th dport map @local-tcp-endpoints-1"
     assert len(fake.elements("ip", "cluster-tcp-endpoints-2")) == 2
 
 
