@@ -49,6 +49,13 @@ def external_endpoints(svc: ServicePort, endpoints: Sequence[Endpoint], node: No
     return _by_topology(svc, endpoints, node)
 
 
+def node_endpoints(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeInfo) -> Tuple[Endpoint, ...]:
+    """Endpoints for a connection the node itself makes to a NodePort or an external address: every
+    endpoint (with topology) whatever externalTrafficPolicy says — kube-proxy's exception for the
+    node's own traffic, which has no client address to preserve."""
+    return _by_topology(svc, endpoints, node)
+
+
 def local_endpoints(endpoints: Sequence[Endpoint], node: NodeInfo) -> Tuple[Endpoint, ...]:
     """Endpoints on this node (matched by nodeName), with the same ready/terminating fallback."""
     return usable(tuple(e for e in endpoints if node.name and e.node_name == node.name))

@@ -19,6 +19,7 @@ from netproxy.tracker import ChangeTracker
 
 if TYPE_CHECKING:  # imported where built: the proxier pulls in prometheus_client, which only `run` needs
     from netproxy.healthcheck import ProxyHealth
+    from netproxy.localports import LocalhostNodePorts
     from netproxy.nodeaddr import NodeAddressWatcher
     from netproxy.proxier import Proxier
     from netproxy.runner import BoundedFrequencyRunner
@@ -90,6 +91,8 @@ class Proxy:
     failures: List[str] = field(default_factory=list)
     """Why the proxy stopped on its own (exit 1), e.g. the Node's pod CIDRs changed."""
     watcher: Optional[NodeAddressWatcher] = None
+    relay: Optional[LocalhostNodePorts] = None
+    """NodePorts on localhost in nftables mode (netproxy/localports.py)."""
     zpages: Dict[str, Page] = field(default_factory=dict)
     """kube-proxy's /statusz, /flagz, /configz and /proxyMode beside /metrics (netproxy/zpages.py)."""
 
@@ -101,6 +104,8 @@ class Proxy:
         metrics.set_families(metrics.families())  # the IPv4 series exist before the first sync
         zpages.serve(config.metrics_bind_address, self.zpages)
         metrics.BACKEND.labels(backend.name, writer(config, backend.name, "")).set(1)
+        if self.relay is not None:
+            self.relay.start()
         self.source.start(self.tracker)
         if self.watcher is not None:
             self.watcher.start(self.tracker)
@@ -114,6 +119,8 @@ class Proxy:
         self.source.stop()
         if self.watcher is not None:
             self.watcher.stop()
+        if self.relay is not None:
+            self.relay.close()
 
 
 def writer(config: ProxyConfig, backend: str, other: str = "-") -> str:
@@ -149,10 +156,22 @@ def build_proxy(config: ProxyConfig, backend: Backend, source: Source) -> Proxy:
     watcher = NodeAddressWatcher(config.nodeport_addresses) if config.nodeport_addresses else None
     if watcher is not None:
         tracker.expect_node_addresses()
-    proxy = Proxy(config, backend, source, tracker, proxier, runner, health, watcher=watcher)
+    relay = _localhost_relay(config, backend)
+    if relay is not None:
+        proxier.after_sync.append(lambda prev, cur: relay.update(cur))
+    proxy = Proxy(config, backend, source, tracker, proxier, runner, health, watcher=watcher, relay=relay)
     if config.detect_local_mode == "NodeCIDR":
         proxier.after_sync.append(_pod_cidrs_kept(proxy))
     return proxy
+
+
+def _localhost_relay(config: ProxyConfig, backend: Backend) -> Optional[LocalhostNodePorts]:
+    """kube-proxy's nftables-mode NodePorts on 127.0.0.1 and ::1 (a userspace relay), when
+    --nodeport-addresses covers them; the iptables backend DNATs them itself (route_localnet)."""
+    from netproxy.localports import LocalhostNodePorts, families_served
+
+    families = families_served(config.nodeport_addresses)
+    return LocalhostNodePorts(families) if backend.name == "nftables" and families else None
 
 
 def _pod_cidrs_kept(proxy: Proxy) -> Callable[[Optional[Snapshot], Snapshot], None]:

@@ -222,8 +222,9 @@ def test_detect_local_mode_by_interface_over_ipv6(mode: str, proxy: Proxy, sandb
 
 def test_nodeport_addresses_primary_and_localhost(proxy: Proxy, sandbox: Sandbox) -> None:
     """kube-proxy 1.37's keywords combined: ``primary,localhost`` takes the InternalIP and 127.0.0.1
-    on iptables (route_localnet), the InternalIP only on nftables (kube-proxy serves localhost there
-    only through KEP-6032's userspace proxy, alpha and off by default, which netproxy does not have)."""
+    on iptables (route_localnet), the InternalIP only on nftables' rules: there localhost is served
+    by ``run``'s userspace relay (KEP-6032; test_run_answers_nodeports_on_localhost_on_every_backend),
+    which a one-shot ``sync`` does not leave behind."""
     pods = local(sandbox)
     sandbox.exec(sandbox.node, ["sh", "-c", "echo 0 > /proc/sys/net/ipv4/conf/all/route_localnet"], check=True)
     proxy.base_flags = [*proxy.base_flags, "--nodeport-addresses", "primary,localhost"]
@@ -241,3 +242,48 @@ def test_nodeport_addresses_primary_and_localhost(proxy: Proxy, sandbox: Sandbox
         assert _route_localnet(sandbox, sandbox.node) == "1"
     else:
         assert loopback.answered == 0, f"127.0.0.1:{NODE_PORT} answered {loopback.counts}"
+
+
+def test_run_answers_nodeports_on_localhost_on_every_backend(proxy: Proxy, sandbox: Sandbox) -> None:
+    """kube-proxy 1.38: ``run`` answers a TCP NodePort on 127.0.0.1 and ::1 when --nodeport-addresses
+    covers them — iptables by DNAT (route_localnet, IPv4), nftables through its userspace relay
+    (KEP-6032, never route_localnet). The node's own connection is externalTrafficPolicy Local's
+    exception: every endpoint answers, on this node or not; the relay follows endpoint changes, and
+    a NodePort without endpoints is refused."""
+    pods = [*local(sandbox)[:2], *remote(sandbox)[:1]]
+    sandbox.exec(sandbox.node, ["sh", "-c", "echo 0 > /proc/sys/net/ipv4/conf/all/route_localnet"], check=True)
+    http = [port(8080, name="http")]
+
+    def cluster(eps: List[Any]) -> List[Manifest]:
+        return [service("web", SVC_IP, [http_port(NODE_PORT)], type="NodePort", externalTrafficPolicy="Local",
+                        clusterIPs=[SVC_IP, SVC_IP6], ipFamilies=["IPv4", "IPv6"], ipFamilyPolicy="RequireDualStack"),
+                endpoint_slice("web", [ep(p) for p in eps], http, suffix="v4"),
+                endpoint_slice("web", [ep(p, ipv6=True) for p in eps], http, suffix="v6", address_type="IPv6"),
+                node_object(internal_ip=NODE_EXT4)]
+
+    proxy.start_run(cluster(pods), "--nodeport-addresses", "primary,localhost")
+
+    def answered_by(address: str, want: List[Any]) -> Any:
+        def check() -> Optional[str]:
+            alive(proxy)
+            res = sandbox.connect(address, NODE_PORT, count=30, timeout=1.0, source=sandbox.node)
+            return None if sorted(res.counts) == sorted(p.name for p in want) and not res.errors else \
+                f"{address}:{NODE_PORT} answered by {res.counts}, errors {res.errors}"
+        return check
+
+    run_wait(proxy, answered_by("127.0.0.1", pods), timeout=20, step=0.5)
+    if proxy.combo.backend == "nftables":
+        run_wait(proxy, answered_by("::1", pods), timeout=10, step=0.5)  # iptables' DNAT is IPv4 only
+        with open("/proc/sys/net/ipv4/conf/all/route_localnet") as f:
+            assert f.read().strip() == "0"
+        assert sandbox.exec(sandbox.node, ["cat", "/proc/sys/net/ipv4/conf/all/route_localnet"]).stdout.strip() == "0"
+    # Endpoints move: so does the relay (or the DNAT).
+    write_manifests(proxy.source, cluster(pods[:1]))
+    run_wait(proxy, answered_by("127.0.0.1", pods[:1]), timeout=15, step=0.5)
+    write_manifests(proxy.source, cluster([]))
+
+    def refused() -> Optional[str]:
+        res = sandbox.connect("127.0.0.1", NODE_PORT, count=3, timeout=DROP_TIMEOUT, source=sandbox.node)
+        return None if res.answered == 0 else f"answered {res.counts} without endpoints"
+    run_wait(proxy, refused, timeout=15, step=0.5)
+    assert proxy.stop_runs() == [0], proxy.run_output()[-3000:]
