@@ -51,6 +51,7 @@ test-all:
 bench: setup
 	$(PY) -m bench
 	$(PY) -m bench.api
+	$(PY) -m bench.relay
 	$(PY) -m bench.storm
 
 clean:
