@@ -33,6 +33,9 @@ GATES: Dict[str, Gate] = {
     "ServiceTrafficDistribution": Gate(True, False, "spec.trafficDistribution (PreferClose)"),
     "PreferSameTrafficDistribution": Gate(True, False, "PreferSameZone, PreferSameNode and node hints"),
     "MultiCIDRServiceAllocator": Gate(True, False, "networking.k8s.io/v1 ServiceCIDR objects"),
+    "KubeProxyNFTablesLocalhostNodePorts": Gate(True, True, "nftables: run answers TCP NodePorts on 127.0.0.1 "
+                                                "and ::1 through a userspace relay when --nodeport-addresses "
+                                                "covers them (1.37 alpha, 1.38 beta and on); false: never"),
 }
 
 

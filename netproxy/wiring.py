@@ -171,7 +171,8 @@ def _localhost_relay(config: ProxyConfig, backend: Backend) -> Optional[Localhos
     from netproxy.localports import LocalhostNodePorts, families_served
 
     families = families_served(config.nodeport_addresses)
-    return LocalhostNodePorts(families) if backend.name == "nftables" and families else None
+    wanted = features.enabled(config.feature_gates, "KubeProxyNFTablesLocalhostNodePorts")
+    return LocalhostNodePorts(families) if backend.name == "nftables" and families and wanted else None
 
 
 def _pod_cidrs_kept(proxy: Proxy) -> Callable[[Optional[Snapshot], Snapshot], None]:

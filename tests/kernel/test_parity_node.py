@@ -287,3 +287,9 @@ def test_run_answers_nodeports_on_localhost_on_every_backend(proxy: Proxy, sandb
         return None if res.answered == 0 else f"answered {res.counts} without endpoints"
     run_wait(proxy, refused, timeout=15, step=0.5)
     assert proxy.stop_runs() == [0], proxy.run_output()[-3000:]
+    if proxy.combo.backend == "nftables":  # kube-proxy's gate turns the relay off
+        proxy.start_run(cluster(pods), "--nodeport-addresses", "primary,localhost",
+                        "--feature-gates", "KubeProxyNFTablesLocalhostNodePorts=false")
+        run_wait(proxy, answered_by(NODE_EXT4, pods), timeout=20, step=0.5)
+        run_wait(proxy, refused, timeout=5, step=0.5)
+        assert proxy.stop_runs() == [0], proxy.run_output()[-3000:]
