@@ -30,11 +30,11 @@ import re
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import quote, urlsplit
 
 from bench import gen
-from bench.latency import _poll, _started, _tail, _wait_poll, vm_hwm_kib
+from bench.latency import _poll, _started, _tail, _wait_poll, proc_status_kib, vm_hwm_kib
 from netproxy.lab import netns
 from netproxy.lab.apiserver_process import StandInProcess, write_kubeconfig
 from netproxy.lab.topology import netproxy_command
@@ -48,14 +48,7 @@ _PATHS = ("/api/v1/services", "/apis/discovery.k8s.io/v1/endpointslices")
 
 
 def vm_rss_kib(pid: int) -> Optional[int]:
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
+    return proc_status_kib(pid, "VmRSS")
 
 
 # -- the helpers that run inside the node namespace ---------------------------------------------------
@@ -172,27 +165,34 @@ def measure(sandbox: Any, combo: Any, n: int, client: Sequence[str], workdir: st
     with StandInProcess(objects, prefix=netns.exec_args(sandbox.node, [])) as url:
         kubeconfig = write_kubeconfig(os.path.join(workdir, f"api-kubeconfig-{tag}"), url)
         out["serve"] = _python_in(sandbox, ["fetch", url], timeout)
-        log_path = os.path.join(workdir, f"netproxy-run-api-{tag}.log")
-        t0 = time.monotonic()
-        proc = _start_run(sandbox, combo, ["--kubeconfig", kubeconfig], log_path)
-        try:
-            out["start"] = _until_answers(sandbox, client, proc, n, t0, timeout, log_path)
-            out["start"]["maxrss_mib"] = (vm_hwm_kib(proc.pid) or 0) / 1024
-            if "seconds" in out["start"]:
-                out["burst"] = _burst(sandbox, client, proc, n, url, slices, timeout)
-        finally:
-            netns.stop(proc)
-    sandbox.reset_netfilter()
-    log_path = os.path.join(workdir, f"netproxy-run-source-{tag}.log")
+
+        def burst(proc: subprocess.Popen) -> Dict[str, Any]:  # type: ignore[type-arg]
+            return _burst(sandbox, client, proc, n, url, slices, timeout)
+
+        out["start"], out["burst"] = _timed_run(sandbox, combo, client, n, ["--kubeconfig", kubeconfig],
+                                                os.path.join(workdir, f"netproxy-run-api-{tag}.log"), timeout, burst)
+    out["source"], _ = _timed_run(sandbox, combo, client, n, ["--source", source],
+                                  os.path.join(workdir, f"netproxy-run-source-{tag}.log"), timeout)
+    return out
+
+
+def _timed_run(sandbox: Any, combo: Any, client: Sequence[str], n: int, args: Sequence[str], log_path: str,
+               timeout: float, then: Optional[Callable[[Any], Dict[str, Any]]] = None
+               ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``netproxy run ARGS`` from start to the last service answering, with its peak RSS; then
+    ``then(process)`` while it still runs; stopped, and the node's tables reset, after."""
     t0 = time.monotonic()
-    proc = _start_run(sandbox, combo, ["--source", source], log_path)
+    proc = _start_run(sandbox, combo, args, log_path)
+    after: Dict[str, Any] = {"skipped": "the start failed"}
     try:
-        out["source"] = _until_answers(sandbox, client, proc, n, t0, timeout, log_path)
-        out["source"]["maxrss_mib"] = (vm_hwm_kib(proc.pid) or 0) / 1024
+        start = _until_answers(sandbox, client, proc, n, t0, timeout, log_path)
+        start["maxrss_mib"] = (vm_hwm_kib(proc.pid) or 0) / 1024
+        if then is not None and "seconds" in start:
+            after = then(proc)
     finally:
         netns.stop(proc)
-    sandbox.reset_netfilter()
-    return out
+        sandbox.reset_netfilter()
+    return start, after
 
 
 def _burst(sandbox: Any, client: Sequence[str], proc: subprocess.Popen, n: int,  # type: ignore[type-arg]

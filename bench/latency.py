@@ -49,15 +49,20 @@ def _write_atomic(path: str, objects: Sequence[gen.Obj]) -> None:
     os.replace(tmp, path)
 
 
-def vm_hwm_kib(pid: int) -> Optional[int]:
+def proc_status_kib(pid: int, field: str) -> Optional[int]:
+    """A KiB figure of ``/proc/<pid>/status`` (``VmHWM``: the peak resident set, ``VmRSS``: now)."""
     try:
         with open(f"/proc/{pid}/status", encoding="ascii") as fh:
             for line in fh:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1])
     except OSError:
         return None
     return None
+
+
+def vm_hwm_kib(pid: int) -> Optional[int]:
+    return proc_status_kib(pid, "VmHWM")
 
 
 def _poll(sandbox: Any, client: Sequence[str], addr: str, port: int, seconds: float) -> subprocess.Popen:  # type: ignore[type-arg]
