@@ -6,7 +6,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
-from netproxy.features import effective
+from netproxy.features import effective, enabled
 from netproxy.model import FieldError, IPNetwork, check_cidr
 
 BACKENDS = ("auto", "iptables", "nftables", "fake")
@@ -86,6 +86,10 @@ class ProxyConfig:
         if self.detect_local_mode == "InterfaceNamePrefix" and self.pod_interface_name_prefix:
             return self.pod_interface_name_prefix, True
         return None
+
+    def gate(self, name: str) -> bool:
+        """Whether feature gate ``name`` is on (``--feature-gates`` over kube-proxy's defaults)."""
+        return enabled(self.feature_gates, name)
 
 
 def check_interface_name(name: str, what: str, prefix: bool = False) -> str:

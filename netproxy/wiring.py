@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
-from netproxy import backends, features
+from netproxy import backends
 from netproxy.backends.base import Backend
 from netproxy.config import ProxyConfig
 from netproxy.model import NodeInfo, Snapshot
@@ -149,7 +149,7 @@ def build_proxy(config: ProxyConfig, backend: Backend, source: Source) -> Proxy:
                                     idle=lambda: proxier.check_tampering(), ready=lambda: tracker.ready)
     tracker = ChangeTracker(NodeInfo(name=config.hostname),  # ETP/ITP Local need the node name from the start
                             on_change=lambda: queued(), service_cidrs=config.service_cidrs,
-                            external_ips=features.enabled(config.feature_gates, "AllowServiceExternalIPs"))
+                            external_ips=config.gate("AllowServiceExternalIPs"))
     queued = QueuedChanges(tracker, health, runner.request)
     proxier = Proxier(tracker, backend, config, retry=runner.retry_after, request=runner.request,
                       health=health, after_sync=hooks)
@@ -171,7 +171,7 @@ def _localhost_relay(config: ProxyConfig, backend: Backend) -> Optional[Localhos
     from netproxy.localports import LocalhostNodePorts, families_served
 
     families = families_served(config.nodeport_addresses)
-    wanted = features.enabled(config.feature_gates, "KubeProxyNFTablesLocalhostNodePorts")
+    wanted = config.gate("KubeProxyNFTablesLocalhostNodePorts")
     return LocalhostNodePorts(families) if backend.name == "nftables" and families and wanted else None
 
 

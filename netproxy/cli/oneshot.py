@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import List, Sequence, Tuple
 
-from netproxy import features, skew
+from netproxy import skew
 from netproxy.backends.base import Backend, BackendError, Packet
 from netproxy.cli.args import EXIT_FAILED, EXIT_OK, EXIT_REJECTED
 from netproxy.cli.settings import choose_backend, kube_client, make_backend, proxy_config, set_conntrack_sysctls
@@ -43,7 +43,7 @@ def _load(args: argparse.Namespace) -> Loaded:
 def _snapshot(loaded: Loaded, config: ProxyConfig) -> Tuple[Snapshot, List[ValidationError]]:
     """The loaded --source as the snapshot a one-shot command syncs, plans or traces."""
     tracker = ChangeTracker(NodeInfo(name=config.hostname), service_cidrs=config.service_cidrs,
-                            external_ips=features.enabled(config.feature_gates, "AllowServiceExternalIPs"))
+                            external_ips=config.gate("AllowServiceExternalIPs"))
     tracker.replace_service_cidrs(loaded.service_cidrs)
     if loaded.node is not None:
         tracker.set_node(loaded.node)

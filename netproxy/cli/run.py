@@ -72,7 +72,7 @@ def init_only(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-INTERNAL = ("command", "given", "from_config", "func")
+INTERNAL = ("command", "given", "from_config")
 """Attributes argparse's namespace carries that are no flag."""
 
 
