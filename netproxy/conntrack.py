@@ -12,7 +12,11 @@ endpoint of the port: traffic policies and topology are ignored, as kube-proxy i
 policy change does not cut flows), an entry is stale when
 - its original destination is a service address (cluster IP, external IP, load-balancer IP) and
   port, and its reply source (the DNAT target) is not in E; or
-- its original destination port is the port's NodePort (any address), likewise.
+- its original destination port is the port's NodePort (any address), likewise;
+- its original destination is an address inside the service CIDRs (``--service-cluster-ip-range``,
+  ServiceCIDR objects) that no service port owns: its service was deleted (kube-proxy 1.38 clears
+  those flows in ``run``; netproxy also in a one-shot ``sync`` after the deletion, which learns what
+  was there from the flow itself rather than from a previous process's memory).
 A port with no serving endpoint has E empty: every flow to it is deleted, so that its packets meet
 the reject rule instead of the endpoint that went away (kubernetes #139628, fixed upstream by #139629).
 A port deleted since the last pass is reconciled once more with E empty (#141371).
@@ -56,17 +60,27 @@ class Desired:
 
     by_address: Mapping[Key, FrozenSet[Key]] = field(default_factory=dict)
     by_node_port: Mapping[Key, FrozenSet[Key]] = field(default_factory=dict)
+    unowned: Tuple[Tuple[int, int], ...] = ()
+    """The service CIDRs of this family as (network, mask) integers: a flow to an address inside
+    them that no service port owns belonged to a service that was deleted (no one else DNATs into
+    the service range, and the rules drop such traffic now) — stale, whatever its endpoint."""
 
     def stale(self, service: Key, dport: Key, endpoint: Key) -> bool:
-        """kube-proxy's two tests, in its order: the address:port front end, then the NodePort."""
-        allowed = self.by_address.get(service)
-        if allowed is not None and endpoint not in allowed:
+        """kube-proxy's two tests, in its order: the address:port front end, then the NodePort; then
+        an unowned service address (a deleted service, which a new process cannot remember)."""
+        by_address = self.by_address.get(service)
+        if by_address is not None and endpoint not in by_address:
             return True
-        allowed = self.by_node_port.get(dport)
-        return allowed is not None and endpoint not in allowed
+        by_node_port = self.by_node_port.get(dport)
+        if by_node_port is not None:
+            return endpoint not in by_node_port
+        if by_address is None and self.unowned:
+            address = int.from_bytes(service[:-2], "big")
+            return any(address & mask == network for network, mask in self.unowned)
+        return False
 
     def __bool__(self) -> bool:
-        return bool(self.by_address or self.by_node_port)
+        return bool(self.by_address or self.by_node_port or self.unowned)
 
 
 State = Dict[Tuple[int, int], Desired]
@@ -125,7 +139,14 @@ def desired_state(snapshot: Snapshot, retired: Iterable[ServicePortName] = (),
                 by_address[front] = allowed
             if node_port is not None:
                 by_node_port[node_port] = allowed
-    return {table: Desired(a, n) for table, (a, n) in maps.items()}
+    ranges: Dict[int, Tuple[Tuple[int, int], ...]] = {
+        version: tuple((int(c.network_address), int(c.netmask)) for c in snapshot.service_cidrs if c.version == version)
+        for version in FAMILIES}
+    for version, family in FAMILIES.items():
+        if ranges[version]:  # flows of a deleted UDP service: checked even when no UDP service is left
+            maps.setdefault((family, socket.IPPROTO_UDP), ({}, {}))
+    version_of = {family: version for version, family in FAMILIES.items()}
+    return {table: Desired(a, n, ranges[version_of[table[0]]]) for table, (a, n) in maps.items()}
 
 
 @dataclass

@@ -139,6 +139,27 @@ def test_a_new_sync_process_moves_a_udp_flow_off_a_removed_endpoint(proxy: Proxy
     assert_moved_losing_nothing_else(pending.result().sequence, old, new)
 
 
+def test_a_new_sync_process_ends_the_udp_flow_of_a_deleted_service(proxy: Proxy, sandbox: Sandbox) -> None:
+    """kube-proxy 1.38 clears the UDP flows of a deleted service.  A one-shot `sync` that follows
+    the deletion has no memory of the service; the flow's own original destination, an address of
+    the service CIDRs that no service owns now, says it was one.  Without that, the flow's conntrack
+    entry keeps DNAT-ing it to the deleted service's endpoint for as long as it keeps sending."""
+    pod = sandbox.pods[0]
+    cidr = ["--service-cluster-ip-range", "10.96.0.0/16"]
+    sync(proxy, [*dns([pod]), *web(sandbox.pods[1:2])], *cidr)
+    answered_by(proxy, sandbox, pod)
+    before = sandbox.connect(UDP_IP, 53, proto="udp", count=5, interval=INTERVAL, timeout=REPLY_TIMEOUT,
+                             bind=":41055", concurrency=1)
+    assert before.counts == {pod.name: 5}, before.counts
+    sync(proxy, web(sandbox.pods[1:2]), *cidr)  # dns deleted
+    after = sandbox.connect(UDP_IP, 53, proto="udp", count=3, interval=INTERVAL, timeout=0.5,
+                            bind=":41055", concurrency=1)
+    assert after.answered == 0, f"the deleted service's flow still answered: {after.counts}"
+    if shutil.which("conntrack"):
+        entries = udp_entries(sandbox)
+        assert not [ln for ln in entries.splitlines() if f"dst={UDP_IP} " in ln and f"src={pod.ip} " in ln], entries
+
+
 @pytest.mark.parametrize("front", ["cluster-ip-v6", "node-port"])
 def test_a_new_sync_process_moves_flows_to_every_kind_of_front_end(proxy: Proxy, sandbox: Sandbox, front: str) -> None:
     """The same through an IPv6 cluster IP (the other family's dump and deletes) and through a

@@ -64,6 +64,21 @@ def test_flows_to_addresses_and_ports_that_are_no_service_are_left_alone() -> No
     assert not stale(d, "10.244.1.2", 5353, "10.244.1.2", 5353)  # straight to a pod
 
 
+def test_a_flow_to_an_unowned_address_of_the_service_cidrs_is_stale_even_in_a_new_process() -> None:
+    """kube-proxy 1.38 clears the UDP flows of a deleted service; a one-shot sync that follows the
+    deletion has no earlier state, but the flow itself says its service address, and an address of
+    the service CIDRs that no service owns is a deleted service's. Outside the CIDRs: left alone."""
+    cidrs = (ipaddress.ip_network("10.96.0.0/16"),)
+    current = Snapshot.build([service()], {service().name: (ep("10.244.1.1"),)}, service_cidrs=cidrs)
+    d = desired_state(current)[(V4, UDP)]
+    assert stale(d, "10.96.7.7", 53, "10.244.1.9", 5353)  # a deleted service's flow
+    assert not stale(d, DNS_IP, 53, "10.244.1.1", 5353)  # an owned address: its own rule
+    assert not stale(d, "192.0.2.7", 53, "10.244.1.9", 5353)  # outside the service CIDRs
+    # The last UDP service deleted: the table is still reconciled.
+    empty = desired_state(Snapshot.build([], {}, service_cidrs=cidrs))
+    assert stale(empty[(V4, UDP)], DNS_IP, 53, "10.244.1.1", 5353)
+
+
 def test_a_flow_recorded_without_dnat_is_stale_once_the_service_has_an_endpoint() -> None:
     # While the service had no endpoint its flows were rejected or went nowhere: the entry's reply
     # source is the service address itself, and would keep the flow from ever reaching the endpoint.
