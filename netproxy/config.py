@@ -11,7 +11,6 @@ from netproxy.model import FieldError, IPNetwork, check_cidr
 
 BACKENDS = ("auto", "iptables", "nftables", "fake")
 IPTABLES_WRITERS = ("restore", "libiptc")
-IPTABLES_FLAVOURS = ("legacy", "nft")
 NFTABLES_WRITERS = ("netlink", "libnftables")
 LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
 """kube-proxy's ``--detect-local-mode``: what tells traffic from a pod of this node (its localdetector.go)."""

@@ -39,7 +39,6 @@ MAX_AFFINITY_TIMEOUT = 86400
 # \Z, not $: "$" also matches before a trailing newline, which would let "web\n" through.
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
 _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
-_NODE_NAME = _DNS1123_SUBDOMAIN
 _MAX_IP_TEXT = len("ffff:ffff:ffff:ffff:ffff:ffff:255.255.255.255")
 _ZONE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?\Z")
 

@@ -306,10 +306,6 @@ class FakeIptables:
 
     # -- others ------------------------------------------------------------------------------------
 
-    def drop_table(self, family: int, table: str) -> None:
-        """The table is gone (``nft delete table ip nat`` under iptables-nft)."""
-        self.tables.pop((family, table), None)
-
     # -- the parser ----------------------------------------------------------------------------------
 
     def _kernel_table(self, family: int, table: str) -> KernelTable:

@@ -48,7 +48,6 @@ from netproxy.backends.nftables.monitor import (
 
 log = logging.getLogger(__name__)
 
-POLL_INTERVAL = 0.5
 """Seconds between two looks (the runner's idle step): a repair starts within this of the fault."""
 _ATTR_TABLE = 1
 _ATTR_GEN_PID = 2  # NFTA_GEN_PROC_PID: the pid of the process that committed the transaction

@@ -95,10 +95,6 @@ def dispatch_chain(network: str, prefix: str = DISPATCH_PREFIX) -> str:
     return chain
 
 
-def hairpin_chain(network: str) -> str:
-    return dispatch_chain(network, HAIRPIN_PREFIX)
-
-
 def nodeport_chain(ports: str) -> str:
     """``KUBE-NPS-<hash>`` for ``"tcp"`` or ``"tcp/30720:30975"`` (``tree.port_space``)."""
     return dispatch_chain(ports, NODEPORT_PREFIX)

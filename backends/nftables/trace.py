@@ -77,6 +77,7 @@ class Tracer:
             raise ValueError(f"no {family} netproxy table")
         self.table = t
         self.family = family
+        self.steps = 0
         self._lookups: Dict[str, Dict[bytes, Optional[str]]] = {}
 
     # --- the packet's bytes ------------------------------------------------------------------------
@@ -160,6 +161,10 @@ class Tracer:
         return self._rules(p, chain, 0, st, daddr, dport)
 
     def _rules(self, p: Packet, chain: str, index: int, st: _State, daddr: str, dport: int) -> List[Outcome]:
+        self.steps += 1
+        if self.steps > _MAX_STEPS:
+            # The kernel refuses loops, so a ruleset that gets here was not read right: stop, say so.
+            raise ValueError(f"trace: more than {_MAX_STEPS:,} rule steps from chain {chain}; is the ruleset looping?")
         rules = self.table.rules.get(chain, [])
         if index >= len(rules):
             return [Outcome(_CONTINUE, chains=st.chains, share=st.share)]

@@ -79,12 +79,6 @@ class Combo:
         writer_flag = "--nftables-writer" if self.backend == "nftables" else "--iptables-writer"
         return ["--backend", self.backend, writer_flag, self.writer, "--iptables-flavour", self.flavour]
 
-    def raw_tools(self) -> Sequence[str]:
-        """The raw tool(s) that apply this combination's own ``plan()`` payload."""
-        if self.backend == "nftables":
-            return ("nft",)
-        return (f"iptables-{self.flavour}-restore", f"ip6tables-{self.flavour}-restore")
-
     def missing(self) -> Optional[str]:
         """Why this combination cannot run here, or None."""
         if self.backend == "iptables":

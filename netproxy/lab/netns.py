@@ -96,11 +96,6 @@ def exec_args(ns: str, args: Sequence[str]) -> List[str]:
     return ["ip", "netns", "exec", ns, *args]
 
 
-def run_in(ns: str, args: Sequence[str], check: bool = True, input_: Optional[bytes] = None,
-           ) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
-    return _run(exec_args(ns, args), check=check, input_=input_)
-
-
 def run_in_timeout(ns: str, args: Sequence[str], timeout: float,
                    env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
     """Run ``args`` in ``ns`` to completion; on timeout kill its whole process group (ours) and raise."""

@@ -212,7 +212,7 @@ def _service_ports(ns: str, name: str, obj: Mapping[str, Any]) -> Tuple[ServiceP
     hc_port = check_port(hc_port, "spec.healthCheckNodePort", allow_zero=True)
     raw_ports = _list(spec.get("ports"), "spec.ports")
     if not cluster_ips and raw_ports:
-        # Headless (clusterIP: None) or not yet allocated: nothing to program, as the seed did.
+        # Headless (clusterIP: None) or not yet allocated: nothing to program, as kube-proxy skips it.
         return ()
     seen: Dict[str, int] = {}
     out: List[ServicePort] = []
@@ -420,7 +420,7 @@ def _hint_name(raw: Any, path: str, check: Callable[[Any, str], Optional[str]]) 
 
 
 def parse_endpoints(obj: Mapping[str, Any]) -> EndpointSet:
-    """A legacy v1 Endpoints (the seed's input) → one EndpointSet; not-ready addresses are kept as not ready."""
+    """A legacy v1 Endpoints (--use-endpoints) → one EndpointSet; not-ready addresses are kept as not ready."""
     kind, ns, name = object_ref(obj)
 
     def build() -> EndpointSet:
