@@ -12,7 +12,7 @@ from netproxy import detect as detect_mod
 from netproxy.backends.base import Backend
 from netproxy.config import ProxyConfig
 from netproxy.model import NodeInfo
-from netproxy.nodeconfig import PRIMARY, hostname, local_detection, needs_node, nodeport_cidrs
+from netproxy.nodeconfig import PRIMARY, ConfigError, hostname, local_detection, needs_node, nodeport_cidrs
 from netproxy.wiring import is_kernel, new_backend
 
 log = logging.getLogger("netproxy")
@@ -39,11 +39,17 @@ def proxy_config(args: argparse.Namespace, backend: str, flavour: str,
     """The flags (with --config's values already on them) as the one ProxyConfig.  A command without
     a flag leaves ProxyConfig's default; ``node`` gives NodeCIDR's pod CIDRs and ``primary``'s IPs."""
     D = ProxyConfig
+    sync_period = getattr(args, "sync_period", D.sync_period)
+    min_sync_period = getattr(args, "min_sync_period", D.min_sync_period)
+    if min_sync_period > sync_period:
+        # kube-proxy's validation: syncPeriod must be at least minSyncPeriod.
+        raise ConfigError(f"--min-sync-period ({min_sync_period:g}s) must not exceed --sync-period "
+                          f"({sync_period:g}s)")
     return ProxyConfig(
         backend=backend, iptables_writer=args.iptables_writer, iptables_flavour=flavour,
         nftables_writer=args.nftables_writer,
-        sync_period=getattr(args, "sync_period", D.sync_period),
-        min_sync_period=getattr(args, "min_sync_period", D.min_sync_period),
+        sync_period=sync_period,
+        min_sync_period=min_sync_period,
         masquerade_all=getattr(args, "masquerade_all", D.masquerade_all),
         masquerade_bit=getattr(args, "masquerade_bit", D.masquerade_bit),
         cluster_cidrs=tuple(getattr(args, "cluster_cidr", D.cluster_cidrs)),

@@ -158,3 +158,65 @@ def test_one_shot_commands_read_the_cluster_from_the_api(proxy: Proxy, sandbox: 
         back = proxy.command("migrate", "--to", combo.backend, *source, *flags, combo_flags=False)
         assert back.returncode == 0, back.stdout + back.stderr
         assert_only_and_all(sandbox.connect(WEB_IP, 80, count=60), pods, total=60)
+
+
+def test_run_programs_at_once_and_its_health_check_tells_the_truth_through_the_api(
+        proxy: Proxy, sandbox: Sandbox, combo: Combo, tmp_path: Any) -> None:
+    """Through the API: the first sync runs as soon as the lists are in, not at the next
+    --min-sync-period tick (20 s here); the health-check node port of an externalTrafficPolicy Local
+    service answers 200 with the local count, 503 while the proxy's writes are refused and a change
+    made through the API waits, and 200 again after."""
+    from netproxy.lab.refuse import WritesRefused
+    from tests.kernel.test_parity import http_get_headers
+
+    here = [p for p in sandbox.pods if p.node_name == NODE_NAME][:2]
+    hc_port, node_port = 30999, 30080
+    svc = api_object(service("web", WEB_IP, [port(80, 8080, name="http", node_port=node_port)], type="LoadBalancer",
+                             externalTrafficPolicy="Local", healthCheckNodePort=hc_port))
+    objects: Dict[str, List[Dict[str, Any]]] = {"services": [svc], "endpointslices": [web_slice(here)]}
+    refused = WritesRefused(sandbox, combo, str(tmp_path))
+    node_ip = sandbox.node_ips[0]
+    url = f"http://{node_ip}:{hc_port}/"
+
+    def health(code: int, count: int, healthy: bool) -> Any:
+        def check() -> Any:
+            got, body, headers = http_get_headers(sandbox, sandbox.ext, url)
+            doc = json.loads(body) if body.startswith("{") else body
+            weight = headers.get("x-load-balancing-endpoint-weight")
+            ok = got == code and isinstance(doc, dict) and doc.get("localEndpoints") == count \
+                and doc.get("serviceProxyHealthy") is healthy and weight == str(count)
+            return None if ok else f"HTTP {got} {doc} weight {weight}"
+        return check
+
+    with StandInProcess(objects, prefix=["ip", "netns", "exec", sandbox.node]) as api_url:
+        config = kubeconfig(str(tmp_path / "kubeconfig"), api_url)
+        log_path = str(tmp_path / "run.log")
+
+        def start(*timing: str) -> Any:
+            return sandbox.start_netproxy(["run", "--kubeconfig", config, "--hostname-override", NODE_NAME,
+                                           "--metrics-bind-address", "", "--healthz-bind-address", "0.0.0.0:10256",
+                                           "--iptables-lock-timeout", "60s", *timing, *combo.flags],
+                                          flavour=combo.path_flavour, log_path=log_path, env=refused.env)
+
+        run = start("--min-sync-period", "20s", "--sync-period", "30s")
+        try:
+            took = wait_for(answered_by(sandbox, here), timeout=15)
+            assert took < 10, f"the first sync waited {took:.1f} s (a --min-sync-period tick is 20 s)"
+        finally:
+            stop_process(run, timeout=15)
+        run = start("--min-sync-period", "200ms", "--sync-period", "2s")  # healthz: 503 after 4 s waiting
+        try:
+            wait_for(health(200, 2, True), timeout=20)
+            with refused:
+                change = sandbox.exec(sandbox.node, [sys.executable, "-c", UPDATE_SLICE, api_url,
+                                                     json.dumps(web_slice(here[:1]))], timeout=60)
+                assert change.returncode == 0, change.stderr
+                wait_for(health(503, 2, False), timeout=15)
+            wait_for(health(200, 1, True), timeout=20)
+            assert run.poll() is None, "netproxy run exited"
+        finally:
+            stop_process(run, timeout=15)
+            with open(log_path, errors="replace") as f:
+                log = f.read()
+            print(log[-3000:])
+    assert run.returncode == 0, f"netproxy run exited {run.returncode}:\n{log[-3000:]}"

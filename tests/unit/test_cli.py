@@ -347,3 +347,10 @@ def test_migrate_requires_to(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         cli.main(["migrate", "--source", "x.yaml"])
     assert exited.value.code == 1 and "--to" in capsys.readouterr().err
+
+
+def test_a_min_sync_period_over_the_sync_period_is_a_clear_error(made: Made, clean: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """kube-proxy's validation (syncPeriod >= minSyncPeriod), named by flag, exit 1 — not a traceback."""
+    assert cli.main(["sync", "--source", str(clean), *FAKE, "--sync-period", "2s", "--min-sync-period", "20s"]) == 1
+    assert "--min-sync-period (20s) must not exceed --sync-period (2s)" in capsys.readouterr().err
