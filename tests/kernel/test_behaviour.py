@@ -367,3 +367,30 @@ def test_auto_selection_follows_iptables_version(bare_sandbox: Sandbox, tmp_path
             assert "KUBE-SERVICES" in legacy_nat and "netproxy" not in tables, (tables, legacy_nat)
     finally:
         sb.reset_netfilter()
+
+
+def test_the_nodes_own_tools_reload_what_netproxy_wrote(proxy: Proxy, sandbox: Sandbox) -> None:
+    """The node's own nft (1.0.6 on Debian 12, 1.1 on Debian 13) or iptables-save/-restore (1.8.7 on
+    Debian 11) read back and load again what netproxy wrote, remembered ClientIP clients included:
+    after the reload the kernel holds exactly the plan and every client keeps its endpoint.  Here, so
+    that the guests run it on their own tools; tests/kernel/test_parity.py adds IPv6 on the host."""
+    from tests.kernel.test_parity import _dump_and_reload
+
+    proxy.sync(web(endpoints_of(sandbox, 3), type="NodePort", sessionAffinity="ClientIP",
+                   sessionAffinityConfig={"clientIP": {"timeoutSeconds": 600}}))
+    clients = sandbox.client_addresses(8)
+
+    def landed() -> dict:  # type: ignore[type-arg]
+        res = sandbox.connect(WEB_IP, 80, count=len(clients) * 2, sources=clients, concurrency=1)
+        assert res.errors == {}, res.errors
+        chosen: dict = {}  # type: ignore[type-arg]
+        for i, answer in enumerate(res.sequence):
+            chosen.setdefault(clients[i % len(clients)], set()).add(answer)
+        return chosen
+
+    before = landed()
+    assert all(len(p) == 1 for p in before.values()), before
+    _dump_and_reload(proxy, sandbox)
+    diff = proxy.command("plan", "--diff", "--source", proxy.source, *proxy.base_flags)
+    assert diff.returncode == 0, f"the kernel differs from the plan after the reload:\n{diff.stdout}{diff.stderr}"
+    assert landed() == before, "affinity lost in the reload"

@@ -890,8 +890,10 @@ def _dump_and_reload(proxy: Proxy, sandbox: Sandbox) -> None:
     iptables-restore`` (v4 and v6)."""
     node = sandbox.node
     if proxy.combo.backend == "nftables":
+        tables = sandbox.exec(node, ["nft", "list", "tables"], check=True).stdout.splitlines()
         listed = {fam: sandbox.exec(node, ["nft", "list", "table", fam, "netproxy"], check=True).stdout
-                  for fam in ("ip", "ip6")}
+                  for fam in ("ip", "ip6") if f"table {fam} netproxy" in tables}
+        assert listed, f"no netproxy table to list: {tables}"
         for fam in listed:
             sandbox.exec(node, ["nft", "delete", "table", fam, "netproxy"], check=True)
         for fam, text in listed.items():
