@@ -50,6 +50,22 @@ def web_slice(pods: Sequence[Pod]) -> Dict[str, Any]:
     return api_object(endpoint_slice("web", pods, [slice_port(name="http")]))
 
 
+def change_slice(sandbox: Sandbox, url: str, pods: Sequence[Pod]) -> None:
+    """``default/web``'s slice replaced through the API (the official client, in the node namespace)."""
+    change = sandbox.exec(sandbox.node, [sys.executable, "-c", UPDATE_SLICE, url, json.dumps(web_slice(pods))],
+                          timeout=60)
+    assert change.returncode == 0, change.stderr
+
+
+def stopped(run: Any, log_path: str) -> str:
+    """Stop a ``netproxy run``; its log, printed (its tail) for the test's output."""
+    stop_process(run, timeout=15)
+    with open(log_path, errors="replace") as f:
+        log = f.read()
+    print(log[-4000:])
+    return log
+
+
 def answered_by(sandbox: Sandbox, pods: Sequence[Pod]) -> Any:
     def check() -> Any:
         res = sandbox.connect(WEB_IP, 80, count=30, timeout=0.5)
@@ -76,18 +92,13 @@ def test_traffic_follows_an_endpoint_change_made_through_the_api(proxy: Proxy, s
         try:
             wait_for(answered_by(sandbox, first), timeout=60)
             assert_only_and_all(sandbox.connect(WEB_IP, 80, count=200), first, total=200, at_least=40)
-            change = sandbox.exec(sandbox.node, [sys.executable, "-c", UPDATE_SLICE, url,
-                                                 json.dumps(web_slice(second))], timeout=60)
-            assert change.returncode == 0, change.stderr
+            change_slice(sandbox, url, second)
             took = wait_for(answered_by(sandbox, second), timeout=30)
             print(f"\n{combo.name}: traffic moved {took:.2f}s after the API change")
             assert_only_and_all(sandbox.connect(WEB_IP, 80, count=100), second, total=100)
             assert run.poll() is None, "netproxy run exited"
         finally:
-            stop_process(run, timeout=15)
-            with open(log_path, errors="replace") as f:
-                log = f.read()
-            print(log[-4000:])
+            log = stopped(run, log_path)
     assert run.returncode == 0, f"netproxy run exited {run.returncode}:\n{log[-3000:]}"
 
 
@@ -208,15 +219,10 @@ def test_run_programs_at_once_and_its_health_check_tells_the_truth_through_the_a
         try:
             wait_for(health(200, 2, True), timeout=20)
             with refused:
-                change = sandbox.exec(sandbox.node, [sys.executable, "-c", UPDATE_SLICE, api_url,
-                                                     json.dumps(web_slice(here[:1]))], timeout=60)
-                assert change.returncode == 0, change.stderr
+                change_slice(sandbox, api_url, here[:1])
                 wait_for(health(503, 2, False), timeout=15)
             wait_for(health(200, 1, True), timeout=20)
             assert run.poll() is None, "netproxy run exited"
         finally:
-            stop_process(run, timeout=15)
-            with open(log_path, errors="replace") as f:
-                log = f.read()
-            print(log[-3000:])
+            log = stopped(run, log_path)
     assert run.returncode == 0, f"netproxy run exited {run.returncode}:\n{log[-3000:]}"
