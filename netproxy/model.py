@@ -120,7 +120,7 @@ def valid_ip(value: object, cache: bool = True) -> Optional[IPAddress]:
     which builds no field path (at 100k endpoints formatting one per address costs more than this).
     ``cache=False`` parses without the address cache (see :func:`_parse_ip`)."""
     if type(value) is not str or len(value) > _MAX_IP_TEXT:
-        return None
+        return None  # length first: the parse cache must not keep a hostile 50 MB string as a key
     ip = _parse_ip(value) if cache else _parse_ip.__wrapped__(value)
     if ip is None or (ip.version == 6 and ip.scope_id is not None):
         return None
@@ -128,16 +128,14 @@ def valid_ip(value: object, cache: bool = True) -> Optional[IPAddress]:
 
 
 def check_ip(value: object, field_path: str) -> IPAddress:
-    if not isinstance(value, str) or len(value) > _MAX_IP_TEXT:
-        # Length first: the parse cache below must not keep a hostile 50 MB string as a key.
-        raise FieldError(field_path, f"{shown(value)} is not an IP address")
-    ip = _parse_ip(value)
-    if ip is None:
-        raise FieldError(field_path, f"{shown(value)} is not an IP address")
-    if getattr(ip, "scope_id", None) is not None:
+    ip = valid_ip(value)
+    if ip is not None:
+        return ip
+    scoped = valid_ip(value.partition("%")[0]) if isinstance(value, str) and "%" in value else None
+    if scoped is not None and scoped.version == 6 and len(value) <= _MAX_IP_TEXT:  # type: ignore[arg-type]
         # Python >= 3.9 accepts "fe80::1%<anything>" and keeps the text in str(ip); Kubernetes has no zones.
         raise FieldError(field_path, f"{shown(value)} is not an IP address (no %zone allowed)")
-    return ip
+    raise FieldError(field_path, f"{shown(value)} is not an IP address")
 
 
 def forget_parsed_addresses() -> None:

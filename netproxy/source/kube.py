@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 
 from netproxy.model import IPNetwork, NodeInfo, ServicePort, ValidationError
 from netproxy.source.convert import (
@@ -32,7 +32,7 @@ from netproxy.source.convert import (
     parse_service_cidr,
 )
 from netproxy.source.files import Loaded, SourceError, merge, parse_part
-from netproxy.source.kube_reflector import Obj, Reflector, ReflectorSettings, api_status
+from netproxy.source.kube_reflector import Handler, Obj, Reflector, ReflectorSettings, api_status
 from netproxy.tracker import ChangeTracker
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,30 @@ def lister(api_client: Any, kind: str) -> Callable[..., Any]:
         return resp.response
 
     return call
+
+
+class Collection(NamedTuple):
+    kind: str
+    kwargs: Dict[str, Any]
+    needed: bool = True
+    """False: a one-shot command goes on without it when the server refuses it (403, 404)."""
+    instead: Optional[str] = None
+    """For ``run``: what netproxy does while the server does not serve it (404) or may not show it
+    (403), said once and checked again slowly.  None: a refusal is retried with backoff."""
+
+
+def collections(node_name: str, use_endpoints: bool) -> List[Collection]:
+    """What netproxy reads from the API, for ``run``'s watches and the one-shot commands' lists alike:
+    Services and EndpointSlices (or Endpoints) with kube-proxy's informer filter (services of another
+    proxy and headless services' slices are never listed, held or woken for), this node's Node, and
+    networking.k8s.io/v1 ServiceCIDRs (Kubernetes >= 1.33: the service CIDRs whose unowned addresses
+    are dropped; not a readiness condition, without them only the drop is missing)."""
+    mine = {"label_selector": PROXY_LABEL_SELECTOR}
+    return [Collection("Service", mine),
+            Collection("Endpoints" if use_endpoints else "EndpointSlice", mine),
+            Collection("Node", {"field_selector": f"metadata.name={node_name}"}, needed=False),
+            Collection("ServiceCIDR", {}, needed=False,
+                       instead="netproxy uses --service-cluster-ip-range alone for the service CIDRs")]
 
 
 class ServiceHandler:
@@ -270,26 +294,16 @@ class KubeSource:
         self.reflectors: List[Reflector] = []
 
     def start(self, tracker: ChangeTracker) -> None:
-        api = self.api_client
-        # kube-proxy's informer filter: services of another proxy and headless services' slices
-        # are never listed, held or woken for (the server filters, lists and watches alike).
-        mine = {"label_selector": PROXY_LABEL_SELECTOR}
-        if self.use_endpoints:
-            endpoints = Reflector("Endpoints", lister(api, "Endpoints"),
-                                  SliceHandler(tracker, self.families, legacy=True), self.settings, list_kwargs=mine)
-        else:
-            endpoints = Reflector("EndpointSlice", lister(api, "EndpointSlice"),
-                                  SliceHandler(tracker, self.families), self.settings, list_kwargs=mine)
-        self.reflectors = [
-            Reflector("Service", lister(api, "Service"), ServiceHandler(tracker), self.settings, list_kwargs=mine),
-            endpoints,
-            Reflector("Node", lister(api, "Node"), NodeHandler(tracker, self.node_name), self.settings,
-                      list_kwargs={"field_selector": f"metadata.name={self.node_name}"}),
-            # networking.k8s.io/v1 (Kubernetes >= 1.33): the service CIDRs whose unowned addresses
-            # are dropped.  Not a readiness condition: without them only the drop is missing.
-            Reflector("ServiceCIDR", lister(api, "ServiceCIDR"), ServiceCIDRHandler(tracker), self.settings,
-                      instead="netproxy uses --service-cluster-ip-range alone for the service CIDRs"),
-        ]
+        def handler(kind: str) -> Handler:
+            if kind == "Service":
+                return ServiceHandler(tracker)
+            if kind in ("Endpoints", "EndpointSlice"):
+                return SliceHandler(tracker, self.families, legacy=kind == "Endpoints")
+            return NodeHandler(tracker, self.node_name) if kind == "Node" else ServiceCIDRHandler(tracker)
+
+        self.reflectors = [Reflector(c.kind, lister(self.api_client, c.kind), handler(c.kind), self.settings,
+                                     list_kwargs=c.kwargs, instead=c.instead)
+                           for c in collections(self.node_name, self.use_endpoints)]
         log.info("watching services, %s, servicecidrs and node %s",
                  "endpoints" if self.use_endpoints else "endpointslices", self.node_name)
         for r in self.reflectors:
@@ -416,25 +430,17 @@ def load_once(api_client: Any, node_name: str, use_endpoints: bool = False,
     ``migrate`` with ``--kubeconfig``): the lists ``run`` starts from, with the same informer filter,
     converted as a manifest would be; :class:`SourceError` names a collection that could not be listed."""
     settings = settings or ReflectorSettings()
-    mine = {"label_selector": PROXY_LABEL_SELECTOR}
-    lists: List[Tuple[str, Dict[str, Any], bool]] = [
-        ("Service", mine, True),
-        ("Endpoints" if use_endpoints else "EndpointSlice", mine, True),
-        ("Node", {"field_selector": f"metadata.name={node_name}"}, False),
-        ("ServiceCIDR", {}, False),
-    ]
     parts: List[Loaded] = []
-    for kind, kwargs, needed in lists:
+    for c in collections(node_name, use_endpoints):
         collect = _Collect(node_name)
         try:
-            Reflector(kind, lister(api_client, kind), collect, settings, list_kwargs=kwargs).list_once()
+            Reflector(c.kind, lister(api_client, c.kind), collect, settings, list_kwargs=c.kwargs).list_once()
         except Exception as err:  # noqa: BLE001 - any failure to list is named, then judged
-            if not needed and api_status(err) in (403, 404):
-                log.warning("%s: not listed (HTTP %s): %s", kind, api_status(err),
-                            "the node's labels are not known" if kind == "Node" else
-                            "netproxy uses --service-cluster-ip-range alone for the service CIDRs")
+            if not c.needed and api_status(err) in (403, 404):
+                log.warning("%s: not listed (HTTP %s): %s", c.kind, api_status(err),
+                            c.instead or "this node's labels (its zone) are not known")
                 continue
-            raise SourceError(f"the Kubernetes API: listing {kind} failed: {err}") from None
+            raise SourceError(f"the Kubernetes API: listing {c.kind} failed: {err}") from None
         if collect.loaded is not None:
             parts.append(collect.loaded)
     return merge(parts)
