@@ -90,8 +90,11 @@ class ElementRun(NamedTuple):
     set: str
     prefix: str
     values: Tuple[str, ...]
-    indexed: bool = True
-    """False for a one-endpoint map: its only element is ``<prefix> : value`` (no index to draw)."""
+
+    @property
+    def indexed(self) -> bool:
+        """False for one endpoint: its map draws nothing, so its only element is ``<prefix> : value``."""
+        return len(self.values) > 1
 
     def elements(self) -> Tuple[Element, ...]:
         """One :class:`Element` per endpoint (the slow path: the serialisers expand runs themselves)."""

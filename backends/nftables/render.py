@@ -160,8 +160,7 @@ class _Port:
             self.uses.setdefault(key, []).append(pick)
             verdict = f"goto {pick.chain}"
             if choices:
-                self.out.runs[("main", key)] = ElementRun(pick.map, run_prefix, tuple(v for v, _ in choices),
-                                                          indexed=len(choices) > 1)
+                self.out.runs[("main", key)] = ElementRun(pick.map, run_prefix, tuple(v for v, _ in choices))
             if sticky:
                 record = Record(self.proto, self.svc.affinity_timeout)
                 self.uses[key].append(record)
@@ -175,8 +174,7 @@ class _Port:
         pick = Pick(EXEMPT, self.proto, len(choices), nodeport, self.svc.client_ip_affinity)
         self.uses.setdefault(key, []).append(pick)
         self.put(names.EXEMPT_NODEPORTS if nodeport else names.EXEMPT_IPS, key, f"goto {pick.chain}")
-        self.out.runs[("exempt", key)] = ElementRun(pick.map, run_prefix, tuple(v for v, _ in choices),
-                                                    indexed=len(choices) > 1)
+        self.out.runs[("exempt", key)] = ElementRun(pick.map, run_prefix, tuple(v for v, _ in choices))
 
     def affinity_chain(self, kind: str) -> str:
         """The per-service ClientIP affinity chain for ``kind`` (built once)."""

@@ -369,10 +369,11 @@ def _diff_runs(tx: Transaction, fam: str, old: Dict[render.RunKey, ElementRun],
             tx.put("delete-elements", "delete", fam, run)
             continue
         # Same map, so the same count: replace the changed indexes only (a one-endpoint change).
-        for was, will in zip(run.elements(), now.elements()):
-            if was.value != will.value:
-                tx.put("delete-elements", "delete", fam, was)
-                tx.put("elements", "add", fam, will)
+        for i, (was, will) in enumerate(zip(run.values, now.values)):
+            if was != will:
+                key = f"{run.prefix} . {i}" if run.indexed else run.prefix
+                tx.put("delete-elements", "delete", fam, Element(run.set, key, was))
+                tx.put("elements", "add", fam, Element(run.set, key, will))
     for key, run in new.items():
         before = old.get(key)
         if before is None or (before.set, before.prefix) != (run.set, run.prefix):
