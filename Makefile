@@ -10,20 +10,22 @@ BACKEND ?= auto
 setup: $(STAMP)
 	@scripts/setup-system.sh
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml lab/pyproject.toml
 	@scripts/setup-system.sh
 	@# A venv whose creation was interrupted has a python but no pip: make it again.
 	@$(PY) -m pip --version >/dev/null 2>&1 || { rm -rf $(VENV); $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,bench]'
+	@# The lab is its own distribution (lab/README.md): the tests, the bench and the demo need it, the product does not.
+	$(PY) -m pip install -q --no-deps -e lab
 	@touch $@
 
 demo: setup
-	$(PY) -m netproxy.lab.demo --backend $(BACKEND)
+	$(PY) -m netproxy_lab.demo --backend $(BACKEND)
 
 lint: setup
-	$(VENV)/bin/ruff check netproxy backends tests bench vagrant scripts/run-tests
-	$(VENV)/bin/mypy netproxy backends vagrant scripts/run-tests
+	$(VENV)/bin/ruff check netproxy backends lab tests bench vagrant scripts/run-tests
+	$(VENV)/bin/mypy netproxy backends lab/netproxy_lab vagrant scripts/run-tests
 
 test-unit: setup
 	$(VENV)/bin/pytest -q -n 2 tests/unit

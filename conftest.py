@@ -1,4 +1,4 @@
-"""The lab's fixtures (``netproxy.lab.pytest_plugin``) for every test suite; pytest reads this file
+"""The lab's fixtures (``netproxy_lab.pytest_plugin``) for every test suite; pytest reads this file
 because it stands in the rootdir."""
 
-pytest_plugins = ["netproxy.lab.pytest_plugin"]
+pytest_plugins = ["netproxy_lab.pytest_plugin"]

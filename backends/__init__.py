@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from netproxy.backends.base import Backend, BackendError, BackendUnavailable, SyncError, SyncResult
 from netproxy.backends.listing import Listing
-from netproxy.config import ProxyConfig
+from netproxy.core.config import ProxyConfig
 
 __all__ = ["Backend", "BackendError", "BackendUnavailable", "SyncError", "SyncResult", "create", "listing"]
 

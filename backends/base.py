@@ -1,7 +1,7 @@
 """The interface every dataplane backend implements, and the errors it raises.
 
 The core (``netproxy``) only ever talks to a :class:`Backend`; it never imports a concrete one.
-A backend renders a :class:`~netproxy.model.Snapshot` into its desired state without I/O
+A backend renders a :class:`~netproxy.core.model.Snapshot` into its desired state without I/O
 (:meth:`Backend.plan`), and writes it in one atomic step (:meth:`Backend.sync`).
 """
 
@@ -15,7 +15,7 @@ try:  # Python 3.8+: typing.Protocol; kept behind a name so that mypy sees one d
 except ImportError:  # pragma: no cover
     from typing_extensions import Protocol  # type: ignore[assignment]
 
-from netproxy.model import Changes, Snapshot
+from netproxy.core.model import Changes, Snapshot
 
 
 class BackendError(Exception):

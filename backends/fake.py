@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 from netproxy.backends.base import SyncError, SyncResult
-from netproxy.config import ProxyConfig
-from netproxy.endpoints import cluster_endpoints
-from netproxy.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
+from netproxy.core.config import ProxyConfig
+from netproxy.core.endpoints import cluster_endpoints
+from netproxy.core.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
 
 Entry = Tuple[ServicePort, Tuple[Endpoint, ...]]
 

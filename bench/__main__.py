@@ -15,8 +15,8 @@ from typing import List, Optional, Sequence
 
 from bench import report, targets
 from bench.run import Bench, combo_record, new_workdir
-from netproxy.lab import combos as combos_mod
-from netproxy.lab import netns
+from netproxy_lab import combos as combos_mod
+from netproxy_lab import netns
 
 DEFAULT_SIZES = (100, 1000, 10000)
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from bench import apipath
 from bench import client as client_mod
-from netproxy.lab import combos, netns
+from netproxy_lab import combos, netns
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -78,7 +78,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--burst", type=int, default=apipath.BURST)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     args = p.parse_args(argv)
-    from netproxy.lab.topology import Sandbox
+    from netproxy_lab.topology import Sandbox
 
     netns.remove_stale()
     workdir = tempfile.mkdtemp(prefix="netproxy-bench-api-")

@@ -15,7 +15,7 @@ What a real node does at start and under churn, measured from outside the proces
   answering: the same proxy without the API, for the ratio.
 
 Every process runs in the sandbox's namespaces and is stopped by its PID; the stand-in holds the
-cluster in memory (``netproxy.lab.apiserver``).
+cluster in memory (``netproxy_lab.apiserver``).
 
     python -m bench.apipath fetch URL           # the serve measure (run in the node namespace)
     python -m bench.apipath burst URL FILE      # PUT each slice of FILE (JSON list); print the last's time
@@ -35,10 +35,10 @@ from urllib.parse import quote, urlsplit
 
 from bench import gen
 from bench.latency import _poll, _started, _tail, _wait_poll, proc_status_kib, vm_hwm_kib
-from netproxy.lab import netns
-from netproxy.lab.apiserver_process import StandInProcess, write_kubeconfig
-from netproxy.lab.topology import netproxy_command
 from netproxy.source.convert import PROXY_LABEL_SELECTOR
+from netproxy_lab import netns
+from netproxy_lab.apiserver_process import StandInProcess, write_kubeconfig
+from netproxy_lab.topology import netproxy_command
 
 BURST = 2000
 SETTLE = 3.0

@@ -55,9 +55,9 @@ def child(entries: int = ENTRIES, with_pyroute2: bool = True) -> Dict[str, Any]:
     if not wanted or here != wanted:
         raise SystemExit("bench.conntrack --child: runs only in the namespace bench.conntrack.measure made "
                          f"(here: {here or 'not a named namespace'})")
-    from netproxy import ctnetlink, metrics  # noqa: F401 - metrics: imported before the pass, as in `run`
-    from netproxy.conntrack import Reconciler, desired_state
-    from netproxy.model import Endpoint, ServicePort, ServicePortName, Snapshot
+    from netproxy.core.model import Endpoint, ServicePort, ServicePortName, Snapshot
+    from netproxy.node import ctnetlink  # noqa: F401 - metrics: imported before the pass, as in `run`
+    from netproxy.node.conntrack import Reconciler, desired_state
 
     services = max(1, entries // FLOWS)
     svc_ips = [_addr("10.96.0.1", i) for i in range(services)]
@@ -117,7 +117,7 @@ def child(entries: int = ENTRIES, with_pyroute2: bool = True) -> Dict[str, Any]:
 
 def measure(timeout: float = 300.0, entries: int = ENTRIES) -> Dict[str, Any]:
     """The child in a namespace of its own, deleted afterwards."""
-    from netproxy.lab import netns
+    from netproxy_lab import netns
 
     with netns.namespace("ct") as ns:
         proc = subprocess.run(netns.exec_args(ns, [sys.executable, "-m", "bench.conntrack", "--child",

@@ -18,8 +18,8 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from bench import gen, sample
-from netproxy.lab import kubeproxy_layout, netns
-from netproxy.lab.combos import Combo
+from netproxy_lab import kubeproxy_layout, netns
+from netproxy_lab.combos import Combo
 
 Step = Dict[str, Any]
 WORKER_STEPS = ("source", "cold", "resync", "endpoint", "add", "remove", "churn", "plan", "raw-netlink")

@@ -32,8 +32,8 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from bench import gen
-from netproxy.lab import netns
-from netproxy.lab.topology import netproxy_command
+from netproxy_lab import netns
+from netproxy_lab.topology import netproxy_command
 
 CHANGES = 20
 POLL_ATTEMPT_MS = 2

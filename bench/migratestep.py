@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from bench import gen
 from bench.control import _bench_env, _python
-from netproxy.lab import kubeproxy_layout, netns
+from netproxy_lab import kubeproxy_layout, netns
 
 Step = Dict[str, Any]
 STEPS = ("iptables-to-nftables", "nftables-to-iptables", "kube-proxy-to-nftables")

@@ -26,10 +26,10 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from netproxy.lab import netns
-from netproxy.lab.combos import COMBOS
-from netproxy.lab.manifests import endpoint_slice, port, service, write_manifests
-from netproxy.lab.topology import NODE_EXT4, NODE_NAME, Sandbox
+from netproxy_lab import netns
+from netproxy_lab.combos import COMBOS
+from netproxy_lab.manifests import endpoint_slice, port, service, write_manifests
+from netproxy_lab.topology import NODE_EXT4, NODE_NAME, Sandbox
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

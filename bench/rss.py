@@ -15,8 +15,8 @@ import time
 from typing import Any, Dict
 
 from bench.latency import vm_hwm_kib
-from netproxy.lab import netns
-from netproxy.lab.topology import netproxy_command
+from netproxy_lab import netns
+from netproxy_lab.topology import netproxy_command
 
 
 def measure_sync(sandbox: Any, combo: Any, source: str, timeout: float, log_path: str,

@@ -1,6 +1,6 @@
 """The benchmark's plan: which measure runs where, in what order, within what time budget.
 
-One :class:`netproxy.lab.topology.Sandbox` (client, node, 10 pods) serves every measure; the node's
+One :class:`netproxy_lab.topology.Sandbox` (client, node, 10 pods) serves every measure; the node's
 netfilter state is reset between measures.  Phases, most important first, so that a run that hits
 its time budget loses the least important figures: (A) control plane + data plane + RSS per
 backend/writer and N, (B) kube-proxy's layout, (C) event → kernel, (D) the mixed variant.
@@ -21,8 +21,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from bench import client as client_mod
 from bench import conntrack, control, dataplane, gen, latency, report, rss
-from netproxy.lab import netns
-from netproxy.lab.combos import Combo
+from netproxy_lab import netns
+from netproxy_lab.combos import Combo
 
 DP_EXTRA = 1  # the data plane also runs at N=1
 # Run at the largest N after everything else: iptables-nft's kernel cost grows faster than linearly
@@ -305,7 +305,7 @@ class Bench:
     # -- the whole run ------------------------------------------------------------------------------
 
     def run(self) -> Dict[str, Any]:
-        from netproxy.lab.topology import Sandbox
+        from netproxy_lab.topology import Sandbox
 
         if not self.results["meta"]:
             self.meta()

@@ -30,10 +30,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from bench import gen, nftsteps, sample
 from netproxy.backends import create
-from netproxy.config import ProxyConfig
-from netproxy.model import Changes
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Changes
+from netproxy.core.tracker import ChangeTracker
 from netproxy.source.files import parse_objects
-from netproxy.tracker import ChangeTracker
 
 NODE_NAME = "np-node"
 
@@ -94,7 +94,7 @@ class Run:
             return {"seconds": time.perf_counter() - t0, "bytes": result.bytes_written}
 
         res = sample.repeat(once, sample.FULL_RUNS)
-        # What `netproxy run` does after a full sync (netproxy/proxier.py): the long-lived objects go to
+        # What `netproxy run` does after a full sync (netproxy/core/proxier.py): the long-lived objects go to
         # the permanent GC generation, so that the changes measured next pay no pass over them.
         gc.freeze()
         emit("cold", **res)

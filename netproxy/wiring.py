@@ -12,18 +12,18 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 from netproxy import backends
 from netproxy.backends.base import Backend
-from netproxy.config import ProxyConfig
-from netproxy.model import NodeInfo, Snapshot
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import NodeInfo, Snapshot
+from netproxy.core.tracker import ChangeTracker
 from netproxy.source.base import Source
-from netproxy.tracker import ChangeTracker
 
 if TYPE_CHECKING:  # imported where built: the proxier pulls in prometheus_client, which only `run` needs
-    from netproxy.healthcheck import ProxyHealth
-    from netproxy.localports import LocalhostNodePorts
-    from netproxy.nodeaddr import NodeAddressWatcher
-    from netproxy.proxier import Proxier
-    from netproxy.runner import BoundedFrequencyRunner
-    from netproxy.zpages import Page
+    from netproxy.core.proxier import Proxier
+    from netproxy.core.runner import BoundedFrequencyRunner
+    from netproxy.node.localports import LocalhostNodePorts
+    from netproxy.node.nodeaddr import NodeAddressWatcher
+    from netproxy.observe.healthcheck import ProxyHealth
+    from netproxy.observe.zpages import Page
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class QueuedChanges:
         """The tracker's (service, endpoint, rejected) counts already added to the metrics."""
 
     def __call__(self) -> None:
-        from netproxy import metrics
+        from netproxy.observe import metrics
 
         tracker = self.tracker
         services, endpoints = tracker.pending_changes()
@@ -92,12 +92,12 @@ class Proxy:
     """Why the proxy stopped on its own (exit 1), e.g. the Node's pod CIDRs changed."""
     watcher: Optional[NodeAddressWatcher] = None
     relay: Optional[LocalhostNodePorts] = None
-    """NodePorts on localhost in nftables mode (netproxy/localports.py)."""
+    """NodePorts on localhost in nftables mode (netproxy/node/localports.py)."""
     zpages: Dict[str, Page] = field(default_factory=dict)
-    """kube-proxy's /statusz, /flagz, /configz and /proxyMode beside /metrics (netproxy/zpages.py)."""
+    """kube-proxy's /statusz, /flagz, /configz and /proxyMode beside /metrics (netproxy/observe/zpages.py)."""
 
     def start(self) -> None:
-        from netproxy import metrics, zpages
+        from netproxy.observe import metrics, zpages
 
         config, backend = self.config, self.backend
         self.health.serve(config.healthz_bind_address)
@@ -130,11 +130,11 @@ def writer(config: ProxyConfig, backend: str, other: str = "-") -> str:
 
 def build_proxy(config: ProxyConfig, backend: Backend, source: Source) -> Proxy:
     """``netproxy run``'s graph, every piece given its collaborators when it is made."""
-    from netproxy.conntrack import Reconciler
-    from netproxy.healthcheck import ProxyHealth, ServiceHealthServers
-    from netproxy.nodeaddr import NodeAddressWatcher
-    from netproxy.proxier import Proxier
-    from netproxy.runner import BoundedFrequencyRunner
+    from netproxy.core.proxier import Proxier
+    from netproxy.core.runner import BoundedFrequencyRunner
+    from netproxy.node.conntrack import Reconciler
+    from netproxy.node.nodeaddr import NodeAddressWatcher
+    from netproxy.observe.healthcheck import ProxyHealth, ServiceHealthServers
 
     health = ProxyHealth(2 * config.sync_period)  # kube-proxy's healthz timeout
     services = ServiceHealthServers(health=health)
@@ -168,7 +168,7 @@ def build_proxy(config: ProxyConfig, backend: Backend, source: Source) -> Proxy:
 def _localhost_relay(config: ProxyConfig, backend: Backend) -> Optional[LocalhostNodePorts]:
     """kube-proxy's nftables-mode NodePorts on 127.0.0.1 and ::1 (a userspace relay), when
     --nodeport-addresses covers them; the iptables backend DNATs them itself (route_localnet)."""
-    from netproxy.localports import LocalhostNodePorts, families_served
+    from netproxy.node.localports import LocalhostNodePorts, families_served
 
     families = families_served(config.nodeport_addresses)
     wanted = config.gate("KubeProxyNFTablesLocalhostNodePorts")
@@ -199,7 +199,7 @@ def _leftovers_once(backend: Backend, config: ProxyConfig) -> Callable[[Optional
         if done[0] or backend.name not in ("iptables", "nftables"):
             return
         done[0] = True
-        from netproxy import migrate
+        from netproxy.migration import migrate
 
         migrate.remove_leftovers(backend, config)
 

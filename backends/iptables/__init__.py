@@ -29,8 +29,8 @@ from netproxy.backends.iptables.render import Chains, FamilyRuleset, Rule, Servi
 from netproxy.backends.iptables.sets import SetKeeper
 from netproxy.backends.iptables.xtlock import XtablesLock
 from netproxy.backends.skip import Action, SkipPolicy
-from netproxy.config import ProxyConfig
-from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
 
 __all__ = ["IptablesBackend"]
 

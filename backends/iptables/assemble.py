@@ -12,8 +12,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tupl
 from netproxy.backends.iptables import ipset, names
 from netproxy.backends.iptables.render import FamilyRuleset, ServiceRules, host_net, reject_target
 from netproxy.backends.iptables.tree import Chains, Rule, build_port_tree, build_tree
-from netproxy.config import ProxyConfig
-from netproxy.model import IPNetwork, NodeInfo
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import IPNetwork, NodeInfo
 
 SERVICE_PORTALS = "kubernetes service portals"
 NAT_JUMPS: Tuple[Tuple[str, str, Rule], ...] = (

@@ -17,7 +17,7 @@ from netproxy.backends.iptables.ipset import KernelIpsets
 from netproxy.backends.iptables.kernel.restore import tool
 from netproxy.backends.iptables.render import FamilyRuleset
 from netproxy.backends.listing import run
-from netproxy.config import ProxyConfig
+from netproxy.core.config import ProxyConfig
 
 PREFIX = "KUBE-"
 _FAMILY = re.compile(r"^# IPv([46]) ")

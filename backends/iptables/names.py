@@ -11,7 +11,7 @@ import base64
 import hashlib
 from typing import Any, Dict, Tuple
 
-from netproxy.model import ServicePortName
+from netproxy.core.model import ServicePortName
 
 MAX_CHAIN_LEN = 28
 """iptables' limit on chain names (XT_EXTENSION_MAXNAMELEN - 1)."""

@@ -32,9 +32,9 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from netproxy.backends.iptables import affinity, ipset, names
 from netproxy.backends.iptables.tree import Chains, DispatchEntry, Rule, port_key
-from netproxy.config import ProxyConfig
-from netproxy.endpoints import cluster_endpoints, external_endpoints, local_endpoints
-from netproxy.model import Endpoint, IPAddress, NodeInfo, ServicePort
+from netproxy.core.config import ProxyConfig
+from netproxy.core.endpoints import cluster_endpoints, external_endpoints, local_endpoints
+from netproxy.core.model import Endpoint, IPAddress, NodeInfo, ServicePort
 
 __all__ = ["Chains", "DispatchEntry", "Rule", "ServiceRules", "FamilyRuleset", "render_service"]
 
@@ -303,7 +303,7 @@ def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeIn
     comment: Rule = ("-m", "comment", "--comment", safe_comment(str(svc.name)))
     p = _Port(svc, family, config, proto, comment, ("-m", proto, "--dport", str(svc.port)),
               endpoint_comment=comment if comments else ())
-    # Eligibility comes from netproxy/endpoints.py only.  The cluster-policy chain serves every
+    # Eligibility comes from netproxy/core/endpoints.py only.  The cluster-policy chain serves every
     # eligible endpoint whatever internalTrafficPolicy says (external traffic and ETP Local's
     # short-circuits use it too), as kube-proxy's clusterPolicyChain does.
     fam_eps = [e for e in endpoints if e.ip.version == family]

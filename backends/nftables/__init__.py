@@ -34,8 +34,8 @@ from netproxy.backends.nftables.transaction import (
     user_changes,
 )
 from netproxy.backends.skip import Action, SkipPolicy
-from netproxy.config import ProxyConfig
-from netproxy.model import Changes, ServicePortName, Snapshot
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Changes, ServicePortName, Snapshot
 
 __all__ = ["FakeNft", "NftablesBackend"]
 

@@ -27,7 +27,7 @@ from typing import List, NamedTuple, Optional, Tuple, Union
 from netproxy.backends.nftables import names
 from netproxy.backends.nftables import stmt as st
 from netproxy.backends.nftables.objects import Chain, Hook, Rule, Set, Table
-from netproxy.config import ProxyConfig
+from netproxy.core.config import ProxyConfig
 
 FAMILIES = ("ip", "ip6")
 ADDR_TYPE = {"ip": "ipv4_addr", "ip6": "ipv6_addr"}

@@ -14,7 +14,7 @@ from typing import Dict, Iterable, List, Tuple
 from netproxy.backends.base import Outcome, Packet
 from netproxy.backends.listing import run
 from netproxy.backends.nftables.names import TABLE
-from netproxy.config import ProxyConfig
+from netproxy.core.config import ProxyConfig
 
 FAMILIES = ("ip", "ip6")
 _OPEN = re.compile(r"^(table|chain|set|map|flowtable)\s+(\S+(?:\s+\S+)?)\s*\{$")

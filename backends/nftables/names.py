@@ -3,7 +3,7 @@
 An operator reading ``nft list table ip netproxy`` should see which service an object belongs to, so
 per-service names carry ``<namespace>/<name>/<port>`` rather than a hash.  nftables allows 255
 characters in a chain or set name, enough for three DNS-1123 labels plus an endpoint.  Validation in
-:mod:`netproxy.model` already forbids odd characters; these helpers still sanitise, so that no input
+:mod:`netproxy.core.model` already forbids odd characters; these helpers still sanitise, so that no input
 can end a name or a quoted comment early.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from netproxy.model import ServicePortName
+from netproxy.core.model import ServicePortName
 
 TABLE = "netproxy"
 MAX_NAME = 255

@@ -16,7 +16,7 @@ packet path).  A service port owns:
 - elements other service ports may hold too (``refs``, reference-counted by the backend): its cluster
   IPs in ``cluster-ips`` (reject other ports) and ``endpoint . endpoint`` pairs in ``hairpin``.
 
-Eligible endpoints come from :mod:`netproxy.endpoints` only.
+Eligible endpoints come from :mod:`netproxy.core.endpoints` only.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ from netproxy.backends.nftables.layout import (  # noqa: F401 - re-exported for 
     table,
 )
 from netproxy.backends.nftables.objects import Element, ElementRun, Rule, Set
-from netproxy.config import ProxyConfig
-from netproxy.endpoints import cluster_endpoints, external_endpoints
-from netproxy.model import Endpoint, IPAddress, NodeInfo, ServicePort
+from netproxy.core.config import ProxyConfig
+from netproxy.core.endpoints import cluster_endpoints, external_endpoints
+from netproxy.core.model import Endpoint, IPAddress, NodeInfo, ServicePort
 
 RunKey = Tuple[str, str]
 """(role, dispatch key) of an endpoint run: role "main" (the dispatch element's own endpoints) or
@@ -124,7 +124,7 @@ class _Port:
     family: str
     config: ProxyConfig
     choices: Dict[str, Tuple[_Choice, ...]]
-    """Eligible endpoints per kind of traffic (netproxy/endpoints.py's answers)."""
+    """Eligible endpoints per kind of traffic (netproxy/core/endpoints.py's answers)."""
     has_endpoints: bool
     out: ServiceObjects = field(default_factory=ServiceObjects)
     uses: Dict[str, List[Shared]] = field(default_factory=dict)

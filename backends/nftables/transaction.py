@@ -20,8 +20,8 @@ from netproxy.backends.nftables import names, render
 from netproxy.backends.nftables.layout import PROTOCOLS
 from netproxy.backends.nftables.objects import Chain, Element, ElementRun, Object, Rule
 from netproxy.backends.nftables.serialise import Op, ops_text
-from netproxy.config import ProxyConfig
-from netproxy.model import Endpoint, IPNetwork, NodeInfo, ServicePort, ServicePortName
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Endpoint, IPNetwork, NodeInfo, ServicePort, ServicePortName
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ Exit codes: 0 all applied; 1 the kernel write failed (previous ruleset kept) or 
 done; 2 some objects were rejected (each named on stderr) and the valid rest was applied.
 
 sync, run, plan, trace and migrate take --config FILE, kube-proxy's KubeProxyConfiguration
-(netproxy/kpconfig.py): flags given on the command line win over it; a field in it that is wrong or
+(netproxy/cli/kpconfig.py): flags given on the command line win over it; a field in it that is wrong or
 cannot be honoured exits 2, naming the field, before anything is done.  A setting neither gives keeps
-ProxyConfig's default (netproxy/config.py), the one place defaults are written.
+ProxyConfig's default (netproxy/core/config.py), the one place defaults are written.
 
 This module parses and dispatches, and turns errors into exit codes; the flags are in args.py,
 the commands in oneshot.py (sync, plan, trace, migrate, cleanup), observe.py (status,
@@ -29,14 +29,15 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from netproxy import ctsysctl, logs
-from netproxy import detect as detect_mod
 from netproxy.backends.base import BackendError
 from netproxy.cli.args import EXIT_FAILED, EXIT_OK, EXIT_REJECTED, build_parser
 from netproxy.cli.observe import cmd_detect, cmd_status
 from netproxy.cli.oneshot import cmd_cleanup, cmd_migrate, cmd_plan, cmd_sync, cmd_trace
 from netproxy.cli.run import cmd_run
-from netproxy.nodeconfig import ConfigError
+from netproxy.node import ctsysctl
+from netproxy.node import detect as detect_mod
+from netproxy.node.nodeconfig import ConfigError
+from netproxy.observe import logs
 from netproxy.source.files import SourceError
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_REJECTED", "build_parser", "main"]
@@ -51,7 +52,7 @@ COMMANDS = {"sync": cmd_sync, "run": cmd_run, "plan": cmd_plan, "trace": cmd_tra
 def _read_config(args: argparse.Namespace) -> Optional[int]:
     """--config FILE onto the flags not given on the command line; an exit status when it cannot be used
     (1 unreadable, 2 a bad or unsupported value, named), None to go on."""
-    from netproxy import kpconfig
+    from netproxy.cli import kpconfig
 
     try:
         file_config = kpconfig.read(args.config)

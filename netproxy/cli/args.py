@@ -1,6 +1,6 @@
 """``netproxy``'s command line: the sub-commands, their flags and the flags' value types.
 
-The proxy's defaults are ProxyConfig's (netproxy/config.py): a flag's default is read from there, so
+The proxy's defaults are ProxyConfig's (netproxy/core/config.py): a flag's default is read from there, so
 that the flag, a --config file's missing field and a ProxyConfig built in code all mean the same."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import re
 import sys
 from typing import Any, Dict, NoReturn, Optional, Sequence, Tuple, Union
 
-from netproxy import features, version
-from netproxy.config import (
+from netproxy import version
+from netproxy.core import features
+from netproxy.core.config import (
     BACKENDS,
     IPTABLES_WRITERS,
     LOCAL_MODES,
@@ -20,7 +21,7 @@ from netproxy.config import (
     check_interface_name,
     parse_cidrs,
 )
-from netproxy.nodeconfig import parse_nodeport_addresses
+from netproxy.node.nodeconfig import parse_nodeport_addresses
 
 EXIT_OK, EXIT_FAILED, EXIT_REJECTED = 0, 1, 2
 """0 all applied; 1 the kernel write failed or nothing could be done; 2 some objects rejected, the rest applied."""
@@ -184,7 +185,7 @@ def feature_gates(text: str) -> Dict[str, bool]:
 
 
 def _add_conntrack(p: argparse.ArgumentParser) -> None:
-    """kube-proxy's --conntrack-* flags: sysctls set at start by sync and run (netproxy/ctsysctl.py).
+    """kube-proxy's --conntrack-* flags: sysctls set at start by sync and run (netproxy/node/ctsysctl.py).
     Unset (the default) leaves the kernel's value, where kube-proxy would apply its own defaults."""
     g = p.add_argument_group("conntrack (set at start by sync and run; unset: the kernel's value is kept)")
     g.add_argument("--conntrack-max-per-core", type=_count, default=None, action=_Store, metavar="N",

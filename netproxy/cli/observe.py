@@ -6,15 +6,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from netproxy import detect as detect_mod
 from netproxy.cli.args import EXIT_FAILED, EXIT_OK
 from netproxy.cli.settings import choose_backend, proxy_config
+from netproxy.node import detect as detect_mod
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     """0 when the proxy answers, has synced and /healthz is 200; 1 otherwise.  With --kernel the
     kernel's service ports are listed even when no proxy answers."""
-    from netproxy.status import Status, read, render
+    from netproxy.observe.status import Status, read, render
 
     try:
         status, reached = read(args.metrics_address, args.healthz_address), True
@@ -52,7 +52,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
 
 def _print_holdings(chosen: str) -> None:
     """What the node holds now and what ``netproxy migrate`` would do about it (detect's second half)."""
-    from netproxy import holdings, migrate
+    from netproxy.migration import holdings, migrate
 
     held = holdings.survey()
     for ruleset in held.rulesets:

@@ -8,15 +8,15 @@ import logging
 import sys
 from typing import List, Sequence, Tuple
 
-from netproxy import skew
 from netproxy.backends.base import Backend, BackendError, Packet
 from netproxy.cli.args import EXIT_FAILED, EXIT_OK, EXIT_REJECTED
 from netproxy.cli.settings import choose_backend, kube_client, make_backend, proxy_config, set_conntrack_sysctls
-from netproxy.config import ProxyConfig
-from netproxy.model import Changes, NodeInfo, Snapshot, ValidationError, forget_parsed_addresses
-from netproxy.nodeconfig import ensure_localhost_nodeports, hostname
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Changes, NodeInfo, Snapshot, ValidationError, forget_parsed_addresses
+from netproxy.core.tracker import ChangeTracker
+from netproxy.node import skew
+from netproxy.node.nodeconfig import ensure_localhost_nodeports, hostname
 from netproxy.source.files import Loaded, SourceError, load
-from netproxy.tracker import ChangeTracker
 from netproxy.wiring import is_kernel, new_backend
 
 log = logging.getLogger("netproxy")
@@ -48,7 +48,7 @@ def _snapshot(loaded: Loaded, config: ProxyConfig) -> Tuple[Snapshot, List[Valid
     if loaded.node is not None:
         tracker.set_node(loaded.node)
     if config.nodeport_addresses:
-        from netproxy.nodeaddr import local_addresses
+        from netproxy.node.nodeaddr import local_addresses
 
         tracker.set_node_addresses(local_addresses(config.nodeport_addresses))
     tracker.replace_services(loaded.services)
@@ -79,11 +79,11 @@ def cmd_sync(args: argparse.Namespace) -> int:
     if is_kernel(backend):
         # The reconciler compares the kernel's table with this state, so a one-shot sync cleans the
         # flows an earlier process's rules left stale (no previous snapshot needed).
-        from netproxy.conntrack import Reconciler, desired_state
+        from netproxy.node.conntrack import Reconciler, desired_state
 
         Reconciler().reconcile(desired_state(snapshot))
     if backend.name in ("iptables", "nftables"):
-        from netproxy import migrate
+        from netproxy.migration import migrate
 
         # The other dataplane's rules (netproxy's or kube-proxy's) go now that the new ruleset is whole.
         migrate.remove_leftovers(backend, config, skip_written=True)
@@ -110,8 +110,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _plan_diff(backend: Backend, config: ProxyConfig, snapshot: Snapshot, errors: Sequence[Exception]) -> int:
     """The diff convention: 0 the kernel matches, 1 it differs, 2 trouble (rejected input, or the
     kernel could not be read)."""
-    from netproxy import plandiff
     from netproxy.backends import listing
+    from netproxy.cli import plandiff
 
     _report_rejections(errors)
     if errors:
@@ -127,7 +127,7 @@ def _plan_diff(backend: Backend, config: ProxyConfig, snapshot: Snapshot, errors
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from netproxy.trace import parse_destination, report
+    from netproxy.cli.trace import parse_destination, report
 
     if args.backend == "auto" and not args.kernel:
         args.backend = "nftables"  # a trace reads no kernel: the layout it follows is nftables'
@@ -148,7 +148,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         # The kernel's rules are this node's: so are its addresses, unless the caller names others.
         import ipaddress
 
-        from netproxy.nodeaddr import local_addresses
+        from netproxy.node.nodeaddr import local_addresses
 
         local = frozenset(str(a) for a in local_addresses((ipaddress.ip_network("0.0.0.0/0"),
                                                            ipaddress.ip_network("::/0"))))
@@ -169,7 +169,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def cmd_migrate(args: argparse.Namespace) -> int:
     """0 switched; 1 a step failed (named; up to the check the old rules are untouched); 2 switched,
     with some objects rejected (each named)."""
-    from netproxy import migrate
+    from netproxy.migration import migrate
 
     args.backend = args.to  # --to wins over --config's mode
     backend, config, snapshot, errors = _ready_to_write(args)

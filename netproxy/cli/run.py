@@ -8,11 +8,13 @@ import logging
 import signal
 from typing import Any, List, Tuple
 
-from netproxy import detect as detect_mod
-from netproxy import skew, version, zpages
+from netproxy import version
 from netproxy.cli.args import EXIT_FAILED, EXIT_OK
 from netproxy.cli.settings import conntrack_settings, make_backend, set_conntrack_sysctls
-from netproxy.nodeconfig import ensure_localhost_nodeports, hostname, start_node
+from netproxy.node import detect as detect_mod
+from netproxy.node import skew
+from netproxy.node.nodeconfig import ensure_localhost_nodeports, hostname, start_node
+from netproxy.observe import zpages
 from netproxy.source.base import Source
 from netproxy.source.files import FileSource
 from netproxy.wiring import build_proxy, writer
@@ -21,7 +23,7 @@ log = logging.getLogger("netproxy")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from netproxy import metrics
+    from netproxy.observe import metrics
 
     if args.init_only:
         return init_only(args)

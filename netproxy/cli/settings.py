@@ -7,12 +7,13 @@ import argparse
 import logging
 from typing import Any, Callable, Optional, Tuple
 
-from netproxy import ctsysctl, features
-from netproxy import detect as detect_mod
 from netproxy.backends.base import Backend
-from netproxy.config import ProxyConfig
-from netproxy.model import NodeInfo
-from netproxy.nodeconfig import PRIMARY, ConfigError, hostname, local_detection, needs_node, nodeport_cidrs
+from netproxy.core import features
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import NodeInfo
+from netproxy.node import ctsysctl
+from netproxy.node import detect as detect_mod
+from netproxy.node.nodeconfig import PRIMARY, ConfigError, hostname, local_detection, needs_node, nodeport_cidrs
 from netproxy.wiring import is_kernel, new_backend
 
 log = logging.getLogger("netproxy")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the tracker imports netproxy.source.convert: no import cycle at run time
-    from netproxy.tracker import ChangeTracker
+    from netproxy.core.tracker import ChangeTracker
 
 
 class Source(Protocol):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 if TYPE_CHECKING:  # typing.TypeGuard is 3.10+; the Debian 11 guest runs 3.9 (annotations are not evaluated)
     from typing import TypeGuard
 
-from netproxy.model import (
+from netproxy.core.model import (
     AFFINITIES,
     DEFAULT_AFFINITY_TIMEOUT,
     MAX_AFFINITY_TIMEOUT,

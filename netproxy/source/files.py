@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, 
 
 import yaml
 
-from netproxy.model import IPNetwork, NodeInfo, ServicePort, ValidationError, shown
+from netproxy.core.model import IPNetwork, NodeInfo, ServicePort, ValidationError, shown
 from netproxy.source import jsonstream, yamldocs
 from netproxy.source.convert import (
     EndpointSet,

@@ -20,7 +20,8 @@ import logging
 import os
 from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 
-from netproxy.model import IPNetwork, NodeInfo, ServicePort, ValidationError
+from netproxy.core.model import IPNetwork, NodeInfo, ServicePort, ValidationError
+from netproxy.core.tracker import ChangeTracker
 from netproxy.source.convert import (
     PROXY_LABEL_SELECTOR,
     EndpointSet,
@@ -33,7 +34,6 @@ from netproxy.source.convert import (
 )
 from netproxy.source.files import Loaded, SourceError, merge, parse_part
 from netproxy.source.kube_reflector import Handler, Obj, Reflector, ReflectorSettings, api_status
-from netproxy.tracker import ChangeTracker
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from netproxy.model import ValidationError, shown
+from netproxy.core.model import ValidationError, shown
 
 _BASE: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser is ~10x faster
 MAX_EXPANSION = 10

@@ -1,5 +1,5 @@
 """Fault suite (issue 16): netproxy under crashes, flushes, lock fights, hostile input, storms and API
-outages. Kernel faults run inside the lab (``netproxy.lab``: the same fixtures and backend/writer
+outages. Kernel faults run inside the lab (``netproxy_lab``: the same fixtures and backend/writer
 parametrisation as ``tests/kernel``, loaded as a plugin by the root ``conftest.py``); each test
 prints the figure the issue asks for with ``figure()``."""
 

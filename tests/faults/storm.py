@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from netproxy.lab.manifests import endpoint_slice, port, service, slice_port
+from netproxy_lab.manifests import endpoint_slice, port, service, slice_port
 
 Obj = Dict[str, Any]
 SYNCED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO netproxy\.proxier: synced (full|partial)", re.M)

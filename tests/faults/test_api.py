@@ -21,20 +21,20 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import pytest
 
-from netproxy.lab.apiserver_process import StandInProcess
-from netproxy.lab.cleanup import stop_process
-from netproxy.lab.combos import Combo
-from netproxy.lab.manifests import api_object, port, service
-from netproxy.lab.proxy import Proxy
-from netproxy.lab.tier import knob
-from netproxy.lab.topology import NODE_NAME, Pod, Sandbox
+from netproxy_lab.apiserver_process import StandInProcess
+from netproxy_lab.cleanup import stop_process
+from netproxy_lab.combos import Combo
+from netproxy_lab.manifests import api_object, port, service
+from netproxy_lab.proxy import Proxy
+from netproxy_lab.tier import knob
+from netproxy_lab.topology import NODE_NAME, Pod, Sandbox
 from tests.faults.figures import figure
 from tests.faults.storm import netproxy_pid, wait_until
 from tests.kernel.test_kube_source import kubeconfig as _kubeconfig
 from tests.kernel.test_kube_source import web_slice
 
 # The quick tier runs this fault on the two default node kinds (nftables, iptables-legacy); the
-# full tier on every combination (netproxy/lab/tier.py).
+# full tier on every combination (lab/netproxy_lab/tier.py).
 pytestmark = [pytest.mark.kernel, pytest.mark.quick_combos("nftables", "iptables-legacy/restore")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -21,16 +21,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
-from netproxy.lab.checks import wait_for
-from netproxy.lab.combos import Combo
-from netproxy.lab.manifests import Manifest, endpoint_slice, port, service
-from netproxy.lab.proxy import Proxy
-from netproxy.lab.tier import knob
-from netproxy.lab.topology import Pod, Sandbox
+from netproxy_lab.checks import wait_for
+from netproxy_lab.combos import Combo
+from netproxy_lab.manifests import Manifest, endpoint_slice, port, service
+from netproxy_lab.proxy import Proxy
+from netproxy_lab.tier import knob
+from netproxy_lab.topology import Pod, Sandbox
 from tests.faults.figures import figure
 
 # The quick tier runs this fault on the two default node kinds (nftables, iptables-legacy); the
-# full tier on every combination (netproxy/lab/tier.py).
+# full tier on every combination (lab/netproxy_lab/tier.py).
 pytestmark = [pytest.mark.kernel, pytest.mark.quick_combos("nftables", "iptables-legacy/restore")]
 
 SERVICES = int(knob("NETPROXY_KILL_SERVICES", quick=2000, full=5000))

@@ -26,13 +26,13 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import pytest
 
-from netproxy.lab.checks import wait_for
-from netproxy.lab.combos import Combo, selected
-from netproxy.lab.manifests import endpoint_slice, port, service, write_manifests
-from netproxy.lab.proxy import Proxy
-from netproxy.lab.pytest_plugin import driven, require_combo
-from netproxy.lab.tier import knob
-from netproxy.lab.topology import Pod, Sandbox
+from netproxy_lab.checks import wait_for
+from netproxy_lab.combos import Combo, selected
+from netproxy_lab.manifests import endpoint_slice, port, service, write_manifests
+from netproxy_lab.proxy import Proxy
+from netproxy_lab.pytest_plugin import driven, require_combo
+from netproxy_lab.tier import knob
+from netproxy_lab.topology import Pod, Sandbox
 from tests.faults.figures import figure
 from tests.kernel.test_parity import http_get
 

@@ -15,11 +15,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
-from netproxy.lab.checks import TIME_SCALE, wait_for
-from netproxy.lab.combos import Combo
-from netproxy.lab.manifests import endpoint_slice, port, service
-from netproxy.lab.proxy import Proxy
-from netproxy.lab.topology import Sandbox
+from netproxy_lab.checks import TIME_SCALE, wait_for
+from netproxy_lab.combos import Combo
+from netproxy_lab.manifests import endpoint_slice, port, service
+from netproxy_lab.proxy import Proxy
+from netproxy_lab.topology import Sandbox
 from tests.faults.figures import figure
 from tests.kernel.test_parity import http_get
 

@@ -17,11 +17,11 @@ from typing import List
 
 import pytest
 
-from netproxy.lab.checks import assert_only_and_all
-from netproxy.lab.combos import has_iptables
-from netproxy.lab.manifests import endpoint_slice, port, service, write_manifests
-from netproxy.lab.pytest_plugin import require
-from netproxy.lab.topology import NODE_NAME, Sandbox
+from netproxy_lab.checks import assert_only_and_all
+from netproxy_lab.combos import has_iptables
+from netproxy_lab.manifests import endpoint_slice, port, service, write_manifests
+from netproxy_lab.pytest_plugin import require
+from netproxy_lab.topology import NODE_NAME, Sandbox
 from tests.faults.figures import figure
 
 pytestmark = pytest.mark.kernel

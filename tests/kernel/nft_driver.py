@@ -23,8 +23,8 @@ from typing import Any, Dict, List
 
 from netproxy.backends.base import SyncError
 from netproxy.backends.nftables import NftablesBackend
-from netproxy.config import ProxyConfig
-from netproxy.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
 
 
 def _snapshot(services: List[Dict[str, Any]]) -> Snapshot:

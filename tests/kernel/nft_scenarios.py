@@ -13,9 +13,9 @@ import dataclasses
 import ipaddress
 from typing import List, Optional, Sequence, Tuple
 
-from netproxy.config import ProxyConfig, parse_cidrs
-from netproxy.lab.manifests import service_port
-from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, Snapshot
+from netproxy.core.config import ProxyConfig, parse_cidrs
+from netproxy.core.model import Changes, Endpoint, NodeInfo, ServicePort, Snapshot
+from netproxy_lab.manifests import service_port
 
 NODE = "node-a"
 CONFIGS = {

@@ -16,16 +16,16 @@ from typing import List, Optional, Sequence
 
 import pytest
 
-from netproxy.lab.checks import TIME_SCALE, assert_only_and_all, wait_for
-from netproxy.lab.combos import has_iptables, selected
-from netproxy.lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
-from netproxy.lab.proxy import Proxy
-from netproxy.lab.pytest_plugin import require
-from netproxy.lab.topology import GATEWAY4, NODE_EXT4, Pod, Sandbox
+from netproxy_lab.checks import TIME_SCALE, assert_only_and_all, wait_for
+from netproxy_lab.combos import has_iptables, selected
+from netproxy_lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
+from netproxy_lab.proxy import Proxy
+from netproxy_lab.pytest_plugin import require
+from netproxy_lab.topology import GATEWAY4, NODE_EXT4, Pod, Sandbox
 from tests.kernel import traced
 
 # The behavioural suite is the one traffic suite that runs on the fallback writers (libiptc,
-# libnftables) in the quick tier too: their one behavioural pass (netproxy/lab/tier.py).
+# libnftables) in the quick tier too: their one behavioural pass (lab/netproxy_lab/tier.py).
 pytestmark = [pytest.mark.kernel, pytest.mark.quick_combos("all")]
 log = logging.getLogger(__name__)
 

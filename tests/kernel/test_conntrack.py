@@ -19,11 +19,11 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 import pytest
 
-from netproxy.lab.checks import TIME_SCALE, wait_for
-from netproxy.lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
-from netproxy.lab.proxy import Proxy
-from netproxy.lab.pytest_plugin import require
-from netproxy.lab.topology import NODE_EXT4, Pod, Sandbox
+from netproxy_lab.checks import TIME_SCALE, wait_for
+from netproxy_lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
+from netproxy_lab.proxy import Proxy
+from netproxy_lab.pytest_plugin import require
+from netproxy_lab.topology import NODE_EXT4, Pod, Sandbox
 
 pytestmark = pytest.mark.kernel
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from typing import Dict, Iterator, List
 
 import pytest
 
-from netproxy.lab.pytest_plugin import require
+from netproxy_lab.pytest_plugin import require
 
 pytestmark = pytest.mark.kernel
 
@@ -31,7 +31,7 @@ PY = sys.executable
 
 def snapshot_steps() -> List[object]:
     """The matrix: each step is a whole snapshot, applied in order (so later steps are updates)."""
-    from netproxy.model import Endpoint, ServicePort, ServicePortName, Snapshot
+    from netproxy.core.model import Endpoint, ServicePort, ServicePortName, Snapshot
 
     ip = ipaddress.ip_address
 
@@ -81,7 +81,7 @@ def snapshot_steps() -> List[object]:
 def parity_snapshot() -> object:
     """Every rule shape docs/parity.md adds: NodePorts, Local policies (with and without local
     endpoints), source ranges, no endpoints with external addresses, IPv6 NodePorts."""
-    from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
+    from netproxy.core.model import Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
 
     ip, net = ipaddress.ip_address, ipaddress.ip_network
     local = [Endpoint(ip("10.244.1.5"), 8080, node_name="node"), Endpoint(ip("10.244.2.5"), 8080, node_name="x")]
@@ -113,8 +113,8 @@ def run_steps(writer: str, out: str) -> None:
     """Runs inside the namespace (see :func:`apply_matrix`): every step as a full sync, then as a
     partial one from the previous step, saving the tables after each."""
     from netproxy.backends import create
-    from netproxy.config import ProxyConfig
-    from netproxy.model import Changes
+    from netproxy.core.config import ProxyConfig
+    from netproxy.core.model import Changes
 
     results: Dict[str, str] = {}
     backend = create("iptables", ProxyConfig(iptables_writer=writer, iptables_flavour="legacy", hostname="node",
@@ -220,7 +220,7 @@ COMMIT
 def test_cleanup_removes_ours_and_the_seeds_chains_only(netns: str) -> None:
     in_ns(netns, "iptables-legacy-restore", "--noflush", input=SEED)
     code = ("from test_iptables_writers import snapshot_steps; from netproxy.backends import create; "
-            "from netproxy.config import ProxyConfig; from netproxy.model import Changes; "
+            "from netproxy.core.config import ProxyConfig; from netproxy.core.model import Changes; "
             "b = create('iptables', ProxyConfig()); b.sync(snapshot_steps()[3], Changes(full=True)); b.cleanup()")
     python_in_ns(netns, code)
     nat = in_ns(netns, "iptables-legacy-save", "-t", "nat").stdout
@@ -236,7 +236,7 @@ def test_cleanup_removes_ours_and_the_seeds_chains_only(netns: str) -> None:
 def test_refused_write_keeps_old_rules_and_names_the_line(netns: str, writer: str) -> None:
     # A foreign rule that jumps to a stale KUBE-SVC- chain: deleting that chain must fail.
     code = ("from test_iptables_writers import snapshot_steps; from netproxy.backends import create; "
-            "from netproxy.config import ProxyConfig; from netproxy.model import Changes; "
+            "from netproxy.core.config import ProxyConfig; from netproxy.core.model import Changes; "
             f"b = create('iptables', ProxyConfig(iptables_writer={writer!r})); "
             "b.sync(snapshot_steps()[2], Changes(full=True))")
     python_in_ns(netns, code)
@@ -245,7 +245,7 @@ def test_refused_write_keeps_old_rules_and_names_the_line(netns: str, writer: st
     before = in_ns(netns, "iptables-legacy-save", "-t", "nat").stdout
     code = ("from test_iptables_writers import snapshot_steps; from netproxy.backends import create; "
             "from netproxy.backends.base import SyncError; "
-            "from netproxy.config import ProxyConfig; from netproxy.model import Changes; "
+            "from netproxy.core.config import ProxyConfig; from netproxy.core.model import Changes; "
             f"b = create('iptables', ProxyConfig(iptables_writer={writer!r}))\n"
             "try:\n    b.sync(snapshot_steps()[4], Changes(full=True))\n"
             "except SyncError as e:\n    print('LINE', e.line)\nelse:\n    print('NO ERROR')")
@@ -262,7 +262,7 @@ def test_periodic_full_sync_skips_untouched_tables_and_repairs_touched_ones(netn
     the same size, is noticed and written back."""
     in_ns(netns, "ip", "addr", "add", "10.9.9.9/8", "dev", "lo")
     code = ("from test_iptables_writers import snapshot_steps; from netproxy.backends import create; "
-            "from netproxy.config import ProxyConfig; from netproxy.model import Changes; "
+            "from netproxy.core.config import ProxyConfig; from netproxy.core.model import Changes; "
             "import socket, subprocess, sys\n"
             f"b = create('iptables', ProxyConfig(iptables_writer={writer!r}, iptables_flavour='legacy'))\n"
             "snap = snapshot_steps()[4]\n"

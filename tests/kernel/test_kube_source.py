@@ -1,7 +1,7 @@
 """`netproxy run --kubeconfig` against the API stand-in, in the node namespace: traffic follows an
 endpoint change made through the API.
 
-The stand-in (netproxy/lab/apiserver.py) runs inside the node namespace on 127.0.0.1, so netproxy
+The stand-in (lab/netproxy_lab/apiserver.py) runs inside the node namespace on 127.0.0.1, so netproxy
 reaches it over the node's loopback and nothing listens in the host namespace.  The change is made with
 the official client from inside the node namespace too, as a controller would make it.
 """
@@ -15,13 +15,13 @@ from typing import Any, Dict, List, Sequence
 
 import pytest
 
-from netproxy.lab.apiserver_process import StandInProcess, write_kubeconfig
-from netproxy.lab.checks import assert_only_and_all, wait_for
-from netproxy.lab.cleanup import stop_process
-from netproxy.lab.combos import Combo
-from netproxy.lab.manifests import api_object, endpoint_slice, port, service, slice_port
-from netproxy.lab.proxy import Proxy
-from netproxy.lab.topology import NODE_NAME, Pod, Sandbox
+from netproxy_lab.apiserver_process import StandInProcess, write_kubeconfig
+from netproxy_lab.checks import assert_only_and_all, wait_for
+from netproxy_lab.cleanup import stop_process
+from netproxy_lab.combos import Combo
+from netproxy_lab.manifests import api_object, endpoint_slice, port, service, slice_port
+from netproxy_lab.proxy import Proxy
+from netproxy_lab.topology import NODE_NAME, Pod, Sandbox
 
 pytestmark = pytest.mark.kernel
 
@@ -177,7 +177,7 @@ def test_run_programs_at_once_and_its_health_check_tells_the_truth_through_the_a
     --min-sync-period tick (20 s here); the health-check node port of an externalTrafficPolicy Local
     service answers 200 with the local count, 503 while the proxy's writes are refused and a change
     made through the API waits, and 200 again after."""
-    from netproxy.lab.refuse import WritesRefused
+    from netproxy_lab.refuse import WritesRefused
     from tests.kernel.test_parity import http_get_headers
 
     here = [p for p in sandbox.pods if p.node_name == NODE_NAME][:2]

@@ -26,12 +26,12 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 
 import pytest
 
-from netproxy.lab import kubeproxy_layout
-from netproxy.lab.combos import has_iptables
-from netproxy.lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
-from netproxy.lab.pytest_plugin import require
-from netproxy.lab.topology import EXT4, NODE_EXT4, NODE_NAME, Pod, Sandbox
-from netproxy.lab.traffic import ConnectResult, Session
+from netproxy_lab import kubeproxy_layout
+from netproxy_lab.combos import has_iptables
+from netproxy_lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
+from netproxy_lab.pytest_plugin import require
+from netproxy_lab.topology import EXT4, NODE_EXT4, NODE_NAME, Pod, Sandbox
+from netproxy_lab.traffic import ConnectResult, Session
 
 pytestmark = pytest.mark.kernel
 

@@ -27,7 +27,7 @@ from netproxy.backends.nftables import NftablesBackend, encode, wire
 from netproxy.backends.nftables.fake import FakeNft
 from netproxy.backends.nftables.objects import Rule
 from netproxy.backends.nftables.transaction import full_transaction
-from netproxy.model import Endpoint, ServicePort, ServicePortName, Snapshot
+from netproxy.core.model import Endpoint, ServicePort, ServicePortName, Snapshot
 from tests.kernel import nft_scenarios
 from tests.kernel.test_nftables_backend import Driver, canonical, nft, nft_env  # noqa: F401 - fixtures
 
@@ -195,8 +195,8 @@ def test_netlink_writer_needs_no_libnftables(namespaces: Tuple[str, str]) -> Non
     ns, _ = namespaces
     code = ("import sys; sys.modules['nftables'] = None\n"
             "from netproxy.backends.nftables import NftablesBackend\n"
-            "from netproxy.config import ProxyConfig\n"
-            "from netproxy.model import Changes, Snapshot\n"
+            "from netproxy.core.config import ProxyConfig\n"
+            "from netproxy.core.model import Changes, Snapshot\n"
             "b = NftablesBackend(ProxyConfig(hostname='n')); b.probe(); b.sync(Snapshot({}, {}), Changes())\n"
             "print([m for m in open('/proc/self/maps').read().split() if 'libnftables' in m])\n")
     proc = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, text=True)

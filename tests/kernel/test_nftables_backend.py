@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 
-from netproxy.lab.pytest_plugin import require
+from netproxy_lab.pytest_plugin import require
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))  # where `-m tests.kernel.nft_driver` imports from

@@ -10,10 +10,10 @@ import re
 import time
 from typing import Optional, Tuple
 
-from netproxy.lab.checks import wait_for
-from netproxy.lab.manifests import endpoint_slice, port, service, write_manifests
-from netproxy.lab.proxy import Proxy
-from netproxy.lab.topology import NODE_NAME, Sandbox
+from netproxy_lab.checks import wait_for
+from netproxy_lab.manifests import endpoint_slice, port, service, write_manifests
+from netproxy_lab.proxy import Proxy
+from netproxy_lab.topology import NODE_NAME, Sandbox
 from tests.kernel.test_parity import http_get
 
 WEB_IP = "10.96.0.10"

@@ -28,12 +28,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import pytest
 
-from netproxy.lab.checks import assert_only_and_all, wait_for
-from netproxy.lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
-from netproxy.lab.proxy import Proxy
-from netproxy.lab.refuse import WritesRefused
-from netproxy.lab.topology import CLIENT4, CLIENT6, EXT4, GATEWAY4, NODE_EXT4, NODE_NAME, REMOTE_NODE_NAME, Pod, Sandbox
-from netproxy.lab.traffic import ConnectResult
+from netproxy_lab.checks import assert_only_and_all, wait_for
+from netproxy_lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
+from netproxy_lab.proxy import Proxy
+from netproxy_lab.refuse import WritesRefused
+from netproxy_lab.topology import CLIENT4, CLIENT6, EXT4, GATEWAY4, NODE_EXT4, NODE_NAME, REMOTE_NODE_NAME, Pod, Sandbox
+from netproxy_lab.traffic import ConnectResult
 from tests.kernel import traced
 
 pytestmark = pytest.mark.kernel
@@ -575,7 +575,7 @@ def test_unknown_port_on_active_clusterip_refused(proxy: Proxy, sandbox: Sandbox
     refused_check(sandbox, SVC_IP, 80, proto="udp")
 
 
-# ---- endpoint eligibility (netproxy/endpoints.py, through both backends) -----------------------
+# ---- endpoint eligibility (netproxy/core/endpoints.py, through both backends) -----------------------
 
 
 def test_terminating_endpoints_only_without_ready_ones(proxy: Proxy, sandbox: Sandbox) -> None:

@@ -16,10 +16,10 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-from netproxy.lab.checks import TIME_SCALE, assert_only_and_all
-from netproxy.lab.manifests import Manifest, endpoint_slice, service, write_manifests
-from netproxy.lab.proxy import Proxy
-from netproxy.lab.topology import CLIENT4, CLIENT6, EXT4, GATEWAY4, GATEWAY6, NODE_EXT4, NODE_EXT6, NODE_NAME, Sandbox
+from netproxy_lab.checks import TIME_SCALE, assert_only_and_all
+from netproxy_lab.manifests import Manifest, endpoint_slice, service, write_manifests
+from netproxy_lab.proxy import Proxy
+from netproxy_lab.topology import CLIENT4, CLIENT6, EXT4, GATEWAY4, GATEWAY6, NODE_EXT4, NODE_EXT6, NODE_NAME, Sandbox
 from tests.kernel.test_parity import (  # the shared body's helpers and its five-pod sandbox (pods 3-4 remote)
     DROP_TIMEOUT,
     NODE_PORT,

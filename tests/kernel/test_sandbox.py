@@ -13,9 +13,9 @@ import subprocess
 
 import pytest
 
-from netproxy.lab.checks import assert_only_and_all
-from netproxy.lab.pytest_plugin import require
-from netproxy.lab.topology import CLIENT4, EXT4, NODE_EXT4, Sandbox
+from netproxy_lab.checks import assert_only_and_all
+from netproxy_lab.pytest_plugin import require
+from netproxy_lab.topology import CLIENT4, EXT4, NODE_EXT4, Sandbox
 
 pytestmark = pytest.mark.kernel
 

@@ -10,7 +10,7 @@
 Batches whose outcome the rules do not decide alone are not traced: a fixed source port (``bind``:
 conntrack keeps the flow's old NAT binding, which is what the UDP conntrack test checks), paced
 flows running while a test changes endpoints (``interval``), and batches sent inside a wait loop
-while a change is still on its way to the kernel (any :func:`netproxy.lab.checks.wait_for` loop).
+while a change is still on its way to the kernel (any :func:`netproxy_lab.checks.wait_for` loop).
 
 Under software emulation (the VM matrix: ``NETPROXY_TEST_TIME_SCALE`` > 1) a ``netproxy trace``
 process costs seconds, so there only the first batch of each test is traced.
@@ -22,10 +22,10 @@ import ipaddress
 import re
 from typing import Any, List, Optional, Set, Tuple
 
-from netproxy.lab.checks import SETTLING, TIME_SCALE
-from netproxy.lab.proxy import Proxy
-from netproxy.lab.topology import CLIENT4, CLIENT6, EXT4, EXT6, GATEWAY4, GATEWAY6, NODE_EXT4, NODE_EXT6, Sandbox
-from netproxy.lab.traffic import ConnectResult, PendingConnect
+from netproxy_lab.checks import SETTLING, TIME_SCALE
+from netproxy_lab.proxy import Proxy
+from netproxy_lab.topology import CLIENT4, CLIENT6, EXT4, EXT6, GATEWAY4, GATEWAY6, NODE_EXT4, NODE_EXT6, Sandbox
+from netproxy_lab.traffic import ConnectResult, PendingConnect
 
 _state = {"traced": 0, "this_test": 0}
 _DNAT = re.compile(r"DNAT to \[?([0-9a-f.:]+?)\]?:\d+,")

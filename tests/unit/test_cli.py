@@ -11,15 +11,16 @@ import pytest
 import yaml
 
 import netproxy.backends as backends
-from netproxy import cli, holdings
-from netproxy import detect as detect_mod
+from netproxy import cli
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.fake import FakeBackend
 from netproxy.cli import args as cli_args
 from netproxy.cli import oneshot as cli_oneshot
-from netproxy.config import ProxyConfig
-from netproxy.lab.manifests import endpoint_slice, port, service
-from netproxy.model import Changes, Snapshot
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Changes, Snapshot
+from netproxy.migration import holdings
+from netproxy.node import detect as detect_mod
+from netproxy_lab.manifests import endpoint_slice, port, service
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "cluster.yaml"
 FAKE = ["--backend", "fake", "--iptables-flavour", "legacy", "--hostname-override", "node-a"]
@@ -308,7 +309,7 @@ def test_json_logs_are_one_object_per_line() -> None:
     import json as _json
     import logging
 
-    from netproxy import logs
+    from netproxy.observe import logs
 
     record = logging.LogRecord("netproxy.test", logging.WARNING, __file__, 1, "rejected %s", ("Service a/b",), None)
     got = _json.loads(logs.JsonFormatter().format(record))
@@ -331,7 +332,7 @@ def test_detect_says_what_the_node_holds_and_what_migrate_would_do(monkeypatch: 
 
 def test_migrate_failure_exits_1_naming_the_step(made: Made, clean: Path, monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    from netproxy import migrate
+    from netproxy.migration import migrate
 
     def fail(*_a: Any, **_k: Any) -> Any:
         raise migrate.MigrateError("verify", "the kernel does not hold the new nftables rules")

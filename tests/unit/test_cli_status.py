@@ -11,9 +11,10 @@ from typing import Iterator, Tuple
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
-from netproxy import cli, metrics
-from netproxy.healthcheck import ProxyHealth
-from netproxy.model import NodeInfo
+from netproxy import cli
+from netproxy.core.model import NodeInfo
+from netproxy.observe import metrics
+from netproxy.observe.healthcheck import ProxyHealth
 
 
 class _Metrics(BaseHTTPRequestHandler):

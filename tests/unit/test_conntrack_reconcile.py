@@ -1,5 +1,5 @@
-"""The conntrack reconciler's comparison (netproxy/conntrack.py) and the ctnetlink codec it reads
-with (netproxy/ctnetlink.py), without a kernel: dump replies are built as the kernel writes them."""
+"""The conntrack reconciler's comparison (netproxy/node/conntrack.py) and the ctnetlink codec it reads
+with (netproxy/node/ctnetlink.py), without a kernel: dump replies are built as the kernel writes them."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import pytest
 from prometheus_client import REGISTRY
 
-from netproxy import ctnetlink
-from netproxy.conntrack import Desired, Reconciler, desired_state, key, port_key
-from netproxy.lab.manifests import service_port
-from netproxy.model import Endpoint, ServicePort, Snapshot
+from netproxy.core.model import Endpoint, ServicePort, Snapshot
+from netproxy.node import ctnetlink
+from netproxy.node.conntrack import Desired, Reconciler, desired_state, key, port_key
+from netproxy_lab.manifests import service_port
 
 IP = ipaddress.ip_address
 UDP, TCP, SCTP = socket.IPPROTO_UDP, socket.IPPROTO_TCP, 132
@@ -349,7 +349,7 @@ def test_a_failed_pass_is_retried_at_the_next_sync() -> None:
 
 
 def test_the_metrics_have_kube_proxys_names_types_labels_and_buckets() -> None:
-    from netproxy import metrics
+    from netproxy.observe import metrics
 
     metrics.CONNTRACK_RECONCILE_DURATION.labels("IPv6").observe(0.003)
     metrics.CONNTRACK_RECONCILE_DELETED.labels("IPv6").inc(0)

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-from netproxy.model import ServicePortName, ValidationError
+from netproxy.core.model import ServicePortName, ValidationError
 from netproxy.source.convert import (
     EndpointSet,
     SlicePort,

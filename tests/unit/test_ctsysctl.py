@@ -1,4 +1,4 @@
-"""The conntrack sysctls set at start (netproxy/ctsysctl.py), against a dict standing for /proc and
+"""The conntrack sysctls set at start (netproxy/node/ctsysctl.py), against a dict standing for /proc and
 /sys: these tests never touch a real sysctl."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from netproxy import cli
 from netproxy.cli import settings as cli_config
-from netproxy.ctsysctl import ConntrackSettings, SysctlError, apply, conntrack_max, plan
+from netproxy.node.ctsysctl import ConntrackSettings, SysctlError, apply, conntrack_max, plan
 
 PROC, HASH = "/proc-test", "/hashsize-test"
 

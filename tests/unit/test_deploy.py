@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from netproxy.cli import build_parser
-from netproxy.lab.apiserver import ApiServer
 from netproxy.source.kube import KubeSource
+from netproxy_lab.apiserver import ApiServer
 from tests.unit.kube.kube_helpers import FAST, RecordingTracker, make_client, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -14,8 +14,8 @@ from typing import Optional
 import pytest
 from packaging.version import Version
 
-from netproxy import detect
-from netproxy.detect import Decision, DetectError, iptables_flavour, parse_iptables_version, run_iptables_version
+from netproxy.node import detect
+from netproxy.node.detect import Decision, DetectError, iptables_flavour, parse_iptables_version, run_iptables_version
 
 
 def decide(line: Optional[str], libnft: bool = True) -> Decision:

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
-from netproxy import features, kpconfig
-from netproxy.lab.manifests import service_port
-from netproxy.model import FieldError, NodeInfo
-from netproxy.tracker import ChangeTracker
+from netproxy.cli import kpconfig
+from netproxy.core import features
+from netproxy.core.model import FieldError, NodeInfo
+from netproxy.core.tracker import ChangeTracker
+from netproxy_lab.manifests import service_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -14,10 +14,10 @@ from typing import Callable, Dict, Iterator, Set, Tuple
 import pytest
 import yaml
 
-from netproxy.lab.manifests import endpoint_slice, service
-from netproxy.model import NodeInfo, ServicePortName
+from netproxy.core.model import NodeInfo, ServicePortName
+from netproxy.core.tracker import ChangeTracker
 from netproxy.source.files import FileSource, Loaded, SourceError, flatten, load, manifest_files, read_documents
-from netproxy.tracker import ChangeTracker
+from netproxy_lab.manifests import endpoint_slice, service
 
 DATA = Path(__file__).parent / "data"
 KUBECTL = DATA / "kubectl-get-svc-eps-A.yaml"

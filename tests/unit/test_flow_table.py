@@ -17,9 +17,9 @@ import pytest
 
 from netproxy.backends import create
 from netproxy.backends.base import Outcome, Packet
-from netproxy.config import ProxyConfig
-from netproxy.lab.manifests import service_port
-from netproxy.model import Endpoint, NodeInfo, ServicePort, Snapshot
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Endpoint, NodeInfo, ServicePort, Snapshot
+from netproxy_lab.manifests import service_port
 
 ip = ipaddress.ip_address
 net = ipaddress.ip_network

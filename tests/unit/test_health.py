@@ -7,8 +7,8 @@ import urllib.error
 import urllib.request
 from typing import List, Tuple
 
-from netproxy.healthcheck import ProxyHealth
-from netproxy.model import NodeInfo
+from netproxy.core.model import NodeInfo
+from netproxy.observe.healthcheck import ProxyHealth
 from netproxy.source.convert import parse_node
 
 EPOCH = 1_700_000_000.0

@@ -28,11 +28,11 @@ from netproxy.backends import create
 from netproxy.backends.fake import FakeBackend
 from netproxy.backends.nftables import NftablesBackend, encode
 from netproxy.backends.nftables.transaction import full_transaction
-from netproxy.config import ProxyConfig
-from netproxy.model import NodeInfo, Snapshot, ValidationError
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import NodeInfo, Snapshot, ValidationError
+from netproxy.core.tracker import ChangeTracker
 from netproxy.source.files import Loaded, load, parse_objects
 from netproxy.source.kube import ServiceHandler, SliceHandler
-from netproxy.tracker import ChangeTracker
 from tests.faults.figures import figure
 from tests.unit.hostile_cases import (
     GOOD_IP,
@@ -296,7 +296,7 @@ def _quiet_rejections() -> Iterator[None]:
     """The tracker logs every rejection at error level: thousands of lines, none of them news here."""
     import logging
 
-    logger = logging.getLogger("netproxy.tracker")
+    logger = logging.getLogger("netproxy.core.tracker")
     level = logger.level
     logger.setLevel(logging.CRITICAL)
     yield

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from netproxy.model import ValidationError
+from netproxy.core.model import ValidationError
 from netproxy.source.files import SourceError, flatten, read_documents, read_objects
 from netproxy.source.jsonstream import iter_document
 

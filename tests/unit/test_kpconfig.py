@@ -1,4 +1,4 @@
-"""--config FILE: kube-proxy's KubeProxyConfiguration onto netproxy's flags (netproxy/kpconfig.py).
+"""--config FILE: kube-proxy's KubeProxyConfiguration onto netproxy's flags (netproxy/cli/kpconfig.py).
 
 The file as kubeadm writes it (every field, mostly zero values) must load without a warning; set
 fields map onto the flags netproxy has; flags on the command line win; fields netproxy does not apply
@@ -18,11 +18,12 @@ import pytest
 import yaml
 
 import netproxy.backends as backends
-from netproxy import cli, kpconfig
-from netproxy import detect as detect_mod
+from netproxy import cli
 from netproxy.backends.fake import FakeBackend
-from netproxy.config import ProxyConfig
-from netproxy.model import FieldError
+from netproxy.cli import kpconfig
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import FieldError
+from netproxy.node import detect as detect_mod
 
 # What `kubeadm init` (1.33) writes into the kube-proxy ConfigMap's config.conf, with clusterCIDR set.
 KUBEADM = yaml.safe_load("""
@@ -462,7 +463,7 @@ def test_an_inline_token_is_not_a_token_file(tmp_path: Path) -> None:
     assert kube.kubeconfig_token_file(str(kubeconfig)) is None
 
 
-# -- conntrack (sysctls set at start: netproxy/ctsysctl.py) -------------------------------------------
+# -- conntrack (sysctls set at start: netproxy/node/ctsysctl.py) -------------------------------------------
 
 def test_conntrack_section_becomes_the_conntrack_flags() -> None:
     values = kpconfig.parse(kubeadm(conntrack__maxPerCore=65536, conntrack__min=131072,

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from netproxy.lab import combos
-from netproxy.lab.cleanup import stop_process
-from netproxy.lab.manifests import endpoint_slice, port, service, write_manifests
-from netproxy.lab.topology import Pod
+from netproxy_lab import combos
+from netproxy_lab.cleanup import stop_process
+from netproxy_lab.manifests import endpoint_slice, port, service, write_manifests
+from netproxy_lab.topology import Pod
 
 IGNORES_TERM = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); " \
                "time.sleep(60)"
@@ -93,7 +93,7 @@ def test_the_quick_tier_runs_the_default_writers_unless_a_module_says_otherwise(
 
 
 def test_a_fault_knob_follows_the_tier_and_its_variable_wins(monkeypatch: pytest.MonkeyPatch) -> None:
-    from netproxy.lab.tier import knob
+    from netproxy_lab.tier import knob
 
     monkeypatch.delenv("NETPROXY_STORM_SECONDS", raising=False)
     monkeypatch.setenv("NETPROXY_TIER", "quick")
@@ -138,7 +138,7 @@ def test_manifests_load_as_a_service_and_its_slice(tmp_path: object) -> None:
 def test_the_demo_finds_the_bundled_example() -> None:
     """``make demo`` runs without arguments: its default source must be the repository's example
     (it pointed into netproxy/ once the demo moved into the lab)."""
-    from netproxy.lab import demo
+    from netproxy_lab import demo
 
     assert os.path.isfile(demo.EXAMPLE), demo.EXAMPLE
     example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "cluster.yaml")

@@ -11,8 +11,8 @@ from typing import Any, Dict, List
 import pytest
 
 from netproxy.backends.iptables.render import render_service
-from netproxy.config import ProxyConfig
-from netproxy.model import Endpoint, NodeInfo, ValidationError
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Endpoint, NodeInfo, ValidationError
 from netproxy.source.convert import parse_service
 
 ip = ipaddress.ip_address

@@ -11,15 +11,16 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
-from netproxy import backends, cli, sysctl
-from netproxy import detect as detect_mod
+from netproxy import backends, cli
 from netproxy.backends.fake import FakeBackend
 from netproxy.backends.iptables.assemble import LOCALNET_COMMENT, assemble, serves_localhost
 from netproxy.backends.iptables.render import render_service
 from netproxy.backends.nftables import layout
 from netproxy.backends.nftables import stmt as st
-from netproxy.config import ProxyConfig, check_interface_name
-from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName
+from netproxy.core.config import ProxyConfig, check_interface_name
+from netproxy.core.model import Endpoint, NodeInfo, ServicePort, ServicePortName
+from netproxy.node import detect as detect_mod
+from netproxy.node import sysctl
 from netproxy.source.convert import parse_node
 
 net = ipaddress.ip_network

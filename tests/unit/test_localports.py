@@ -1,11 +1,11 @@
-"""Which NodePorts the localhost relay serves, and where a connection may go (netproxy/localports.py)."""
+"""Which NodePorts the localhost relay serves, and where a connection may go (netproxy/node/localports.py)."""
 
 from __future__ import annotations
 
 import ipaddress
 
-from netproxy.localports import families_served, targets
-from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
+from netproxy.core.model import Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
+from netproxy.node.localports import families_served, targets
 
 net = ipaddress.ip_network
 

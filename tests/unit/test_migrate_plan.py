@@ -10,10 +10,10 @@ import pytest
 from netproxy.backends.base import SyncError
 from netproxy.backends.fake import FakeBackend
 from netproxy.backends.iptables import kubeproxy, save
-from netproxy.config import ProxyConfig
-from netproxy.holdings import Holdings, Ruleset, classify_iptables
-from netproxy.migrate import MigrateError, migrate, plan
-from netproxy.model import Snapshot
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Snapshot
+from netproxy.migration.holdings import Holdings, Ruleset, classify_iptables
+from netproxy.migration.migrate import MigrateError, migrate, plan
 
 KP_IPT = Ruleset("kube-proxy", "iptables", "legacy", (4,), frozenset({"0x4000"}))
 KP_NFT = Ruleset("kube-proxy", "nftables", "", (4,), frozenset({"0x4000"}))
@@ -122,7 +122,7 @@ class Recorder:
 
 
 def _run(backend: FakeBackend, held: Holdings, remover: Recorder, **kw: object) -> object:
-    import netproxy.migrate as m
+    import netproxy.migration.migrate as m
 
     m_verify = m.verify
     m.verify = lambda b: []  # type: ignore[assignment]  # the fake has no kernel to read back

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import pytest
 
-from netproxy.model import (
+from netproxy.core.model import (
     DEFAULT_AFFINITY_TIMEOUT,
     MAX_AFFINITY_TIMEOUT,
     Changes,

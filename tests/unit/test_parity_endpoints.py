@@ -1,4 +1,4 @@
-"""Endpoint eligibility for kube-proxy parity (docs/parity.md), pure: ``netproxy/endpoints.py``.
+"""Endpoint eligibility for kube-proxy parity (docs/parity.md), pure: ``netproxy/core/endpoints.py``.
 
 The kernel suite (tests/kernel/test_parity.py) checks these behaviours through both backends; here
 the rules themselves, case by case, and the file source turning the same manifests (EndpointSlice
@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from netproxy.endpoints import cluster_endpoints, external_endpoints, local_endpoints, usable
-from netproxy.lab.manifests import service_port
-from netproxy.model import Endpoint, NodeInfo, ServicePort
+from netproxy.core.endpoints import cluster_endpoints, external_endpoints, local_endpoints, usable
+from netproxy.core.model import Endpoint, NodeInfo, ServicePort
 from netproxy.source.files import load
+from netproxy_lab.manifests import service_port
 
 HERE, THERE = "node-a", "node-b"
 NODE = NodeInfo(name=HERE, zone="zone-a")

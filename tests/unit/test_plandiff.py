@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import ipaddress
 
-from netproxy import plandiff
 from netproxy.backends.iptables.listing import _ours, split_plan
 from netproxy.backends.nftables.listing import normalise
-from netproxy.model import NodeInfo, ServicePort, ServicePortName, Snapshot
+from netproxy.cli import plandiff
+from netproxy.core.model import NodeInfo, ServicePort, ServicePortName, Snapshot
 
 WEB = ServicePortName("default", "web", "http")
 

@@ -10,10 +10,10 @@ import urllib.request
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from netproxy.healthcheck import ProxyHealth, ServiceHealthServers
-from netproxy.lab.manifests import service_port
-from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
-from netproxy.nodeaddr import local_addresses
+from netproxy.core.model import Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
+from netproxy.node.nodeaddr import local_addresses
+from netproxy.observe.healthcheck import ProxyHealth, ServiceHealthServers
+from netproxy_lab.manifests import service_port
 
 IP = ipaddress.ip_address
 

@@ -8,13 +8,13 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 
 from netproxy.backends.fake import FakeBackend
-from netproxy.config import ProxyConfig
-from netproxy.lab.manifests import service_port
-from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
-from netproxy.proxier import Proxier
-from netproxy.runner import BoundedFrequencyRunner
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
+from netproxy.core.proxier import Proxier
+from netproxy.core.runner import BoundedFrequencyRunner
+from netproxy.core.tracker import ChangeTracker
 from netproxy.source.convert import EndpointSet, SlicePort
-from netproxy.tracker import ChangeTracker
+from netproxy_lab.manifests import service_port
 
 ip = ipaddress.ip_address
 WEB = ServicePortName("default", "web", "")

@@ -15,11 +15,11 @@ from netproxy.backends.iptables import IptablesBackend, guard, names
 from netproxy.backends.iptables.fake import FakeIptables
 from netproxy.backends.nftables import NftablesBackend
 from netproxy.backends.nftables.fake import FakeNft
-from netproxy.config import ProxyConfig
-from netproxy.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
-from netproxy.proxier import Proxier
-from netproxy.runner import BoundedFrequencyRunner
-from netproxy.tracker import ChangeTracker
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
+from netproxy.core.proxier import Proxier
+from netproxy.core.runner import BoundedFrequencyRunner
+from netproxy.core.tracker import ChangeTracker
 from tests.unit.trackers import feed_web
 
 ip = ipaddress.ip_address

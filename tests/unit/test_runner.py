@@ -7,7 +7,7 @@ from typing import List
 
 import pytest
 
-from netproxy.runner import BoundedFrequencyRunner
+from netproxy.core.runner import BoundedFrequencyRunner
 
 
 class Clock:

@@ -15,11 +15,11 @@ import pytest
 from netproxy import cli
 from netproxy.backends.iptables.assemble import SERVICE_CIDR_COMMENT, assemble
 from netproxy.backends.iptables.render import render_service
-from netproxy.config import ProxyConfig, parse_cidrs
-from netproxy.model import NodeInfo, ServicePort, ServicePortName, ValidationError
+from netproxy.core.config import ProxyConfig, parse_cidrs
+from netproxy.core.model import NodeInfo, ServicePort, ServicePortName, ValidationError
+from netproxy.core.tracker import ChangeTracker
 from netproxy.source.convert import parse_service_cidr
 from netproxy.source.files import load
-from netproxy.tracker import ChangeTracker
 
 net = ipaddress.ip_network
 

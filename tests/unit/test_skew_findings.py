@@ -6,9 +6,9 @@ from typing import Dict, List, Optional, Sequence
 
 import pytest
 
-from netproxy import skew
 from netproxy.backends.base import BackendUnavailable
-from netproxy.config import ProxyConfig
+from netproxy.core.config import ProxyConfig
+from netproxy.node import skew
 
 LEGACY_NAT = "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-SVC-ABC - [0:0]\nCOMMIT\n"
 

@@ -7,10 +7,10 @@ from typing import Dict, FrozenSet, List, Tuple
 
 import pytest
 
-from netproxy.lab.manifests import service_port
-from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName, ValidationError
+from netproxy.core.model import Endpoint, NodeInfo, ServicePort, ServicePortName, ValidationError
+from netproxy.core.tracker import ChangeTracker
 from netproxy.source.convert import EndpointSet, SlicePort
-from netproxy.tracker import ChangeTracker
+from netproxy_lab.manifests import service_port
 
 ip = ipaddress.ip_address
 

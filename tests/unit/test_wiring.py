@@ -11,9 +11,9 @@ import pytest
 
 from netproxy import backends, wiring
 from netproxy.backends.fake import FakeBackend
-from netproxy.config import ProxyConfig
-from netproxy.model import NodeInfo
-from netproxy.tracker import ChangeTracker
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import NodeInfo
+from netproxy.core.tracker import ChangeTracker
 from tests.unit.trackers import feed_web
 
 ip, net = ipaddress.ip_address, ipaddress.ip_network

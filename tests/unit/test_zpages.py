@@ -15,8 +15,8 @@ from typing import Any, Iterator, Tuple
 import pytest
 
 from netproxy import version
-from netproxy.lab.cleanup import stop_process
-from netproxy.zpages import go_duration
+from netproxy.observe.zpages import go_duration
+from netproxy_lab.cleanup import stop_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import ipaddress
 
-from netproxy.model import Endpoint, ServicePort, ServicePortName
+from netproxy.core.model import Endpoint, ServicePort, ServicePortName
+from netproxy.core.tracker import ChangeTracker
 from netproxy.source.convert import EndpointSet, SlicePort
-from netproxy.tracker import ChangeTracker
 
 
 def feed_web(tracker: ChangeTracker) -> None:

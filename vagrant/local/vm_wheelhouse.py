@@ -27,8 +27,9 @@ def host_pip() -> List[str]:
 
 
 def project_wheel(dest: Path) -> Path:
-    """Build the checkout's own wheel (pure Python) into dest, replacing older ones."""
-    for old in dest.glob("netproxy-*.whl"):
+    """Build the checkout's own wheels (pure Python) into dest, replacing older ones: netproxy's, and
+    the lab's (lab/: the tests' fixtures, its own distribution); netproxy's is returned."""
+    for old in [*dest.glob("netproxy-*.whl"), *dest.glob("netproxy_lab-*.whl")]:
         old.unlink()
     with tempfile.TemporaryDirectory() as tmp:
         # Build from a copy: building in the checkout would leave build/ and egg-info behind in
@@ -37,7 +38,7 @@ def project_wheel(dest: Path) -> Path:
         shutil.copytree(
             REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", ".*_cache")
         )
-        res = subprocess.run(host_pip() + ["wheel", "-q", "--no-deps", "-w", str(dest), str(src)],
+        res = subprocess.run(host_pip() + ["wheel", "-q", "--no-deps", "-w", str(dest), str(src), str(src / "lab")],
                              capture_output=True, text=True)
         if res.returncode != 0:
             die(f"building the netproxy wheel failed:\n{res.stdout}{res.stderr}")

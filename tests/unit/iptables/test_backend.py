@@ -11,8 +11,8 @@ import pytest
 from netproxy.backends.base import SyncError
 from netproxy.backends.iptables import MAX_SKIPS, IptablesBackend, names
 from netproxy.backends.iptables.fake import Commit, FakeIptables
-from netproxy.config import ProxyConfig
-from netproxy.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
 
 ip = ipaddress.ip_address
 

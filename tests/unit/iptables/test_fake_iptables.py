@@ -11,8 +11,8 @@ import pytest
 from netproxy.backends.base import SyncError
 from netproxy.backends.iptables import IptablesBackend, names
 from netproxy.backends.iptables.fake import FakeIptables
-from netproxy.config import ProxyConfig
-from netproxy.model import Changes
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Changes
 from tests.unit.iptables.test_backend import snapshot, svc_chain
 
 SETUP = "*nat\n:KUBE-A - [0:0]\n:KUBE-B - [0:0]\n-A KUBE-B -j KUBE-A\n-A KUBE-A -j RETURN\nCOMMIT\n"

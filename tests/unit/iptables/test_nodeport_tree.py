@@ -19,8 +19,8 @@ from netproxy.backends.iptables.diff import KernelTable, full_change, partial_ch
 from netproxy.backends.iptables.fake import FakeIptables
 from netproxy.backends.iptables.render import FamilyRuleset, Rule, render_service
 from netproxy.backends.iptables.tree import LEAF_SIZE, DispatchEntry, build_port_tree, port_key
-from netproxy.config import ProxyConfig
-from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
 from tests.unit.iptables.iptables_tracer import Outcome, Packet, Tracer
 
 ip = ipaddress.ip_address

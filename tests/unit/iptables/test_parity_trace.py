@@ -10,9 +10,9 @@ import pytest
 from netproxy.backends.iptables import names
 from netproxy.backends.iptables.assemble import assemble
 from netproxy.backends.iptables.render import FamilyRuleset, render_service
-from netproxy.config import ProxyConfig
-from netproxy.lab.manifests import service_port
-from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Endpoint, NodeInfo, ServicePort, ServicePortName
+from netproxy_lab.manifests import service_port
 from tests.unit.iptables.iptables_tracer import Outcome, Packet, Tracer
 
 ip = ipaddress.ip_address

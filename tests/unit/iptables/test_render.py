@@ -12,9 +12,9 @@ from netproxy.backends.iptables import affinity, ipset, names
 from netproxy.backends.iptables.assemble import assemble
 from netproxy.backends.iptables.render import Rule, probability, render_service, safe_comment
 from netproxy.backends.iptables.tree import LEAF_SIZE, build_tree
-from netproxy.config import ProxyConfig
-from netproxy.lab.manifests import service_port
-from netproxy.model import Endpoint, NodeInfo, ServicePort, ServicePortName
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Endpoint, NodeInfo, ServicePort, ServicePortName
+from netproxy_lab.manifests import service_port
 
 ip = ipaddress.ip_address
 CFG = ProxyConfig(hostname="node")

@@ -10,8 +10,8 @@ from typing import List
 from netproxy.backends.iptables import IptablesBackend, affinity, ipset
 from netproxy.backends.iptables.fake import FakeIptables
 from netproxy.backends.iptables.ipset import FakeIpsets, element
-from netproxy.config import ProxyConfig
-from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
 
 VIP = "10.96.0.10"
 

@@ -126,7 +126,7 @@ def test_the_flag_reaches_both_writers_and_defaults_to_kube_proxys_5s() -> None:
     assert restore_backend.lock.timeout == 2.0
     default = proxy_config(build_parser().parse_args(["sync", "--source", "x"]), "iptables", "legacy")
     assert default.iptables_lock_timeout == 5.0
-    from netproxy.config import ProxyConfig
+    from netproxy.core.config import ProxyConfig
 
     libiptc = IptablesBackend(ProxyConfig(iptables_writer="libiptc", iptables_lock_timeout=3.0, hostname="n"))
     assert libiptc.kernel.lock is libiptc.lock and libiptc.lock.timeout == 3.0  # type: ignore[attr-defined]

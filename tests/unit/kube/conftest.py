@@ -7,7 +7,7 @@ from typing import Iterator
 import pytest
 from kubernetes import client
 
-from netproxy.lab.apiserver import ApiServer
+from netproxy_lab.apiserver import ApiServer
 from tests.unit.kube.kube_helpers import make_client
 
 

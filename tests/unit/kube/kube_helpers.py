@@ -9,12 +9,12 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from kubernetes import client
 
-from netproxy.lab import manifests
-from netproxy.lab.manifests import api_object
-from netproxy.model import NodeInfo, ServicePort, ValidationError
+from netproxy.core.model import NodeInfo, ServicePort, ValidationError
+from netproxy.core.tracker import ChangeTracker
 from netproxy.source.convert import EndpointSet
 from netproxy.source.kube_reflector import ReflectorSettings
-from netproxy.tracker import ChangeTracker
+from netproxy_lab import manifests
+from netproxy_lab.manifests import api_object
 
 # Short timeouts and backoff so that recovery paths run in well under a second.
 FAST = ReflectorSettings(page_size=2, watch_timeout=30, read_slack=5, connect_timeout=2, list_timeout=10,

@@ -20,10 +20,10 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 from kubernetes import client
 
-from netproxy.lab.apiserver_process import StandInProcess, generated_cluster
+from netproxy.core.tracker import ChangeTracker
 from netproxy.source.kube import ServiceHandler, SliceHandler
 from netproxy.source.kube_reflector import Reflector, ReflectorSettings
-from netproxy.tracker import ChangeTracker
+from netproxy_lab.apiserver_process import StandInProcess, generated_cluster
 
 
 def peak_rss_mb() -> float:

@@ -16,14 +16,14 @@ from kubernetes import client
 
 from netproxy.backends.base import SyncError, SyncResult
 from netproxy.backends.fake import FakeBackend
-from netproxy.config import ProxyConfig
-from netproxy.healthcheck import ProxyHealth
-from netproxy.lab.apiserver import ApiServer
-from netproxy.model import Changes, NodeInfo, Snapshot
-from netproxy.proxier import Proxier
-from netproxy.runner import BoundedFrequencyRunner
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Changes, NodeInfo, Snapshot
+from netproxy.core.proxier import Proxier
+from netproxy.core.runner import BoundedFrequencyRunner
+from netproxy.core.tracker import ChangeTracker
+from netproxy.observe.healthcheck import ProxyHealth
 from netproxy.source.kube import KubeSource
-from netproxy.tracker import ChangeTracker
+from netproxy_lab.apiserver import ApiServer
 from tests.unit.kube.kube_helpers import FAST, endpoint_slice, node, service, wait_for
 
 TIMEOUT = 1.0

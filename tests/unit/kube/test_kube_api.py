@@ -9,9 +9,9 @@ from typing import Iterator, List, Tuple
 import pytest
 from kubernetes import client
 
-from netproxy.lab.apiserver import ApiServer
-from netproxy.model import ServicePortName
+from netproxy.core.model import ServicePortName
 from netproxy.source.kube import KubeSource
+from netproxy_lab.apiserver import ApiServer
 from tests.unit.kube.kube_helpers import FAST, RecordingTracker, endpoint_slice, node, service, wait_for
 
 SLOW_BACKOFF = replace(FAST, backoff_initial=0.4, backoff_cap=0.4)

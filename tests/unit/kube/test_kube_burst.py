@@ -9,10 +9,10 @@ from typing import List, Tuple
 
 from kubernetes import client
 
-from netproxy.lab.apiserver import ApiServer
-from netproxy.model import ServicePortName
-from netproxy.runner import BoundedFrequencyRunner
+from netproxy.core.model import ServicePortName
+from netproxy.core.runner import BoundedFrequencyRunner
 from netproxy.source.kube import KubeSource
+from netproxy_lab.apiserver import ApiServer
 from tests.unit.kube.kube_helpers import FAST, RecordingTracker, endpoint_slice, service, wait_for
 
 MIN_INTERVAL = 0.3

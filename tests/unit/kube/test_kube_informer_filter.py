@@ -12,10 +12,10 @@ from typing import Any, Dict, Iterator
 import pytest
 from kubernetes import client
 
-from netproxy.lab.apiserver import ApiServer
 from netproxy.source.convert import PROXY_LABEL_SELECTOR, not_for_this_proxy
 from netproxy.source.files import parse_objects
 from netproxy.source.kube import KubeSource
+from netproxy_lab.apiserver import ApiServer
 from tests.unit.kube.kube_helpers import FAST, RecordingTracker, endpoint_slice, service, wait_for
 
 OTHER_PROXY = {"service.kubernetes.io/service-proxy-name": "cilium"}

@@ -11,8 +11,8 @@ from typing import Any, Dict, List
 import pytest
 
 from netproxy import cli
-from netproxy.lab.apiserver import ApiServer
-from netproxy.lab.apiserver_process import write_kubeconfig
+from netproxy_lab.apiserver import ApiServer
+from netproxy_lab.apiserver_process import write_kubeconfig
 from tests.unit.kube.kube_helpers import endpoint_slice, node, service
 
 FAKE = ["--backend", "fake", "--iptables-flavour", "legacy", "--hostname-override", "node-a"]

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import yaml
 
-from netproxy.model import ValidationError
+from netproxy.core.model import ValidationError
 from netproxy.source.convert import parse_endpoint_slice, parse_service
 from netproxy.source.kube_reflector import Decoder
 from tests.unit.hostile_cases import batch

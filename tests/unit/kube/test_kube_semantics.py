@@ -9,10 +9,10 @@ from typing import Iterator
 import pytest
 from kubernetes import client
 
-from netproxy.lab.apiserver import ApiServer
-from netproxy.model import NodeInfo, ServicePortName
+from netproxy.core.model import NodeInfo, ServicePortName
 from netproxy.source.kube import KubeSource
 from netproxy.source.kube_reflector import Reflector
+from netproxy_lab.apiserver import ApiServer
 from tests.unit.kube.kube_helpers import FAST, RecordingTracker, endpoint_slice, node, service, wait_for
 
 WEB = ServicePortName("default", "web", "http")

@@ -11,9 +11,9 @@ from typing import Any, Dict, Tuple
 import pytest
 from kubernetes import client
 
-from netproxy.lab.apiserver import ApiServer
-from netproxy.model import IPNetwork
+from netproxy.core.model import IPNetwork
 from netproxy.source.kube import KubeSource
+from netproxy_lab.apiserver import ApiServer
 from tests.unit.kube.kube_helpers import FAST, RecordingTracker, wait_for
 
 net = ipaddress.ip_network

@@ -9,8 +9,8 @@ import time
 
 from kubernetes import client
 
-from netproxy.lab.apiserver import ApiServer
-from netproxy.nodeconfig import start_node
+from netproxy.node.nodeconfig import start_node
+from netproxy_lab.apiserver import ApiServer
 from tests.unit.kube.kube_helpers import node
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from netproxy import cli
-from netproxy.lab.apiserver import ApiServer
+from netproxy_lab.apiserver import ApiServer
 from tests.unit.kube.kube_helpers import endpoint_slice, node, service
 
 TOKEN = "np-test-token-5f1c0ffee-d0d0cafe"

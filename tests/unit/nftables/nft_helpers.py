@@ -6,9 +6,9 @@ import ipaddress
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 from netproxy.backends.nftables import FakeNft, NftablesBackend
-from netproxy.config import ProxyConfig
-from netproxy.lab.manifests import service_port
-from netproxy.model import Changes, Endpoint, NodeInfo, ServicePort, Snapshot
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import Changes, Endpoint, NodeInfo, ServicePort, Snapshot
+from netproxy_lab.manifests import service_port
 
 
 def svc(name: str, cluster_ip: str, port: int = 80, *, proto: str = "TCP", port_name: str = "http",

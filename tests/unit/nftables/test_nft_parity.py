@@ -11,8 +11,8 @@ import ipaddress
 from typing import Any
 
 from netproxy.backends.nftables import names
-from netproxy.config import ProxyConfig, parse_cidrs
-from netproxy.model import Changes, NodeInfo, ServicePort, Snapshot
+from netproxy.core.config import ProxyConfig, parse_cidrs
+from netproxy.core.model import Changes, NodeInfo, ServicePort, Snapshot
 from tests.unit.nftables.nft_helpers import backend, dumps, eps, fresh_dumps, snap, svc
 
 MARK = "meta mark set meta mark | 0x00004000"

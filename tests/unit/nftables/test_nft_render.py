@@ -8,8 +8,8 @@ import os
 import re
 
 from netproxy.backends.nftables import names, render
-from netproxy.config import ProxyConfig, parse_cidrs
-from netproxy.model import Changes, Endpoint, NodeInfo
+from netproxy.core.config import ProxyConfig, parse_cidrs
+from netproxy.core.model import Changes, Endpoint, NodeInfo
 from tests.unit.nftables.nft_helpers import backend, eps, snap, svc
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")

@@ -7,7 +7,7 @@ import dataclasses
 import ipaddress
 
 from netproxy.backends.nftables import names
-from netproxy.model import Changes, Snapshot
+from netproxy.core.model import Changes, Snapshot
 from tests.unit.nftables.nft_helpers import backend, dumps, eps, fresh_dumps, snap, svc
 
 net = ipaddress.ip_network

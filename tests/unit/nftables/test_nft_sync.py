@@ -12,7 +12,7 @@ import pytest
 from netproxy.backends.base import SyncError
 from netproxy.backends.nftables import names
 from netproxy.backends.nftables.objects import Chain, Element, Set
-from netproxy.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
+from netproxy.core.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
 from tests.unit.nftables.nft_helpers import backend, dumps, eps, fresh_dumps, snap, svc
 
 WEB = svc("web", "10.96.0.10", external=["192.0.2.10"])

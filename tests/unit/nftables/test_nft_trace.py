@@ -7,8 +7,8 @@ from typing import Dict, List
 
 from netproxy.backends.nftables import names
 from netproxy.backends.nftables.trace import Outcome, Packet, Tracer
-from netproxy.config import ProxyConfig, parse_cidrs
-from netproxy.model import Changes
+from netproxy.core.config import ProxyConfig, parse_cidrs
+from netproxy.core.model import Changes
 from tests.unit.nftables.nft_helpers import backend, eps, snap, svc
 
 NODE = "node-a"

@@ -1,0 +1,276 @@
+"""The lab's client: N connections to one address, answers counted per pod, printed as JSON.
+
+Runs inside a client (or node, or pod) namespace as one subprocess per batch, so that 600
+connections cost one process start, not 600.  Connections run concurrently (``--concurrency``)
+on one selector, each with its own deadline, so a batch that cannot connect costs about one
+``--timeout`` rather than N of them.
+
+Output (one JSON object on stdout)::
+
+    {"counts": {"pod-0": 201, ...},            # answers per pod name
+     "sources": {"pod-0": {"10.244.1.2": 201}}, # the source address each pod saw
+     "errors": {"timeout": 3, "refused": 1},   # failed attempts by kind
+     "sequence": ["pod-0", "!timeout", ...],    # every attempt in start order
+     "elapsed": 0.21}
+
+``--session`` instead keeps one connection (TCP, or a UDP flow from one source port) open: each
+line read on stdin is sent on it and the answer printed as one JSON line (``{"answer": "pod-1
+10.244.1.2 40000 ping"}`` or ``{"error": "reset"}``), so a test holds a long-lived connection open
+across a dataplane switch and exchanges data over it both ways (``netproxy migrate``).
+
+Stdlib only and runnable as a plain file, like :mod:`netproxy_lab.pods`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import selectors
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+_ERRNO_KIND = {
+    errno.ECONNREFUSED: "refused",
+    errno.EHOSTUNREACH: "unreachable",
+    errno.ENETUNREACH: "unreachable",
+    errno.ECONNRESET: "reset",
+    errno.ETIMEDOUT: "timeout",
+    errno.EACCES: "prohibited",
+    errno.EPERM: "prohibited",
+}
+
+
+def error_kind(err: OSError) -> str:
+    """A short word for a socket error, stable across kernels (tests compare these)."""
+    if isinstance(err, socket.timeout):
+        return "timeout"
+    return _ERRNO_KIND.get(err.errno or 0, errno.errorcode.get(err.errno or 0, "error").lower())
+
+
+@dataclass
+class Attempt:
+    index: int
+    sock: socket.socket
+    deadline: float
+    connected: bool = False
+    data: bytes = b""
+
+
+@dataclass
+class Result:
+    counts: Dict[str, int] = field(default_factory=dict)
+    sources: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    errors: Dict[str, int] = field(default_factory=dict)
+    sequence: List[str] = field(default_factory=list)
+    elapsed: float = 0.0
+
+    def record(self, index: int, outcome: str, answer: bytes = b"") -> None:
+        if outcome == "ok":
+            parts = answer.decode(errors="replace").split()
+            pod = parts[0] if parts else "?"
+            source = parts[1] if len(parts) > 1 else "?"
+            self.counts[pod] = self.counts.get(pod, 0) + 1
+            per_pod = self.sources.setdefault(pod, {})
+            per_pod[source] = per_pod.get(source, 0) + 1
+            self.sequence[index] = pod
+        else:
+            self.errors[outcome] = self.errors.get(outcome, 0) + 1
+            self.sequence[index] = "!" + outcome
+
+    def as_dict(self) -> Dict[str, object]:
+        return {"counts": self.counts, "sources": self.sources, "errors": self.errors,
+                "sequence": self.sequence, "elapsed": round(self.elapsed, 4)}
+
+
+def _family(address: str) -> int:
+    return socket.AF_INET6 if ":" in address else socket.AF_INET
+
+
+def _open(proto: str, address: str, port: int, bind: Optional[Tuple[str, int]]) -> socket.socket:
+    kind = socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM
+    sock = socket.socket(_family(address), kind)
+    if bind is not None:
+        # A fixed source port (or address) is reused attempt after attempt (the UDP "same flow" case).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(bind)
+    sock.setblocking(False)
+    return sock
+
+
+class Batch:
+    """Runs ``count`` attempts with at most ``concurrency`` in flight."""
+
+    def __init__(self, proto: str, address: str, port: int, *, count: int, timeout: float, concurrency: int,
+                 interval: float = 0.0, bind: Optional[Tuple[str, int]] = None,
+                 sources: Sequence[str] = ()) -> None:
+        self.proto, self.address, self.port = proto, address, port
+        self.count, self.timeout, self.interval, self.bind = count, timeout, interval, bind
+        # Attempt i leaves from sources[i % len(sources)]: many "clients" in one batch (affinity tests).
+        self.sources = list(sources)
+        # A fixed source port or a pacing interval means one flow at a time, in order.
+        self.concurrency = 1 if (bind is not None or interval > 0) else max(1, concurrency)
+        self.sel = selectors.DefaultSelector()
+        self.result = Result(sequence=[""] * count)
+        self.started = 0
+        self.live: Dict[int, Attempt] = {}
+
+    def run(self) -> Result:
+        t0 = time.monotonic()
+        next_start = t0
+        while self.started < self.count or self.live:
+            now = time.monotonic()
+            while self.started < self.count and len(self.live) < self.concurrency and now >= next_start:
+                self._start(now)
+                next_start = now + self.interval
+            wait = min([a.deadline for a in self.live.values()] + [now + 0.5]) - now
+            if self.started < self.count and len(self.live) < self.concurrency:
+                wait = min(wait, next_start - now)
+            for key, _ in self.sel.select(max(0.0, wait)):
+                self._progress(key.data)
+            self._expire(time.monotonic())
+        self.result.elapsed = time.monotonic() - t0
+        return self.result
+
+    def _start(self, now: float) -> None:
+        index = self.started
+        self.started += 1
+        bind = self.bind
+        if self.sources:
+            bind = (self.sources[index % len(self.sources)], 0)
+        try:
+            sock = _open(self.proto, self.address, self.port, bind)
+        except OSError as err:
+            self.result.record(index, error_kind(err))
+            return
+        attempt = Attempt(index, sock, now + self.timeout)
+        if self.proto == "tcp":
+            code = sock.connect_ex((self.address, self.port))
+            if code not in (0, errno.EINPROGRESS):
+                self._finish(attempt, error_kind(OSError(code, "")), registered=False)
+                return
+            self.sel.register(sock, selectors.EVENT_WRITE, attempt)
+        else:
+            try:
+                sock.connect((self.address, self.port))  # connected UDP: ICMP errors come back as errno
+                sock.send(b"who\n")
+            except OSError as err:
+                self._finish(attempt, error_kind(err), registered=False)
+                return
+            attempt.connected = True
+            self.sel.register(sock, selectors.EVENT_READ, attempt)
+        self.live[index] = attempt
+
+    def _progress(self, attempt: Attempt) -> None:
+        sock = attempt.sock
+        if not attempt.connected:
+            code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if code:
+                self._finish(attempt, error_kind(OSError(code, "")))
+                return
+            attempt.connected = True
+            self.sel.modify(sock, selectors.EVENT_READ, attempt)
+            return
+        try:
+            chunk = sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as err:
+            self._finish(attempt, error_kind(err))
+            return
+        attempt.data += chunk
+        # TCP: the pod closes after its line (EOF); UDP: one datagram is the whole answer.
+        if self.proto == "udp" or not chunk or attempt.data.endswith(b"\n"):
+            if attempt.data:
+                self._finish(attempt, "ok")
+            else:
+                self._finish(attempt, "reset")
+
+    def _expire(self, now: float) -> None:
+        for attempt in [a for a in self.live.values() if a.deadline <= now]:
+            self._finish(attempt, "timeout")
+
+    def _finish(self, attempt: Attempt, outcome: str, registered: bool = True) -> None:
+        if registered:
+            self.sel.unregister(attempt.sock)
+        attempt.sock.close()
+        self.live.pop(attempt.index, None)
+        self.result.record(attempt.index, outcome, attempt.data)
+
+
+def session(proto: str, address: str, port: int, timeout: float, bind: Optional[Tuple[str, int]]) -> int:
+    """One connection kept open; a line on stdin → sent; the answer line → stdout (see the module)."""
+
+    def emit(**what: object) -> None:
+        sys.stdout.write(json.dumps(what) + "\n")
+        sys.stdout.flush()
+
+    kind = socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM
+    sock = socket.socket(_family(address), kind)
+    sock.settimeout(timeout)
+    try:
+        if bind is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(bind)
+        sock.connect((address, port))
+    except OSError as err:
+        emit(error=error_kind(err))
+        return 1
+    emit(ready=True, local=list(sock.getsockname()[:2]))
+    pending = b""
+    for line in sys.stdin:
+        data = line.strip().encode() + b"\n"
+        try:
+            if proto == "tcp":
+                sock.sendall(data)
+                while b"\n" not in pending:
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        raise ConnectionResetError(errno.ECONNRESET, "closed by the peer")
+                    pending += chunk
+                answer, pending = pending.split(b"\n", 1)
+            else:
+                sock.send(data)
+                answer = sock.recv(4096).rstrip(b"\n")
+        except OSError as err:
+            emit(error=error_kind(err))
+            return 1
+        emit(answer=answer.decode(errors="replace"))
+    sock.close()
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="connect N times and count answers per pod")
+    parser.add_argument("address")
+    parser.add_argument("port", type=int)
+    parser.add_argument("--proto", choices=("tcp", "udp"), default="tcp")
+    parser.add_argument("--count", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=1.0, help="seconds per attempt")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--interval", type=float, default=0.0, help="seconds between attempt starts (serialises)")
+    parser.add_argument("--bind", default=None, help="source ADDRESS:PORT (or :PORT) for every attempt")
+    parser.add_argument("--sources", default="", help="comma-separated source addresses, used round-robin")
+    parser.add_argument("--session", action="store_true", help="one connection kept open: stdin lines out, "
+                        "answers in (see the module)")
+    args = parser.parse_args(argv)
+    bind: Optional[Tuple[str, int]] = None
+    if args.bind:
+        host, _, port = args.bind.rpartition(":")
+        host = host.strip("[]") or ("::" if ":" in args.address else "0.0.0.0")
+        bind = (host, int(port))
+    if args.session:
+        return session(args.proto, args.address, args.port, args.timeout, bind)
+    batch = Batch(args.proto, args.address, args.port, count=args.count, timeout=args.timeout,
+                  concurrency=args.concurrency, interval=args.interval, bind=bind,
+                  sources=[a for a in args.sources.split(",") if a])
+    json.dump(batch.run().as_dict(), sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

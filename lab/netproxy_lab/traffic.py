@@ -1,0 +1,103 @@
+"""The driver's side of the lab's traffic: what a batch of connections saw, a batch still running, and
+one long-lived connection.  The connections themselves are made by :mod:`netproxy_lab.client`,
+a subprocess inside a namespace (:meth:`netproxy_lab.topology.Sandbox.connect`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+from typing import Callable, Dict
+
+from netproxy_lab.client import Result
+
+
+class SandboxError(RuntimeError):
+    """Building the sandbox, or running something in it, failed."""
+
+
+@dataclass
+class ConnectResult(Result):
+    """What one client batch saw: the client's own :class:`~netproxy_lab.client.Result`, read back
+    from its JSON, with the sums the tests ask for."""
+
+    @property
+    def answered(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def failed(self) -> int:
+        return sum(self.errors.values())
+
+    def source_addresses(self) -> Dict[str, int]:
+        """Source addresses seen by the pods, summed over pods."""
+        out: Dict[str, int] = {}
+        for per_pod in self.sources.values():
+            for addr, n in per_pod.items():
+                out[addr] = out.get(addr, 0) + n
+        return out
+
+
+class PendingConnect:
+    """A client batch still running; :meth:`result` waits for it."""
+
+    def __init__(self, proc: subprocess.Popen, budget: float,  # type: ignore[type-arg]
+                 on_done: Callable[[subprocess.Popen], None]) -> None:  # type: ignore[type-arg]
+        self.proc = proc
+        self.budget = budget
+        self._on_done = on_done
+
+    def result(self) -> ConnectResult:
+        try:
+            out, err = self.proc.communicate(timeout=self.budget)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            raise SandboxError(f"client took longer than {self.budget:.0f}s") from None
+        finally:
+            if self.proc.returncode is not None:
+                self._on_done(self.proc)
+        if self.proc.returncode != 0:
+            raise SandboxError(f"client failed ({self.proc.returncode}): {err.decode(errors='replace').strip()}")
+        data = json.loads(out)
+        return ConnectResult(counts=data["counts"], sources=data["sources"], errors=data["errors"],
+                             sequence=data["sequence"], elapsed=data["elapsed"])
+
+
+class Session:
+    """One long-lived connection (``Sandbox.open_session``): :meth:`exchange` sends a line, returns the answer."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
+        self.proc = proc
+        self.opened = self._read()
+        if "ready" not in self.opened:
+            raise SandboxError(f"session did not open: {self.opened}")
+
+    def _read(self) -> Dict[str, object]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        got: Dict[str, object] = json.loads(line) if line else {"error": "client exited"}
+        return got
+
+    def exchange(self, text: str) -> str:
+        """Send ``text`` and return the pod's answer line; SandboxError naming the failure."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(text + "\n")
+            self.proc.stdin.flush()
+        except OSError as err:
+            raise SandboxError(f"session closed: {err}") from None
+        got = self._read()
+        if "answer" not in got:
+            raise SandboxError(f"session failed: {got.get('error')}")
+        return str(got["answer"])
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

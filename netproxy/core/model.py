@@ -1,0 +1,335 @@
+"""The model: immutable service ports and endpoints, and the checks their fields pass.
+
+The constructors do not validate (plain dataclasses: there are 100k of them at 10k services).
+Validation happens in one place, netproxy/source/convert.py, the one conversion of Kubernetes
+objects into these (every source goes through it): it runs each field through the ``check_*``
+functions here — names are DNS-1123, addresses are parsed by :mod:`ipaddress`, ports are
+range-checked — and raises :class:`ValidationError` naming the object and field (the flags'
+CIDRs go through the same ``check_cidr``, via config.parse_cidrs).  Sources hand
+backends only objects built that way, never raw strings; code that builds them directly (tests,
+benchmarks) is trusted to pass valid values.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import re
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import FrozenSet, Iterable, List, Mapping, NamedTuple, Optional, Tuple, Union
+
+_SLOTS = {"slots": True} if sys.version_info >= (3, 10) else {}
+"""No per-instance ``__dict__`` for the objects there are 100k of (Python >= 3.10: 40 MB at 10k
+services x 10 endpoints); Python 3.9 (Debian 11) gets plain dataclasses."""
+
+IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
+IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
+
+PROTOCOLS = ("TCP", "UDP", "SCTP")
+TRAFFIC_POLICIES = ("Cluster", "Local")
+AFFINITIES = ("None", "ClientIP")
+DEFAULT_AFFINITY_TIMEOUT = 10800
+MAX_AFFINITY_TIMEOUT = 86400
+
+# Kubernetes' own limits: namespaces and service names are DNS-1123 labels (63),
+# EndpointSlice names are DNS-1123 subdomains (253), port names are IANA_SVC_NAME-like labels (15
+# for container ports; service port names are DNS-1123 labels).
+# \Z, not $: "$" also matches before a trailing newline, which would let "web\n" through.
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
+_MAX_IP_TEXT = len("ffff:ffff:ffff:ffff:ffff:ffff:255.255.255.255")
+_ZONE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?\Z")
+
+
+class ValidationError(ValueError):
+    """An object from a source is invalid; names the object and the field."""
+
+    def __init__(self, kind: str, ref: str, field_path: str, message: str) -> None:
+        self.kind = kind
+        self.ref = ref
+        self.field_path = field_path
+        self.message = message
+        super().__init__(f"{kind} {ref}: field {field_path}: {message}")
+
+
+class FieldError(ValueError):
+    """A field-level error raised by a check; the source adds the object it belongs to."""
+
+    def __init__(self, field_path: str, message: str) -> None:
+        self.field_path = field_path
+        self.message = message
+        super().__init__(f"{field_path}: {message}")
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """``value`` for an error message, bounded: hostile input can be a 50 MB string or a YAML alias
+    bomb whose repr never ends, and messages are printed and logged.  Strings are repr'd, so a newline
+    or control character in a name cannot forge a log line."""
+    if isinstance(value, str):
+        text = repr(value[:limit])
+        return text if len(value) <= limit else f"{text[:-1]}...{text[-1]} ({len(value)} characters)"
+    if value is None or isinstance(value, (bool, int, float)):
+        try:
+            text = repr(value)
+        except ValueError:  # an int past Python's digit limit for str()
+            return "a very large integer"
+        return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} digits)"
+    if isinstance(value, Mapping):
+        return f"a mapping of {len(value)} keys"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)} items"
+    return f"a {type(value).__name__}"
+
+
+def check_label(value: object, field_path: str, max_len: int = 63) -> str:
+    if not isinstance(value, str) or not value:
+        raise FieldError(field_path, "must be a non-empty string")
+    if len(value) > max_len or not _DNS1123_LABEL.match(value):
+        raise FieldError(field_path, f"{shown(value)} is not a DNS-1123 label (a-z, 0-9, '-', at most {max_len})")
+    return value
+
+
+def check_subdomain(value: object, field_path: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise FieldError(field_path, "must be a non-empty string")
+    if len(value) > 253 or not _DNS1123_SUBDOMAIN.match(value):
+        raise FieldError(field_path, f"{shown(value)} is not a DNS-1123 subdomain")
+    return value
+
+
+def check_port(value: object, field_path: str, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FieldError(field_path, f"{shown(value)} is not an integer port")
+    low = 0 if allow_zero else 1
+    if not low <= value <= 65535:
+        raise FieldError(field_path, f"{shown(value)} is outside {low}..65535")
+    return value
+
+
+def check_protocol(value: object, field_path: str) -> str:
+    proto = "TCP" if value is None else value
+    if proto not in PROTOCOLS:
+        raise FieldError(field_path, f"{shown(value)} is not one of {', '.join(PROTOCOLS)}")
+    return str(proto)
+
+
+def valid_ip(value: object, cache: bool = True) -> Optional[IPAddress]:
+    """The address ``value`` spells if :func:`check_ip` accepts it, else None: the hot path's check,
+    which builds no field path (at 100k endpoints formatting one per address costs more than this).
+    ``cache=False`` parses without the address cache (see :func:`_parse_ip`)."""
+    if type(value) is not str or len(value) > _MAX_IP_TEXT:
+        return None  # length first: the parse cache must not keep a hostile 50 MB string as a key
+    ip = _parse_ip(value) if cache else _parse_ip.__wrapped__(value)
+    if ip is None or (ip.version == 6 and ip.scope_id is not None):
+        return None
+    return ip
+
+
+def check_ip(value: object, field_path: str) -> IPAddress:
+    ip = valid_ip(value)
+    if ip is not None:
+        return ip
+    scoped = valid_ip(value.partition("%")[0]) if isinstance(value, str) and "%" in value else None
+    if scoped is not None and scoped.version == 6 and len(value) <= _MAX_IP_TEXT:  # type: ignore[arg-type]
+        # Python >= 3.9 accepts "fe80::1%<anything>" and keeps the text in str(ip); Kubernetes has no zones.
+        raise FieldError(field_path, f"{shown(value)} is not an IP address (no %zone allowed)")
+    raise FieldError(field_path, f"{shown(value)} is not an IP address")
+
+
+def forget_parsed_addresses() -> None:
+    """Drop the address cache (20 MB at 100k endpoints): for one-shot commands, once loaded."""
+    _parse_ip.cache_clear()
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _parse_ip(value: str) -> Optional[IPAddress]:
+    # Cached: a watched file or a relist parses the same 100k endpoint addresses again, and
+    # ipaddress' parser costs microseconds per address.  Addresses are immutable, so sharing is safe.
+    try:
+        # Fast path for canonical dotted quads (C-level, ~5x cheaper than ipaddress' parser); any
+        # other spelling goes to ipaddress, which stays the authority on what is valid.
+        packed = socket.inet_pton(socket.AF_INET, value)
+        if socket.inet_ntop(socket.AF_INET, packed) == value:
+            return ipaddress.IPv4Address(packed)
+    except (OSError, ValueError):  # ValueError: an embedded NUL ("10.0.0.1\0..."), found by the fault suite
+        pass
+    try:
+        return ipaddress.ip_address(value)
+    except ValueError:
+        return None
+
+
+def check_cidr(value: object, field_path: str) -> IPNetwork:
+    if not isinstance(value, str):
+        raise FieldError(field_path, f"{shown(value)} is not a CIDR")
+    try:
+        net = ipaddress.ip_network(value.strip(), strict=False)
+    except ValueError:
+        raise FieldError(field_path, f"{shown(value)} is not a CIDR") from None
+    if getattr(net.network_address, "scope_id", None) is not None:
+        raise FieldError(field_path, f"{shown(value)} is not a CIDR (no %zone allowed)")
+    return net
+
+
+def check_choice(value: object, field_path: str, choices: Tuple[str, ...], default: str) -> str:
+    chosen = default if value is None or value == "" else value
+    if chosen not in choices:
+        raise FieldError(field_path, f"{shown(value)} is not one of {', '.join(choices)}")
+    return str(chosen)
+
+
+def check_zone(value: object, field_path: str) -> Optional[str]:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > 63 or not _ZONE.match(value):
+        raise FieldError(field_path, f"{shown(value)} is not a valid zone label value")
+    return value
+
+
+@dataclass(frozen=True, order=True, **_SLOTS)
+class ServicePortName:
+    """namespace/name:port — the identity of one service port, as the seed's proxier keys it."""
+
+    namespace: str
+    name: str
+    port: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}:{self.port}" if self.port else f"{self.namespace}/{self.name}"
+
+    @property
+    def service(self) -> Tuple[str, str]:
+        return (self.namespace, self.name)
+
+
+@dataclass(frozen=True)
+class ServicePort:
+    """One port of one service, with everything a backend needs to route it."""
+
+    name: ServicePortName
+    protocol: str
+    port: int
+    target_port: Union[int, str]
+    cluster_ips: Tuple[IPAddress, ...] = ()
+    node_port: int = 0
+    external_ips: Tuple[IPAddress, ...] = ()
+    load_balancer_ips: Tuple[IPAddress, ...] = ()
+    source_ranges: Tuple[IPNetwork, ...] = ()
+    affinity: str = "None"
+    affinity_timeout: int = DEFAULT_AFFINITY_TIMEOUT
+    external_traffic_policy: str = "Cluster"
+    internal_traffic_policy: str = "Cluster"
+    health_check_node_port: int = 0
+    service_type: str = "ClusterIP"
+    traffic_distribution: str = ""
+    """``spec.trafficDistribution``: "PreferClose"/"PreferSameZone" prefer endpoints in the node's
+    zone, "PreferSameNode" endpoints on this node (then the zone); see netproxy/core/endpoints.py."""
+    proxy_load_balancer_ips: Tuple[IPAddress, ...] = ()
+    """``status.loadBalancer.ingress[].ip`` with ``ipMode: Proxy``: the load balancer proxies to the
+    node, so, as kube-proxy >= 1.30, the node has no rule for them and traffic to them leaves for the
+    load balancer.  Kept for ``netproxy trace``/``status``; no backend renders them."""
+
+    @property
+    def client_ip_affinity(self) -> bool:
+        return self.affinity == "ClientIP"
+
+    def addresses(self) -> Tuple[IPAddress, ...]:
+        """Every address that dispatches to this port's service chain."""
+        return self.cluster_ips + self.external_ips + self.load_balancer_ips
+
+
+class Endpoint(NamedTuple):
+    """One backend of a service port: an address and a (resolved) port.
+
+    A named tuple rather than a frozen dataclass: a cluster has 100k of them, and a frozen slotted
+    dataclass's ``__init__`` (one ``object.__setattr__`` per field) cost five times a tuple's
+    construction — a fifth of converting an EndpointSlice list.  Immutable, hashable and ordered by
+    its fields all the same."""
+
+    ip: IPAddress
+    port: int
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    node_name: Optional[str] = None
+    zone: Optional[str] = None
+    zone_hints: Tuple[str, ...] = ()
+    """EndpointSlice ``hints.forZones``: the zones whose nodes should route to this endpoint."""
+    node_hints: Tuple[str, ...] = ()
+    """EndpointSlice ``hints.forNodes`` (KEP-3015, PreferSameNode): the nodes that should route to it."""
+
+    def __str__(self) -> str:
+        if self.ip.version == 6:
+            return f"[{self.ip}]:{self.port}"
+        return f"{self.ip}:{self.port}"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What the proxy knows of the node it runs on (topology and traffic policies need it)."""
+
+    name: str = ""
+    zone: Optional[str] = None
+    addresses: Tuple[IPAddress, ...] = ()
+    """The node's local addresses that accept NodePorts (only used with --nodeport-addresses)."""
+    pod_cidrs: Tuple[IPNetwork, ...] = ()
+    """``spec.podCIDRs``: this node's pod ranges (``--detect-local-mode NodeCIDR``)."""
+    ips: Tuple[IPAddress, ...] = ()
+    """The node's primary IPs from ``status.addresses`` (first InternalIP, else ExternalIP, per family;
+    the first one's family first), as kube-proxy takes them for ``--nodeport-addresses primary``."""
+    eligible: bool = True
+    """False while the node is being deleted (deletionTimestamp, or the cluster autoscaler's
+    ToBeDeletedByClusterAutoscaler taint): /healthz then answers 503 so that load balancers drain it."""
+
+
+@dataclass(frozen=True, eq=False)
+class Snapshot:
+    """What a backend syncs to: every service port and its endpoints.
+
+    Keyed by :class:`ServicePortName` so that a backend can look up one service in O(1): a tuple
+    scanned per service made a 10k-service render quadratic.
+    """
+
+    services: Mapping[ServicePortName, ServicePort] = field(default_factory=dict)
+    endpoints: Mapping[ServicePortName, Tuple[Endpoint, ...]] = field(default_factory=dict)
+    node: NodeInfo = NodeInfo()
+    service_cidrs: Tuple[IPNetwork, ...] = ()
+    """The cluster's service CIDRs (--service-cluster-ip-range and ServiceCIDR objects): traffic to
+    an address inside them that no service owns is dropped, as kube-proxy's nftables mode does."""
+
+    def endpoints_of(self, name: ServicePortName) -> Tuple[Endpoint, ...]:
+        return self.endpoints.get(name, ())
+
+    def sorted_names(self) -> List[ServicePortName]:
+        """Service port names in a stable order, so rendered output does not depend on dict order."""
+        return sorted(self.services)
+
+    @classmethod
+    def build(cls, services: Iterable[ServicePort],
+              endpoints: Optional[Mapping[ServicePortName, Iterable[Endpoint]]] = None,
+              node: NodeInfo = NodeInfo(), service_cidrs: Tuple[IPNetwork, ...] = ()) -> Snapshot:
+        """Convenience constructor for tests and benchmarks."""
+        eps = {k: tuple(v) for k, v in (endpoints or {}).items()}
+        return cls({s.name: s for s in services}, eps, node, service_cidrs)
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What changed since the last sync, as a hint: a backend may always do more (a full sync).
+
+    ``full`` (at start, every sync period, after a failure or a repair, when the node or the service
+    CIDRs changed) tells the backend not to rely on ``services`` alone: everything it owns must end
+    up matching the snapshot.  It need not rewrite it all: when its own check of the kernel (the
+    iptables tables' fingerprint, the nftables ruleset generation) shows that nobody else touched its
+    rules since its last write, it writes only what differs, or nothing.  ``services`` names the
+    service ports whose service or endpoints changed, including ones that were deleted.
+    """
+
+    full: bool = True
+    services: FrozenSet[ServicePortName] = frozenset()
+
+    @classmethod
+    def everything(cls) -> Changes:
+        return cls(True, frozenset())
