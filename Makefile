@@ -9,6 +9,8 @@ BACKEND ?= auto
 
 setup: $(STAMP)
 	@scripts/setup-system.sh
+	@# promtool for deploy/monitoring/'s rule tests: from Debian's prometheus package, without installing it.
+	@scripts/install-promtool $(VENV)/bin
 
 $(STAMP): pyproject.toml lab/pyproject.toml
 	@scripts/setup-system.sh
