@@ -26,8 +26,11 @@ demo: setup
 	$(PY) -m netproxy_lab.demo --backend $(BACKEND)
 
 lint: setup
-	$(VENV)/bin/ruff check netproxy backends lab tests bench vagrant scripts/run-tests
+	$(VENV)/bin/ruff check netproxy backends lab tests bench vagrant scripts/run-tests scripts/lint-structure
 	$(VENV)/bin/mypy netproxy backends lab/netproxy_lab vagrant scripts/run-tests
+	$(VENV)/bin/mypy scripts/lint-structure  # apart: mypy names every extension-less script __main__
+	@# The import layers (pyproject's [tool.importlinter]) and dead code (vulture): scripts/lint-structure.
+	$(PY) scripts/lint-structure
 
 test-unit: setup
 	$(VENV)/bin/pytest -q -n 2 tests/unit

@@ -8,7 +8,7 @@ A backend renders a :class:`~netproxy.core.model.Snapshot` into its desired stat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import FrozenSet, Optional, Tuple
+from typing import FrozenSet, List, Optional, Tuple
 
 try:  # Python 3.8+: typing.Protocol; kept behind a name so that mypy sees one definition.
     from typing import Protocol
@@ -105,6 +105,17 @@ class Outcome:
     share: float = 1.0
 
 
+@dataclass(frozen=True)
+class Held:
+    """One proxy's rules that a dataplane (one iptables flavour, or nf_tables) holds on this node."""
+
+    owner: str
+    """``netproxy`` or ``kube-proxy``."""
+    families: Tuple[int, ...] = ()
+    marks: FrozenSet[str] = frozenset()
+    """The masquerade marks its rules set (``0x4000``); empty when none could be read."""
+
+
 class Backend(Protocol):
     """A dataplane: iptables (two writers), nftables, or the in-memory fake."""
 
@@ -127,6 +138,10 @@ class Backend(Protocol):
 
     def cleanup(self) -> None:
         """Remove everything this backend (or the seed's proxier) created, and nothing else."""
+
+    def missing_in_kernel(self) -> List[str]:
+        """What of this backend's last full sync the kernel does not hold now, one line each (empty:
+        all of it); ``netproxy migrate`` asks before it removes the old ruleset."""
 
     def tampered(self) -> Optional[str]:
         """Between syncs, cheaply: whether someone else changed or removed the rules this backend

@@ -60,6 +60,9 @@ class FakeBackend:
         self.state = {}
         self.cleaned = True
 
+    def missing_in_kernel(self) -> List[str]:
+        return []  # its "kernel" is the state the last sync assigned, all or nothing
+
     def tampered(self) -> Optional[str]:
         self.looks += 1
         reason, self.tamper = self.tamper, None

@@ -58,7 +58,7 @@ class QueuedChanges:
         """The tracker's (service, endpoint, rejected) counts already added to the metrics."""
 
     def __call__(self) -> None:
-        from netproxy.observe import metrics
+        from netproxy import metrics
 
         tracker = self.tracker
         services, endpoints = tracker.pending_changes()
@@ -97,7 +97,8 @@ class Proxy:
     """kube-proxy's /statusz, /flagz, /configz and /proxyMode beside /metrics (netproxy/observe/zpages.py)."""
 
     def start(self) -> None:
-        from netproxy.observe import metrics, zpages
+        from netproxy import metrics
+        from netproxy.observe import zpages
 
         config, backend = self.config, self.backend
         self.health.serve(config.healthz_bind_address)

@@ -360,6 +360,20 @@ class IptablesBackend:
         checks them against a fresh read of the kernel before it removes the old ruleset)."""
         return {f: {t: frozenset(chains) for t, chains in tables.items()} for f, tables in self._written.items()}
 
+    def missing_in_kernel(self) -> List[str]:
+        """The chains and built-in jumps of the last full sync that a fresh read of the kernel lacks."""
+        missing: List[str] = []
+        for family, tables in sorted(self.written_chains().items()):
+            kernel = self.kernel.read(family)
+            for table, chains in sorted(tables.items()):
+                have = kernel[table].chains if table in kernel else frozenset()
+                missing.extend(f"IPv{family} {table} chain {c}" for c in sorted(chains - have))
+                if chains:
+                    jumps = kernel[table].jumps if table in kernel else frozenset()
+                    missing.extend(f"IPv{family} {table} jump {hook} -> {target}"
+                                   for hook, target, _ in JUMPS.get(table, ()) if (hook, target) not in jumps)
+        return missing
+
     def cleanup(self) -> None:
         if self.config.iptables_writer == "libiptc" and self.config.iptables_flavour == "nft":
             raise BackendUnavailable("libiptc cannot reach nf_tables; use the restore writer on this node")

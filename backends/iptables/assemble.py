@@ -6,7 +6,6 @@ trees) or on the node (NodePort addresses), not on one service port.
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, TypeVar
 
 from netproxy.backends.iptables import ipset, names
@@ -33,18 +32,7 @@ TABLES = ("nat", "filter")
 NODEPORTS_COMMENT = "kubernetes service nodeports; NOTE: this must be the last rule in this chain"
 LOOPBACK = {4: "127.0.0.0/8", 6: "::1/128"}
 _NO_NODE = NodeInfo()
-_IPV4_LOOPBACK = ipaddress.ip_address("127.0.0.1")
 LOCALNET_COMMENT = "block incoming localnet connections"
-
-
-def serves_localhost(config: ProxyConfig) -> bool:
-    """Whether NodePorts answer on 127.0.0.1 (IPv4 only), as kube-proxy's iptables mode decides:
-    ``--iptables-localhost-nodeports`` (default true) and ``--nodeport-addresses`` unset or holding
-    127.0.0.1 (its ``ContainsIPv4Loopback``)."""
-    if not config.localhost_nodeports:
-        return False
-    return not config.nodeport_addresses or any(_IPV4_LOOPBACK in c for c in config.nodeport_addresses
-                                                 if c.version == 4)
 
 
 def nodeport_jumps(family: int, config: ProxyConfig, node: NodeInfo, chain: str) -> List[Rule]:
@@ -57,7 +45,7 @@ def nodeport_jumps(family: int, config: ProxyConfig, node: NodeInfo, chain: str)
     among them only with localhost NodePorts.
     """
     comment: Rule = ("-m", "comment", "--comment", NODEPORTS_COMMENT)
-    localhost = family == 4 and serves_localhost(config)
+    localhost = family == 4 and config.route_localnet_nodeports
     if not config.nodeport_addresses:
         not_loopback: Rule = () if localhost else ("!", "-d", LOOPBACK[family])
         return [not_loopback + comment + ("-m", "addrtype", "--dst-type", "LOCAL", "-j", chain)]
@@ -73,7 +61,7 @@ def localnet_guard(family: int, config: ProxyConfig) -> Tuple[Rule, ...]:
     netproxy carries the same rule so that a node without that kubelet rule is not opened.  First
     in filter ``KUBE-SERVICES`` (new connections from INPUT, FORWARD and OUTPUT); a NodePort on
     127.0.0.1 is DNAT-ed before it gets there, so only un-DNAT-ed packets are dropped."""
-    if family != 4 or not serves_localhost(config):
+    if family != 4 or not config.route_localnet_nodeports:
         return ()
     return (("!", "-s", LOOPBACK[4], "-d", LOOPBACK[4], "-m", "comment", "--comment", LOCALNET_COMMENT,
              "-m", "conntrack", "!", "--ctstate", "RELATED,ESTABLISHED,DNAT", "-j", "DROP"),)

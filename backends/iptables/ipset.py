@@ -42,11 +42,11 @@ DEFAULT_TIMEOUT = 10800
 
 NFNL_SUBSYS_IPSET = 6
 PROTOCOL = 6  # IPSET_PROTOCOL_MIN: what every kernel since 3.x takes
-CMD_CREATE, CMD_DESTROY, CMD_FLUSH, CMD_LIST, CMD_ADD, CMD_DEL = 2, 3, 4, 7, 9, 10
+CMD_CREATE, CMD_DESTROY, CMD_LIST, CMD_ADD, CMD_DEL = 2, 3, 7, 9, 10
 ATTR_PROTOCOL, ATTR_SETNAME, ATTR_TYPENAME, ATTR_REVISION, ATTR_FAMILY, ATTR_FLAGS = 1, 2, 3, 4, 5, 6
 ATTR_DATA, ATTR_ADT, ATTR_LINENO = 7, 8, 9
 ATTR_IP, ATTR_PORT, ATTR_TIMEOUT, ATTR_PROTO, ATTR_IP2 = 1, 4, 6, 7, 20
-ATTR_HASHSIZE, ATTR_MAXELEM = 18, 19
+ATTR_MAXELEM = 19
 ATTR_IPADDR_IPV4, ATTR_IPADDR_IPV6 = 1, 2
 NLA_F_NET_BYTEORDER = 0x4000
 FLAG_LIST_HEADER = 1 << 2
@@ -100,7 +100,6 @@ def address(ip: int) -> Element:
 class SetInfo:
     name: str
     family: int
-    typename: str
 
 
 class Ipsets(Protocol):
@@ -280,7 +279,7 @@ class KernelIpsets:
             for attrs in self._socket().dump(CMD_LIST, socket.AF_INET, body, subsys=NFNL_SUBSYS_IPSET):
                 name = wire.text(attrs.get(ATTR_SETNAME, b""))
                 fam = attrs.get(ATTR_FAMILY, b"\2")[0]
-                out[name] = SetInfo(name, 6 if fam == NFPROTO[6] else 4, wire.text(attrs.get(ATTR_TYPENAME, b"")))
+                out[name] = SetInfo(name, 6 if fam == NFPROTO[6] else 4)
         except OSError as exc:
             raise IpsetError(f"ipset list: {exc}") from exc
         return out
@@ -343,7 +342,7 @@ class FakeIpsets:
 
     def create(self, name: str, family: int, timeout: bool) -> None:
         self.calls.append(("create", name))
-        self.info.setdefault(name, SetInfo(name, family, set_type(name)))
+        self.info.setdefault(name, SetInfo(name, family))
         self.content.setdefault(name, set())
 
     def destroy(self, name: str) -> None:

@@ -135,6 +135,11 @@ class NftablesBackend:
         one succeeded); ``netproxy migrate`` checks them against the kernel."""
         return self._state.tables if self._state is not None else frozenset()
 
+    def missing_in_kernel(self) -> List[str]:
+        """The families whose table the last full sync wrote and the kernel no longer lists."""
+        have = self.kernel.existing_tables()
+        return [f"table {fam} netproxy" for fam in sorted(self.written_tables() - have)]
+
     def cleanup(self) -> None:
         gone = self.kernel.delete_tables()
         log.info("deleted nftables tables: %s", ", ".join(gone) or "none")

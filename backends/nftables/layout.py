@@ -44,7 +44,6 @@ CLUSTER, EXTERNAL, LOCAL, EXEMPT = "cluster", "external", "local", "exempt"
   chain sends on through ``exempt-ips``/``exempt-nodeports`` (node-local traffic marked first);
 - ``exempt``: that exception: every endpoint, no mark of its own.
 """
-KINDS = (CLUSTER, EXTERNAL, LOCAL, EXEMPT)
 PROTOCOLS = ("tcp", "udp", "sctp")
 
 NAT_PRIORITY_DSTNAT = -100

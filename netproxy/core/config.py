@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 from netproxy.core.features import effective, enabled
 from netproxy.core.model import FieldError, IPNetwork, check_cidr
+
+_IPV4_LOOPBACK = ipaddress.ip_address("127.0.0.1")
 
 BACKENDS = ("auto", "iptables", "nftables", "fake")
 IPTABLES_WRITERS = ("restore", "libiptc")
@@ -85,6 +88,17 @@ class ProxyConfig:
         if self.detect_local_mode == "InterfaceNamePrefix" and self.pod_interface_name_prefix:
             return self.pod_interface_name_prefix, True
         return None
+
+    @property
+    def route_localnet_nodeports(self) -> bool:
+        """Whether the iptables dataplane answers NodePorts on 127.0.0.1 (IPv4 only, by DNAT with the
+        ``route_localnet`` sysctl), as kube-proxy's iptables mode decides: ``--iptables-localhost-nodeports``
+        (default true) and ``--nodeport-addresses`` unset or holding 127.0.0.1 (its ``ContainsIPv4Loopback``).
+        A config fact, not a backend's: the node's set-up reads it too (it sets the sysctl)."""
+        if not self.localhost_nodeports:
+            return False
+        return not self.nodeport_addresses or any(_IPV4_LOOPBACK in c for c in self.nodeport_addresses
+                                                  if c.version == 4)
 
     def gate(self, name: str) -> bool:
         """Whether feature gate ``name`` is on (``--feature-gates`` over kube-proxy's defaults)."""

@@ -18,7 +18,7 @@ import re
 import socket
 import sys
 from dataclasses import dataclass, field
-from typing import FrozenSet, Iterable, List, Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Dict, FrozenSet, Iterable, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 _SLOTS = {"slots": True} if sys.version_info >= (3, 10) else {}
 """No per-instance ``__dict__`` for the objects there are 100k of (Python >= 3.10: 40 MB at 10k
@@ -264,6 +264,49 @@ class Endpoint(NamedTuple):
         if self.ip.version == 6:
             return f"[{self.ip}]:{self.port}"
         return f"{self.ip}:{self.port}"
+
+
+@dataclass(frozen=True)
+class SlicePort:
+    name: str
+    protocol: str
+    port: int
+
+
+@dataclass(frozen=True)
+class EndpointSet:
+    """The endpoints one EndpointSlice (or one legacy Endpoints subset list) holds for a service."""
+
+    namespace: str
+    service: str
+    ports: Tuple[SlicePort, ...]
+    endpoints: Tuple[Endpoint, ...]
+    trigger_time: Optional[float] = field(default=None, compare=False)
+    """The slice's ``endpoints.kubernetes.io/last-change-trigger-time`` (Unix seconds): when the
+    change it carries began, for kube-proxy's network programming latency.  Not compared: a slice
+    whose only difference is this stamp is no change to program."""
+
+    def for_port(self, port_name: str, protocol: str) -> Tuple[Endpoint, ...]:
+        """This set's endpoints with the port that ``port_name``/``protocol`` resolves to here.
+
+        Memoised on the (immutable) set: a sync re-resolves every service whose slices changed, and
+        a slice object that did not change resolves the same way.
+        """
+        cache: Dict[Tuple[str, str], Tuple[Endpoint, ...]] = self.__dict__.setdefault("_for_port", {})
+        key = (port_name, protocol)
+        hit = cache.get(key)
+        if hit is None and len(self.ports) == 1:
+            p = self.ports[0]
+            if p.name == port_name and p.protocol == protocol and all(e.port == p.port for e in self.endpoints):
+                hit = cache[key] = self.endpoints
+        if hit is None:
+            out: List[Endpoint] = []
+            for p in self.ports:
+                if p.name == port_name and p.protocol == protocol:
+                    out.extend(Endpoint(e.ip, p.port, e.ready, e.serving, e.terminating, e.node_name, e.zone,
+                                        e.zone_hints, e.node_hints) for e in self.endpoints)
+            hit = cache[key] = tuple(out)
+        return hit
 
 
 @dataclass(frozen=True)

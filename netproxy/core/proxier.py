@@ -11,12 +11,12 @@ import logging
 import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from netproxy import metrics
 from netproxy.backends.base import Backend, BackendError, SyncResult
 from netproxy.core.config import ProxyConfig
 from netproxy.core.endpoints import no_local_endpoints
 from netproxy.core.model import Changes, Snapshot
 from netproxy.core.tracker import ChangeTracker
-from netproxy.observe import metrics
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
 from netproxy.core.model import (
     Changes,
     Endpoint,
+    EndpointSet,
     IPAddress,
     IPNetwork,
     NodeInfo,
@@ -25,7 +26,6 @@ from netproxy.core.model import (
     Snapshot,
     ValidationError,
 )
-from netproxy.source.convert import EndpointSet
 
 log = logging.getLogger(__name__)
 

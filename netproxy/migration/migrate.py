@@ -33,15 +33,13 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
+from netproxy import backends
 from netproxy.backends.base import Backend, BackendError
-from netproxy.backends.iptables import kubeproxy
-from netproxy.backends.iptables.assemble import JUMPS
-from netproxy.backends.iptables.kernel.restore import RestoreTools
 from netproxy.core.config import ProxyConfig
 from netproxy.core.model import Changes, Snapshot
-from netproxy.migration.holdings import FLAVOURS, KUBE_PROXY_TABLE, Holdings, Ruleset, read_iptables, survey
+from netproxy.migration.holdings import FLAVOURS, Holdings, Ruleset, survey
 
 log = logging.getLogger(__name__)
 
@@ -135,51 +133,6 @@ def check_marks(p: Plan, config: ProxyConfig) -> None:
                                "both rulesets use the same bit while both are installed")
 
 
-def verify(backend: Backend) -> List[str]:
-    """What of the backend's last full sync the kernel does not hold (empty: all of it)."""
-    from netproxy.backends.iptables import IptablesBackend
-    from netproxy.backends.nftables import NftablesBackend
-
-    missing: List[str] = []
-    if isinstance(backend, IptablesBackend):
-        for family, tables in sorted(backend.written_chains().items()):
-            kernel = backend.kernel.read(family)
-            for table, chains in sorted(tables.items()):
-                have = kernel[table].chains if table in kernel else frozenset()
-                missing.extend(f"IPv{family} {table} chain {c}" for c in sorted(chains - have))
-                if chains:
-                    jumps = kernel[table].jumps if table in kernel else frozenset()
-                    missing.extend(f"IPv{family} {table} jump {hook} -> {target}"
-                                   for hook, target, _ in JUMPS.get(table, ()) if (hook, target) not in jumps)
-        return missing
-    if isinstance(backend, NftablesBackend):
-        have = backend.kernel.existing_tables()
-        missing.extend(f"table {fam} netproxy" for fam in sorted(backend.written_tables() - have))
-    return missing
-
-
-def remove_kube_proxy_iptables(flavour: str, keep: Dict[int, Dict[str, FrozenSet[str]]]) -> None:
-    """kube-proxy's chains and the jumps into them, in both families, but the chains in ``keep``
-    (per family and table: netproxy's, after a takeover) and netproxy's own jumps into those."""
-    tools = RestoreTools(flavour)
-    keep_jumps = frozenset((hook, target) for rules in JUMPS.values() for hook, target, _ in rules)
-    for family, tables in sorted(read_iptables(flavour).items()):
-        lines: List[str] = []
-        for table in kubeproxy.TABLES:
-            if table in tables:
-                kept = keep.get(family, {}).get(table, frozenset())
-                lines.extend(kubeproxy.removal_payload(tables[table], kept, keep_jumps if kept else frozenset()))
-        if lines:
-            tools.restore(family, "\n".join(lines) + "\n")
-
-
-def remove_kube_proxy_nftables() -> List[str]:
-    from netproxy.backends.nftables.kernel.netlink import NetlinkRunner
-
-    gone: List[str] = NetlinkRunner().delete_tables(KUBE_PROXY_TABLE)
-    return gone
-
-
 Remover = Callable[[Ruleset], None]
 
 
@@ -188,28 +141,15 @@ def default_remover(config: ProxyConfig, target: Backend) -> Remover:
 
     def remove(old: Ruleset) -> None:
         if old.owner == "kube-proxy":
-            if old.dataplane == "nftables":
-                remove_kube_proxy_nftables()
-                return
-            from netproxy.backends.iptables import IptablesBackend
-
-            takeover = isinstance(target, IptablesBackend) and config.iptables_flavour == old.flavour
-            keep = target.written_chains() if isinstance(target, IptablesBackend) and takeover else {}
-            remove_kube_proxy_iptables(old.flavour, keep)
-            return
-        from netproxy.backends import create
-
-        if old.dataplane == "nftables":
-            create("nftables", config).cleanup()
+            backends.remove_kube_proxy(old.dataplane, old.flavour, target)
+        elif old.dataplane == "nftables":
+            backends.create("nftables", config).cleanup()
         elif target.name == "iptables":
-            # The NETPROXY-* ipsets are the kernel's, not a flavour's: the target's rules use them.
-            from netproxy.backends.iptables import cleanup as iptables_cleanup
-
-            iptables_cleanup.cleanup(RestoreTools(old.flavour))
+            backends.remove_rules_only(old.flavour)  # the target's rules use the NETPROXY-* ipsets
         else:
             old_config = dataclasses.replace(config, backend="iptables", iptables_flavour=old.flavour,
                                              iptables_writer="restore")
-            create("iptables", old_config).cleanup()
+            backends.create("iptables", old_config).cleanup()
 
     return remove
 
@@ -250,7 +190,7 @@ def migrate(backend: Backend, config: ProxyConfig, snapshot: Snapshot, *, from_k
     report.steps.append(Step("program", committed - start,
                              f"{target.label}: {result.services_written} service ports written in full"))
     try:
-        missing = verify(backend)
+        missing = backend.missing_in_kernel()
     except BackendError as exc:
         missing = [f"the kernel could not be read: {exc}"]
     if missing:

@@ -213,8 +213,8 @@ class Reconciler:
 
     def reconcile(self, state: State) -> Pass:
         """One pass: per (family, protocol) with service ports, one dump, then batched deletes."""
+        from netproxy import metrics
         from netproxy.node.ctnetlink import Ctnetlink
-        from netproxy.observe import metrics
 
         done = Pass()
         if not state:

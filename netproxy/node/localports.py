@@ -71,7 +71,6 @@ class LocalhostNodePorts:
         self._servers: Dict[Key, asyncio.AbstractServer] = {}
         self._targets: Dict[Key, Tuple[Target, ...]] = {}
         self._refused: Set[Key] = set()
-        self.relayed = 0
         self.failed = 0
 
     def start(self) -> None:
@@ -83,9 +82,6 @@ class LocalhostNodePorts:
         """Listen on exactly the snapshot's TCP NodePorts; the next connections use its endpoints."""
         wanted = targets(snapshot, self.families)
         asyncio.run_coroutine_threadsafe(self._apply(wanted), self._loop).result(timeout=30)
-
-    def listening(self) -> Tuple[Key, ...]:
-        return tuple(sorted(self._servers))
 
     def close(self) -> None:
         if not self._thread.is_alive():
@@ -127,7 +123,6 @@ class LocalhostNodePorts:
             log.debug("localhost NodePort %d: endpoint %s:%d: %s", key[1], address, port, err)
             writer.transport.abort()
             return
-        self.relayed += 1
         try:
             await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
         finally:

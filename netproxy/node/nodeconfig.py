@@ -134,9 +134,7 @@ def start_node(args: Any, source: Any) -> Optional[NodeInfo]:
 def ensure_localhost_nodeports(backend: str, config: ProxyConfig) -> None:
     """kube-proxy's iptables mode serves NodePorts on 127.0.0.1 by setting route_localnet (the
     kernel otherwise drops a packet from or to 127/8 that is routed, as a DNAT-ed one is)."""
-    from netproxy.backends.iptables.assemble import serves_localhost
-
-    if backend != "iptables" or not serves_localhost(config):
+    if backend != "iptables" or not config.route_localnet_nodeports:
         return
     from netproxy.node import sysctl
 

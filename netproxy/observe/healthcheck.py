@@ -190,7 +190,7 @@ class ProxyHealth:
 
     def _answer(self, path: str) -> Tuple[int, Dict[str, object], Dict[str, str]]:
         """/livez and /healthz (any other path: /healthz, as kube-proxy's mux)."""
-        from netproxy.observe import metrics
+        from netproxy import metrics
 
         code, payload = self.status(path)
         (metrics.LIVEZ if path.split("?")[0] == "/livez" else metrics.HEALTHZ).labels(str(code)).inc()

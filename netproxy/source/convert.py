@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import re
 import sys
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
 
 if TYPE_CHECKING:  # typing.TypeGuard is 3.10+; the Debian 11 guest runs 3.9 (annotations are not evaluated)
@@ -22,12 +21,14 @@ from netproxy.core.model import (
     MAX_AFFINITY_TIMEOUT,
     TRAFFIC_POLICIES,
     Endpoint,
+    EndpointSet,
     FieldError,
     IPAddress,
     IPNetwork,
     NodeInfo,
     ServicePort,
     ServicePortName,
+    SlicePort,
     ValidationError,
     check_choice,
     check_cidr,
@@ -43,49 +44,6 @@ from netproxy.core.model import (
 
 T = TypeVar("T")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
-
-
-@dataclass(frozen=True)
-class SlicePort:
-    name: str
-    protocol: str
-    port: int
-
-
-@dataclass(frozen=True)
-class EndpointSet:
-    """The endpoints one EndpointSlice (or one legacy Endpoints subset list) holds for a service."""
-
-    namespace: str
-    service: str
-    ports: Tuple[SlicePort, ...]
-    endpoints: Tuple[Endpoint, ...]
-    trigger_time: Optional[float] = field(default=None, compare=False)
-    """The slice's ``endpoints.kubernetes.io/last-change-trigger-time`` (Unix seconds): when the
-    change it carries began, for kube-proxy's network programming latency.  Not compared: a slice
-    whose only difference is this stamp is no change to program."""
-
-    def for_port(self, port_name: str, protocol: str) -> Tuple[Endpoint, ...]:
-        """This set's endpoints with the port that ``port_name``/``protocol`` resolves to here.
-
-        Memoised on the (immutable) set: a sync re-resolves every service whose slices changed, and
-        a slice object that did not change resolves the same way.
-        """
-        cache: Dict[Tuple[str, str], Tuple[Endpoint, ...]] = self.__dict__.setdefault("_for_port", {})
-        key = (port_name, protocol)
-        hit = cache.get(key)
-        if hit is None and len(self.ports) == 1:
-            p = self.ports[0]
-            if p.name == port_name and p.protocol == protocol and all(e.port == p.port for e in self.endpoints):
-                hit = cache[key] = self.endpoints
-        if hit is None:
-            out: List[Endpoint] = []
-            for p in self.ports:
-                if p.name == port_name and p.protocol == protocol:
-                    out.extend(Endpoint(e.ip, p.port, e.ready, e.serving, e.terminating, e.node_name, e.zone,
-                                        e.zone_hints, e.node_hints) for e in self.endpoints)
-            hit = cache[key] = tuple(out)
-        return hit
 
 
 def is_mapping(value: Any) -> TypeGuard[Mapping[str, Any]]:

@@ -21,10 +21,9 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, 
 
 import yaml
 
-from netproxy.core.model import IPNetwork, NodeInfo, ServicePort, ValidationError, shown
+from netproxy.core.model import EndpointSet, IPNetwork, NodeInfo, ServicePort, ValidationError, shown
 from netproxy.source import jsonstream, yamldocs
 from netproxy.source.convert import (
-    EndpointSet,
     loose_ref,
     not_for_this_proxy,
     object_ref,

@@ -20,11 +20,10 @@ import logging
 import os
 from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 
-from netproxy.core.model import IPNetwork, NodeInfo, ServicePort, ValidationError
+from netproxy.core.model import EndpointSet, IPNetwork, NodeInfo, ServicePort, ValidationError
 from netproxy.core.tracker import ChangeTracker
 from netproxy.source.convert import (
     PROXY_LABEL_SELECTOR,
-    EndpointSet,
     is_mapping,
     parse_endpoint_slice,
     parse_endpoints,

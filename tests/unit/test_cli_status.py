@@ -11,9 +11,8 @@ from typing import Iterator, Tuple
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
-from netproxy import cli
+from netproxy import cli, metrics
 from netproxy.core.model import NodeInfo
-from netproxy.observe import metrics
 from netproxy.observe.healthcheck import ProxyHealth
 
 

@@ -349,7 +349,7 @@ def test_a_failed_pass_is_retried_at_the_next_sync() -> None:
 
 
 def test_the_metrics_have_kube_proxys_names_types_labels_and_buckets() -> None:
-    from netproxy.observe import metrics
+    from netproxy import metrics
 
     metrics.CONNTRACK_RECONCILE_DURATION.labels("IPv6").observe(0.003)
     metrics.CONNTRACK_RECONCILE_DELETED.labels("IPv6").inc(0)

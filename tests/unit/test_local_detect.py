@@ -13,7 +13,7 @@ import pytest
 
 from netproxy import backends, cli
 from netproxy.backends.fake import FakeBackend
-from netproxy.backends.iptables.assemble import LOCALNET_COMMENT, assemble, serves_localhost
+from netproxy.backends.iptables.assemble import LOCALNET_COMMENT, assemble
 from netproxy.backends.iptables.render import render_service
 from netproxy.backends.nftables import layout
 from netproxy.backends.nftables import stmt as st
@@ -216,7 +216,7 @@ def test_sysctl_ensure_writes_only_when_different(tmp_path: Path) -> None:
     (ProxyConfig(hostname=NODE, nodeport_addresses=(net("::1/128"),)), False),
 ])
 def test_which_configurations_serve_localhost(config: ProxyConfig, serves: bool) -> None:
-    assert serves_localhost(config) is serves
+    assert config.route_localnet_nodeports is serves
 
 
 # ---- rules: one per mode, in shared places ---------------------------------------------------------

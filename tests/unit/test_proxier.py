@@ -9,11 +9,19 @@ import pytest
 
 from netproxy.backends.fake import FakeBackend
 from netproxy.core.config import ProxyConfig
-from netproxy.core.model import Changes, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot
+from netproxy.core.model import (
+    Changes,
+    Endpoint,
+    EndpointSet,
+    NodeInfo,
+    ServicePort,
+    ServicePortName,
+    SlicePort,
+    Snapshot,
+)
 from netproxy.core.proxier import Proxier
 from netproxy.core.runner import BoundedFrequencyRunner
 from netproxy.core.tracker import ChangeTracker
-from netproxy.source.convert import EndpointSet, SlicePort
 from netproxy_lab.manifests import service_port
 
 ip = ipaddress.ip_address

@@ -8,13 +8,13 @@ from typing import Optional
 
 from prometheus_client import REGISTRY
 
+from netproxy import metrics
 from netproxy.backends.base import SyncResult
 from netproxy.backends.fake import FakeBackend
 from netproxy.core.config import ProxyConfig
 from netproxy.core.model import Changes, Snapshot
 from netproxy.core.proxier import Proxier
 from netproxy.core.tracker import ChangeTracker
-from netproxy.observe import metrics
 from netproxy.source.convert import parse_endpoint_slice, trigger_time
 from tests.unit.test_proxier import eps, svc
 

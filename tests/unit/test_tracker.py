@@ -7,9 +7,16 @@ from typing import Dict, FrozenSet, List, Tuple
 
 import pytest
 
-from netproxy.core.model import Endpoint, NodeInfo, ServicePort, ServicePortName, ValidationError
+from netproxy.core.model import (
+    Endpoint,
+    EndpointSet,
+    NodeInfo,
+    ServicePort,
+    ServicePortName,
+    SlicePort,
+    ValidationError,
+)
 from netproxy.core.tracker import ChangeTracker
-from netproxy.source.convert import EndpointSet, SlicePort
 from netproxy_lab.manifests import service_port
 
 ip = ipaddress.ip_address

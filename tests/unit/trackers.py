@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import ipaddress
 
-from netproxy.core.model import Endpoint, ServicePort, ServicePortName
+from netproxy.core.model import Endpoint, EndpointSet, ServicePort, ServicePortName, SlicePort
 from netproxy.core.tracker import ChangeTracker
-from netproxy.source.convert import EndpointSet, SlicePort
 
 
 def feed_web(tracker: ChangeTracker) -> None:

@@ -157,7 +157,6 @@ class RuleBuilder:
         self._ip_off = ip_struct.offset
         self._ip_cls = {f[0]: f[1] for f in entry._fields_}[ip_field]
         self._shapes: Dict[Tuple[str, ...], _Shape] = {}
-        self.slow_builds = 0
 
     def forget_sets(self) -> None:
         """Drop the templates of rules that name an ipset: a blob holds the set's kernel *index*,
@@ -170,7 +169,6 @@ class RuleBuilder:
 
     def build_slow(self, args: Sequence[str]) -> bytes:
         """Build a rule through python-iptables from an argument list (the same words iptables takes)."""
-        self.slow_builds += 1
         rule = self._rule_cls()
         module: Any = None
         jump_chain: Optional[str] = None

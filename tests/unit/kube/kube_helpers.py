@@ -9,9 +9,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from kubernetes import client
 
-from netproxy.core.model import NodeInfo, ServicePort, ValidationError
+from netproxy.core.model import EndpointSet, NodeInfo, ServicePort, ValidationError
 from netproxy.core.tracker import ChangeTracker
-from netproxy.source.convert import EndpointSet
 from netproxy.source.kube_reflector import ReflectorSettings
 from netproxy_lab import manifests
 from netproxy_lab.manifests import api_object
