@@ -23,7 +23,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 import yaml
 
@@ -150,17 +150,63 @@ def _document(text: str) -> Any:
     return doc
 
 
+# -- the fields read as they are ---------------------------------------------------------------------
+# Each row: the field (in the document, or in the per-mode section), the flag's destination, and how
+# its value is read (a reader returns None for "unset": the flag's default applies).
+Reader = Callable[[Mapping[str, Any], str, str], Any]
+
+
+def _cidrs(doc: Mapping[str, Any], key: str, where: str) -> Any:
+    text = _string(doc, key, where)
+    try:
+        return parse_cidrs(text) if text else None
+    except ValueError as err:
+        raise FieldError(where + key, str(err)) from None
+
+
+def _text(doc: Mapping[str, Any], key: str, where: str) -> Optional[str]:
+    return _string(doc, key, where).strip() or None
+
+
+def _address(port: int) -> Reader:
+    def read(doc: Mapping[str, Any], key: str, where: str) -> Optional[str]:
+        text = _string(doc, key, where)
+        return _with_port(text, port) if text else None
+    return read
+
+
+def _bit(doc: Mapping[str, Any], key: str, where: str) -> Optional[int]:
+    bit = doc.get(key)
+    if bit is None:
+        return None
+    if isinstance(bit, bool) or not isinstance(bit, int):
+        raise FieldError(where + key, f"{bit!r} is not an integer")
+    if not 0 <= bit <= 31:
+        raise FieldError(where + key, f"{bit} is out of range (0-31)")
+    return bit
+
+
+def _true_only(doc: Mapping[str, Any], key: str, where: str) -> Optional[bool]:
+    return _flag(doc, key, where) or None  # false is the default: nothing to apply
+
+
+def _period(doc: Mapping[str, Any], key: str, where: str) -> Optional[float]:
+    return _duration(doc, key, where) or None  # 0s is kube-proxy's "unset": the default (30s, 1s) applies
+
+
+def _read_fields(doc: Mapping[str, Any], rows: Tuple[Tuple[str, str, Reader], ...], where: str = "") -> Dict[str, Any]:
+    values = {}
+    for key, dest, reader in rows:
+        value = reader(doc, key, where)
+        if value is not None:
+            values[dest] = value
+    return values
+
+
 def parse(doc: Any) -> FileConfig:
     """A KubeProxyConfiguration (already YAML-decoded) as netproxy's flag values; FieldError when
     a value has the wrong type or asks for something netproxy cannot do."""
-    if not isinstance(doc, dict):
-        raise FieldError("kind", f"expected a {KIND} mapping, not {type(doc).__name__}")
-    if doc.get("apiVersion") != API_VERSION:
-        raise FieldError("apiVersion", f"{doc.get('apiVersion')!r}: expected {API_VERSION}")
-    if doc.get("kind") != KIND:
-        raise FieldError("kind", f"{doc.get('kind')!r}: expected {KIND}")
-    values: Dict[str, Any] = {}
-    not_applied: List[str] = []
+    _check_header(doc)
     unknown: List[str] = [k for k in map(str, doc) if k not in _TOP]
     sections = {name: _section(doc, name) for name in _SECTIONS}
     for name, known in _SECTIONS.items():
@@ -170,85 +216,72 @@ def parse(doc: Any) -> FileConfig:
     if mode not in MODES:
         raise FieldError("mode", f"{mode!r} is not supported: netproxy has the iptables and nftables "
                          "backends (\"\" picks one as --backend auto does)")
-    if mode:
-        values["backend"] = MODES[mode]
-
+    values: Dict[str, Any] = {"backend": MODES[mode]} if mode else {}
     values.update(_detect_local(doc, sections["detectLocal"]))
-    cidrs = _string(doc, "clusterCIDR")
-    if cidrs:
-        try:
-            values["cluster_cidr"] = parse_cidrs(cidrs)
-        except ValueError as err:
-            raise FieldError("clusterCIDR", str(err)) from None
+    values.update(_read_fields(doc, _TOP_FIELDS))
     nodeports = _nodeport_addresses(doc.get("nodePortAddresses"))
     if nodeports is not None:
         values["nodeport_addresses"] = nodeports
-    if _string(doc, "hostnameOverride").strip():
-        values["hostname_override"] = _string(doc, "hostnameOverride").strip()
-    for key, dest, port in (("healthzBindAddress", "healthz_bind_address", HEALTHZ_PORT),
-                            ("metricsBindAddress", "metrics_bind_address", METRICS_PORT)):
-        if _string(doc, key):
-            values[dest] = _with_port(_string(doc, key), port)
-    kubeconfig = _string(sections["clientConnection"], "kubeconfig", "clientConnection.")
-    if kubeconfig:
-        values["kubeconfig"] = kubeconfig
+    values.update(_read_fields(sections["clientConnection"], (("kubeconfig", "kubeconfig", _text),),
+                               "clientConnection."))
+    values.update(_mode_section(mode, sections))
+    values.update(_conntrack(sections["conntrack"]))
+    gates, not_applied = _feature_gates(doc)
+    values.update(gates)
+    return FileConfig(values, tuple(sorted(not_applied + _not_applied(doc, sections))), tuple(sorted(unknown)))
 
-    # The per-mode section kube-proxy reads: nftables' in nftables mode, iptables' otherwise.
+
+def _check_header(doc: Any) -> None:
+    if not isinstance(doc, dict):
+        raise FieldError("kind", f"expected a {KIND} mapping, not {type(doc).__name__}")
+    if doc.get("apiVersion") != API_VERSION:
+        raise FieldError("apiVersion", f"{doc.get('apiVersion')!r}: expected {API_VERSION}")
+    if doc.get("kind") != KIND:
+        raise FieldError("kind", f"{doc.get('kind')!r}: expected {KIND}")
+
+
+def _mode_section(mode: str, sections: Mapping[str, Mapping[str, Any]]) -> Dict[str, Any]:
+    """The per-mode section kube-proxy reads: nftables' in nftables mode, iptables' otherwise."""
     used = "nftables" if mode == "nftables" else "iptables"
-    sec = sections[used]
-    bit = sec.get("masqueradeBit")
-    if bit is not None:
-        if isinstance(bit, bool) or not isinstance(bit, int):
-            raise FieldError(f"{used}.masqueradeBit", f"{bit!r} is not an integer")
-        if not 0 <= bit <= 31:
-            raise FieldError(f"{used}.masqueradeBit", f"{bit} is out of range (0-31)")
-        values["masquerade_bit"] = bit
-    masq = sec.get("masqueradeAll")
-    if masq is not None:
-        if not isinstance(masq, bool):
-            raise FieldError(f"{used}.masqueradeAll", f"{masq!r} is not true or false")
-        if masq:
-            values["masquerade_all"] = True
-    periods: Dict[str, float] = {}
-    for key, dest in (("syncPeriod", "sync_period"), ("minSyncPeriod", "min_sync_period")):
-        seconds = _duration(sec, key, f"{used}.")
-        if seconds:  # 0s is kube-proxy's "unset": its default (ProxyConfig's, 30s and 1s) applies
-            values[dest] = periods[key] = seconds
-    if (periods.get("minSyncPeriod", ProxyConfig.min_sync_period)
-            > periods.get("syncPeriod", ProxyConfig.sync_period)):
+    sec, where = sections[used], f"{used}."
+    values = _read_fields(sec, _MODE_FIELDS, where)
+    if (values.get("min_sync_period", ProxyConfig.min_sync_period)
+            > values.get("sync_period", ProxyConfig.sync_period)):
         raise FieldError(f"{used}.syncPeriod", f"must be greater than or equal to {used}.minSyncPeriod")
     if used == "iptables":
-        if _flag(sec, "snatNodeInternalIP", "iptables.") is True:
+        if _flag(sec, "snatNodeInternalIP", where) is True:
             raise FieldError("iptables.snatNodeInternalIP", "true is not supported: netproxy masquerades to "
                              "the egress interface's address")
-        localhost = _flag(sec, "localhostNodePorts", "iptables.")
-        if localhost is not None:  # null is kube-proxy's default, true
-            values["iptables_localhost_nodeports"] = localhost
+        values.update(_read_fields(sec, _IPTABLES_FIELDS, where))
+    return values
 
-    # What kube-proxy would apply in this mode and netproxy does not.  Sections kube-proxy itself
-    # ignores here (the other mode's, ipvs, winkernel, detectLocal outside its modes, portRange) are not.
-    for sub in ("acceptContentTypes", "contentType", "qps", "burst"):
-        if not _is_zero(sections["clientConnection"].get(sub)):
-            not_applied.append(f"clientConnection.{sub}")
-    values.update(_conntrack(sections["conntrack"]))
+
+def _feature_gates(doc: Mapping[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
+    """The gates netproxy has are applied (a bad value is an error); others are named as not applied
+    rather than refused: a kubeadm ConfigMap carries the cluster's gates, which kube-proxy's binary
+    knows all of (every Kubernetes gate), and refusing them would stop a node kube-proxy runs on.
+    The --feature-gates flag, which a person types for this proxy, refuses an unknown one."""
     gates = doc.get("featureGates") or {}
     if not isinstance(gates, dict):
         raise FieldError("featureGates", f"expected a mapping of gate names to true/false, not {type(gates).__name__}")
-    # The gates netproxy has are applied (a bad value is an error); others are named as not applied
-    # rather than refused: a kubeadm ConfigMap carries the cluster's gates, which kube-proxy's binary
-    # knows all of (every Kubernetes gate), and refusing them would stop a node kube-proxy runs on.
-    # The --feature-gates flag, which a person types for this proxy, refuses an unknown one.
     ours = {g: v for g, v in gates.items() if g in features.GATES}
-    not_applied += [f"featureGates.{g}" for g in gates if g not in features.GATES]
-    if ours:
-        try:
-            values["feature_gates"] = features.checked(ours)
-        except features.GateError as err:
-            raise FieldError("featureGates", str(err)) from None
+    not_applied = [f"featureGates.{g}" for g in gates if g not in features.GATES]
+    if not ours:
+        return {}, not_applied
+    try:
+        return {"feature_gates": features.checked(ours)}, not_applied
+    except features.GateError as err:
+        raise FieldError("featureGates", str(err)) from None
+
+
+def _not_applied(doc: Mapping[str, Any], sections: Mapping[str, Mapping[str, Any]]) -> List[str]:
+    """What kube-proxy would apply in this mode and netproxy does not.  Sections kube-proxy itself
+    ignores here (the other mode's, ipvs, winkernel, detectLocal outside its modes, portRange) are not."""
+    out = [f"clientConnection.{sub}" for sub in ("acceptContentTypes", "contentType", "qps", "burst")
+           if not _is_zero(sections["clientConnection"].get(sub))]
     if _string(doc, "bindAddress") not in ("", "0.0.0.0", "::"):
-        not_applied.append("bindAddress")
-    not_applied += [k for k in _NOT_APPLIED if not _is_zero(doc.get(k))]
-    return FileConfig(values, tuple(sorted(not_applied)), tuple(sorted(unknown)))
+        out.append("bindAddress")
+    return out + [k for k in _NOT_APPLIED if not _is_zero(doc.get(k))]
 
 
 _CONNTRACK_COUNTS = {"maxPerCore": "conntrack_max_per_core", "min": "conntrack_min"}
@@ -396,3 +429,21 @@ def _is_zero(value: Any) -> bool:
         except ValueError:
             return value.strip() in ("0",)
     return False
+
+
+# The tables parse() reads by (after the readers they name).
+_TOP_FIELDS: Tuple[Tuple[str, str, Reader], ...] = (
+    ("clusterCIDR", "cluster_cidr", _cidrs),
+    ("hostnameOverride", "hostname_override", _text),
+    ("healthzBindAddress", "healthz_bind_address", _address(HEALTHZ_PORT)),
+    ("metricsBindAddress", "metrics_bind_address", _address(METRICS_PORT)),
+)
+_MODE_FIELDS: Tuple[Tuple[str, str, Reader], ...] = (
+    ("masqueradeBit", "masquerade_bit", _bit),
+    ("masqueradeAll", "masquerade_all", _true_only),
+    ("syncPeriod", "sync_period", _period),
+    ("minSyncPeriod", "min_sync_period", _period),
+)
+_IPTABLES_FIELDS: Tuple[Tuple[str, str, Reader], ...] = (
+    ("localhostNodePorts", "iptables_localhost_nodeports", _flag),  # null is kube-proxy's default, true
+)
