@@ -288,6 +288,112 @@ def _hairpin_candidates(node: NodeInfo, proto: int, *chains: Sequence[Endpoint])
     return tuple(sorted(found)) if len(found) > 1 else tuple(found)
 
 
+@dataclass(frozen=True)
+class _Eligible:
+    """One service port's endpoints in one family, by who may reach them (netproxy/core/endpoints.py)."""
+
+    everyone: Tuple[Endpoint, ...]
+    """Every eligible endpoint whatever internalTrafficPolicy says: the cluster-policy chain's (external
+    traffic and ETP Local's short-circuits use it too, as kube-proxy's clusterPolicyChain)."""
+    internal: Tuple[Endpoint, ...]
+    """What cluster-IP traffic reaches (internalTrafficPolicy applied)."""
+    local: Tuple[Endpoint, ...]
+    external: Tuple[Endpoint, ...]
+    """What external traffic reaches (externalTrafficPolicy applied)."""
+
+    @property
+    def any(self) -> bool:
+        return bool(self.everyone or self.local)
+
+
+def _eligible(svc: ServicePort, fam_eps: Sequence[Endpoint], node: NodeInfo) -> _Eligible:
+    internal = tuple(cluster_endpoints(svc, fam_eps, node))
+    everyone = internal if svc.internal_traffic_policy != "Local" else \
+        tuple(cluster_endpoints(dataclasses.replace(svc, internal_traffic_policy="Cluster"), fam_eps, node))
+    external = tuple(external_endpoints(svc, fam_eps, node)) if svc.external_traffic_policy == "Local" else everyone
+    return _Eligible(everyone, internal, tuple(local_endpoints(fam_eps, node)), external)
+
+
+@dataclass(frozen=True)
+class _EndpointChains:
+    """The endpoint chains one service port writes: KUBE-SVC- (every eligible endpoint) and KUBE-SVL-
+    (the node's own), each "" when not written."""
+
+    svc: str
+    svl: str
+
+    def endpoints(self, eps: _Eligible) -> Tuple[Endpoint, ...]:
+        """The endpoints these chains DNAT to (affinity bookkeeping)."""
+        return (eps.everyone if self.svc else ()) + (eps.local if self.svl else ())
+
+
+def _endpoint_chains(p: _Port, eps: _Eligible, masq: Rule, has_external: bool) -> _EndpointChains:
+    svc = p.svc
+    itp_local = svc.internal_traffic_policy == "Local"
+    etp_local = svc.external_traffic_policy == "Local"
+    svc_chain = ""
+    if eps.everyone and (not itp_local or (has_external and eps.any)):
+        svc_chain = names.service_chain(svc.name, svc.protocol)
+        p.endpoints_chain(svc_chain, eps.everyone, () if itp_local else masq)
+    svl_chain = ""
+    # Only Local policies use KUBE-SVL- (a name is a sha256 + base32: not for every service).
+    if eps.local and (itp_local or (etp_local and has_external)):
+        svl_chain = names.service_chain(svc.name, svc.protocol, names.SVL_PREFIX)
+        p.endpoints_chain(svl_chain, eps.local, masq if itp_local else ())
+    return _EndpointChains(svc_chain, svl_chain)
+
+
+@dataclass(frozen=True)
+class _NodePortRules:
+    nat: Tuple[DispatchEntry, ...] = ()
+    """nat KUBE-NODEPORTS: the NodePort → its KUBE-EXT- chain."""
+    filter: Tuple[DispatchEntry, ...] = ()
+    """filter KUBE-EXTERNAL-SERVICES: DROP/REJECT when no endpoint serves external traffic."""
+
+
+def _external(p: _Port, eps: _Eligible, chains: _EndpointChains, ext_addrs: Sequence[IPAddress],
+              lb_addrs: Sequence[IPAddress]) -> _NodePortRules:
+    """External IPs, load-balancer IPs (behind KUBE-FW- with source ranges) and the NodePort."""
+    svc = p.svc
+    ext = _external_chain(p, chains.svc or None, chains.svl or None) if eps.any else None
+    fw = _firewall_chain(p, ext) if ext and lb_addrs and svc.source_ranges else None
+    for addr in list(ext_addrs) + list(lb_addrs):
+        target = fw if fw and addr in lb_addrs else ext
+        if target:
+            p.route(addr, target)
+        if fw and addr in lb_addrs:
+            p.refuse(addr, drop=True, rank=RANK_FIREWALL)
+        if not eps.external:
+            p.refuse(addr, drop=eps.any)
+    if not svc.node_port:
+        return _NodePortRules()
+    key = port_key(p.proto, svc.node_port)
+    match = ("-p", p.proto) + p.comment + ("-m", p.proto, "--dport", str(svc.node_port))
+    nat = (DispatchEntry(key, match + ("-j", ext)),) if ext else ()
+    if eps.external:
+        return _NodePortRules(nat)
+    verdict = ("-j", "DROP") if eps.any else reject_target(p.family)
+    return _NodePortRules(nat, (DispatchEntry(key, match + verdict),))
+
+
+AffinitySlots = Tuple[Tuple[int, affinity.EndpointKey], ...]
+AffinityKeys = Tuple[Tuple[int, int, int], ...]
+
+
+def _affinity(p: _Port, served: Sequence[Endpoint], addrs: Sequence[IPAddress],
+              proto_num: int) -> Tuple[AffinitySlots, AffinityKeys]:
+    """ClientIP affinity: (slot, endpoint) of every endpoint in the rules, and the (proto, port,
+    address) keys its clients are remembered under (address 0: the NodePort, any node address)."""
+    svc = p.svc
+    if not svc.client_ip_affinity or not served:
+        return (), ()
+    slots = tuple(sorted((p.slots[k], k) for k in {(int(e.ip), e.port) for e in served}))
+    keys = {(proto_num, svc.port, int(a)) for a in addrs}
+    if svc.node_port:
+        keys.add((proto_num, svc.node_port, 0))
+    return slots, tuple(sorted(keys))
+
+
 def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeInfo, family: int,
                    config: ProxyConfig, comments: bool = True) -> Optional[ServiceRules]:
     """One service port's chains, dispatch rules and filter rules for one family; None if it has no
@@ -303,73 +409,25 @@ def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeIn
     comment: Rule = ("-m", "comment", "--comment", safe_comment(str(svc.name)))
     p = _Port(svc, family, config, proto, comment, ("-m", proto, "--dport", str(svc.port)),
               endpoint_comment=comment if comments else ())
-    # Eligibility comes from netproxy/core/endpoints.py only.  The cluster-policy chain serves every
-    # eligible endpoint whatever internalTrafficPolicy says (external traffic and ETP Local's
-    # short-circuits use it too), as kube-proxy's clusterPolicyChain does.
     fam_eps = [e for e in endpoints if e.ip.version == family]
     if svc.client_ip_affinity:
         p.slots = affinity.slots((int(e.ip), e.port) for e in fam_eps)
-    internal = cluster_endpoints(svc, fam_eps, node)
-    everyone = internal if svc.internal_traffic_policy != "Local" else \
-        cluster_endpoints(dataclasses.replace(svc, internal_traffic_policy="Cluster"), fam_eps, node)
-    local = local_endpoints(fam_eps, node)
-    external = external_endpoints(svc, fam_eps, node) if svc.external_traffic_policy == "Local" else everyone
-    has_endpoints = bool(everyone or local)
-
-    itp_local = svc.internal_traffic_policy == "Local"
-    etp_local = svc.external_traffic_policy == "Local"
-    svc_chain = names.service_chain(svc.name, svc.protocol)
-    # Only Local policies use KUBE-SVL- (a name is a sha256 + base32: not for every service).
-    svl_chain = names.service_chain(svc.name, svc.protocol, names.SVL_PREFIX) if itp_local or etp_local else ""
+    eps = _eligible(svc, fam_eps, node)
     has_external = bool(ext_addrs or lb_addrs or svc.node_port)
-    masq = _cluster_masq(p, cluster_addrs)
-    want_svc = bool(everyone) and (not itp_local or (has_external and has_endpoints))
-    want_svl = bool(local) and (itp_local or (etp_local and has_external))
-    if want_svc:
-        p.endpoints_chain(svc_chain, everyone, () if itp_local else masq)
-    if want_svl:
-        p.endpoints_chain(svl_chain, local, masq if itp_local else ())
+    chains = _endpoint_chains(p, eps, _cluster_masq(p, cluster_addrs), has_external)
 
-    internal_chain = (svl_chain if itp_local else svc_chain) if internal else None
+    internal_chain = (chains.svl if svc.internal_traffic_policy == "Local" else chains.svc) if eps.internal else ""
     for addr in cluster_addrs:
         if internal_chain:
             p.route(addr, internal_chain)
         else:  # ITP Local without a local endpoint drops; no endpoint at all refuses
-            p.refuse(addr, drop=has_endpoints)
+            p.refuse(addr, drop=eps.any)
         # Any other port of a cluster IP is refused: by one rule for all of them, an element of the
         # cluster-IP set each (assemble.py), as kube-proxy's nftables mode does with its set.
-
-    nodeports: Tuple[DispatchEntry, ...] = ()
-    filter_nodeports: Tuple[DispatchEntry, ...] = ()
-    if has_external:
-        ext = _external_chain(p, svc_chain if want_svc else None, svl_chain if want_svl else None) \
-            if has_endpoints else None
-        fw = _firewall_chain(p, ext) if ext and lb_addrs and svc.source_ranges else None
-        for addr in ext_addrs + lb_addrs:
-            target = fw if fw and addr in lb_addrs else ext
-            if target:
-                p.route(addr, target)
-            if fw and addr in lb_addrs:
-                p.refuse(addr, drop=True, rank=RANK_FIREWALL)
-            if not external:
-                p.refuse(addr, drop=has_endpoints)
-        if svc.node_port:
-            np_key = port_key(proto, svc.node_port)
-            np_match = ("-p", proto) + p.comment + ("-m", proto, "--dport", str(svc.node_port))
-            if ext:
-                nodeports = (DispatchEntry(np_key, np_match + ("-j", ext)),)
-            if not external:
-                verdict = ("-j", "DROP") if has_endpoints else reject_target(family)
-                filter_nodeports = (DispatchEntry(np_key, np_match + verdict),)
+    nodeports = _external(p, eps, chains, ext_addrs, lb_addrs) if has_external else _NodePortRules()
     proto_num = ipset.PROTOS[proto]
-    hairpin = _hairpin_candidates(node, proto_num, everyone if want_svc else (), local if want_svl else ())
-    used: Tuple[Tuple[int, affinity.EndpointKey], ...] = ()
-    keys: Tuple[Tuple[int, int, int], ...] = ()
-    if svc.client_ip_affinity and (want_svc or want_svl):
-        in_rules = {(int(e.ip), e.port) for e in (everyone if want_svc else ())} | \
-            {(int(e.ip), e.port) for e in (local if want_svl else ())}
-        used = tuple(sorted((p.slots[k], k) for k in in_rules))
-        keys = tuple(sorted({(proto_num, svc.port, int(a)) for a in cluster_addrs + ext_addrs + lb_addrs}
-                            | ({(proto_num, svc.node_port, 0)} if svc.node_port else set())))
-    return ServiceRules(p.nat, tuple(p.dispatch), nodeports, tuple(p.filter), filter_nodeports, hairpin,
-                        used, keys, tuple(ipset.address(int(a)) for a in cluster_addrs))
+    slots, keys = _affinity(p, chains.endpoints(eps), cluster_addrs + ext_addrs + lb_addrs, proto_num)
+    hairpin = _hairpin_candidates(node, proto_num, eps.everyone if chains.svc else (), eps.local if chains.svl else ())
+    return ServiceRules(nat=p.nat, dispatch=tuple(p.dispatch), nodeports=nodeports.nat, filter=tuple(p.filter),
+                        filter_nodeports=nodeports.filter, hairpin=hairpin, affinity_slots=slots,
+                        affinity_keys=keys, cluster_ips=tuple(ipset.address(int(a)) for a in cluster_addrs))
