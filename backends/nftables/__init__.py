@@ -222,7 +222,7 @@ class NftablesBackend:
         """Clients held by affinity sets and maps that the new table has too, with the time they
         have left (and, in the shared maps, only for endpoints still eligible)."""
         keep = self._affinity_sets_to_keep(fam, state)
-        if fam not in render.AFFINITY_FAMILIES:
+        if fam not in render.affinity_families(self.config):
             return keep
         index = affinity_index(e.objects[fam] for e in state.entries.values() if fam in e.objects)
         if not index:
@@ -343,7 +343,7 @@ class NftablesBackend:
     def _forget_gone_endpoints(self, tx: Transaction, state: State,
                                new_entries: Dict[ServicePortName, Optional[Entry]]) -> None:
         """Delete the remembered clients of endpoints (or service addresses) that went away."""
-        for fam in render.AFFINITY_FAMILIES:
+        for fam in render.affinity_families(self.config):
             if fam not in state.tables:
                 continue
             old = affinity_index(e.objects[fam] for name in new_entries

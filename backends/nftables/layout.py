@@ -127,16 +127,20 @@ def base_chains(family: str, config: ProxyConfig) -> List[Tuple[Chain, Tuple[Rul
             st.rule(names.SERVICES, *nodeports, st.vmap(NODEPORT_FIELDS, names.SERVICE_NODEPORTS)))),
         (Chain(names.REJECT), (st.rule(names.REJECT, st.reject(fam)),)),
     ]
-    if fam in AFFINITY_FAMILIES:
+    if fam in affinity_families(config):
         chains.extend(affinity_record_chains(fam))
     return chains
 
 
-AFFINITY_FAMILIES = ("ip",)
-"""Families whose ClientIP affinity lives in the shared ``affinity-<proto>`` maps.  IPv6 keeps one
-set and chain per service port: nft 1.0.6 aborts (an assertion in netlink_linearize.c) on any
-``update @map { ip6 ... : ip6 daddr . th dport }``, so the map design cannot be written or listed
-with it."""
+def affinity_families(config: ProxyConfig) -> Tuple[str, ...]:
+    """Families whose ClientIP affinity lives in the shared ``affinity-<proto>`` maps: IPv4 always,
+    IPv6 when ``config.ipv6_affinity`` is "maps" (chosen at start from the node's nft).  Elsewhere
+    IPv6 keeps one set per endpoint and a chain per service port: nft 1.0.x aborts (an assertion in
+    netlink_linearize.c) on any ``update @map { ip6 ... : ip6 daddr . ... }``, so an operator's
+    ``nft list`` / ``nft -f`` of the map layout fails there; nft 1.1 lists and loads it again."""
+    return ("ip", "ip6") if config.ipv6_affinity == "maps" else ("ip",)
+
+
 AFFINITY_RECORD_PRIORITY = NAT_PRIORITY_DSTNAT + 10
 
 
@@ -159,7 +163,7 @@ def affinity_record_chains(family: str) -> List[Tuple[Chain, Tuple[Rule, ...]]]:
     return out
 
 
-def base_sets(family: str) -> List[Set]:
+def base_sets(family: str, config: ProxyConfig) -> List[Set]:
     addr = ADDR_TYPE[family]
     dispatch = f"{addr} . inet_proto . inet_service"
     nodeport = "inet_proto . inet_service"
@@ -180,7 +184,7 @@ def base_sets(family: str) -> List[Set]:
             comment="load-balancer IP . protocol . port . allowed source range"),
         Set(names.HAIRPIN, f"{addr} . {addr}", comment="endpoint . endpoint: hairpin"),
     ]
-    if family in AFFINITY_FAMILIES:
+    if family in affinity_families(config):
         sets.append(Set(names.AFFINITY_SERVICES, dispatch, "verdict",
                         comment="ClientIP affinity: service address . protocol . port"))
         sets.append(Set(names.AFFINITY_NODEPORTS, nodeport, "verdict",

@@ -32,7 +32,6 @@ from netproxy.backends.nftables import names
 from netproxy.backends.nftables import stmt as st
 from netproxy.backends.nftables.layout import (  # noqa: F401 - re-exported for transaction.py and tests
     ADDR_TYPE,
-    AFFINITY_FAMILIES,
     CLUSTER,
     EXEMPT,
     EXTERNAL,
@@ -42,6 +41,7 @@ from netproxy.backends.nftables.layout import (  # noqa: F401 - re-exported for 
     Pick,
     Record,
     Shared,
+    affinity_families,
     base_chains,
     base_sets,
     endpoints_map,
@@ -151,7 +151,7 @@ class _Port:
             self.put(refuse, key, "drop")
             return
         sticky = self.svc.client_ip_affinity
-        if sticky and self.family not in AFFINITY_FAMILIES:
+        if sticky and self.family not in affinity_families(self.config):
             verdict = f"goto {self.affinity_chain(kind)}"
         else:
             if kind == LOCAL:
@@ -194,7 +194,7 @@ class _Port:
 def _affinity_rules(svc: ServicePort, cname: str, kind: str, eps: Sequence[Endpoint], family: str,
                     config: ProxyConfig, to_all: Optional[str]) -> Tuple[Rule, ...]:
     """One service port's ClientIP affinity chain for traffic of ``kind``, in families outside
-    :data:`~layout.AFFINITY_FAMILIES` (IPv6: see there why).
+    :func:`~layout.affinity_families` (IPv6 on a node whose nft is older than 1.1: see there why).
 
     kube-proxy's nftables shape: one dynamic set of client addresses per endpoint, first one rule per
     endpoint "this client is in its set: refresh it and DNAT there", then the random choice as

@@ -116,13 +116,21 @@ def dnat_map(family: str, fields: Sequence[Field], map_name: str) -> Stmt:
     return Stmt(f"dnat {family} to {text} map @{map_name}", tuple(exprs))
 
 
+REGISTER_WORDS = 16
+"""The kernel's register file for data: four 16-byte registers, sixteen 32-bit words."""
+
+
 def update(set_name: str, key: Sequence[Field], data: Sequence[Field], timeout: int) -> Stmt:
     """``update @set { <key> timeout <T>s : <data> }``: add the element, or refresh its timeout."""
     ktext, exprs = load(key)
     dtext, dexprs = load(data)
     first = sum(f.words for f in key)
-    # The data goes in the registers after the key, starting at the next 16-byte register.
+    # nft 1.0.x puts the data in the registers after the key from the next 16-byte register on; an
+    # IPv6 record (9 + 5 words) does not fit the 16 words that way (nft 1.0.x aborts on it), and
+    # nft 1.1 packs the data right after the key instead (its --debug=netlink: sreg_data 17).
     start = (first + 3) // 4 * 4
+    if start + sum(f.words for f in data) > REGISTER_WORDS:
+        start = first
     dexprs = [_load(f, start + sum(g.words for g in data[:i])) for i, f in enumerate(data)]
     exprs.extend(dexprs)
     exprs.append(ex.Dynset(set_name, 1, ex.reg(start), timeout * 1000))
@@ -219,7 +227,7 @@ def goto(chain: str) -> Stmt:
     return Stmt(f"goto {chain}", (ex.Verdict(wire.NFT_GOTO, chain),))
 
 
-# --- one set and chain per service port: IPv6 ClientIP affinity (layout.AFFINITY_FAMILIES) ---------
+# --- one set and chain per service port: IPv6 ClientIP affinity (layout.affinity_families) ---------
 
 def _packed(family: str, address: str) -> bytes:
     return socket.inet_pton(socket.AF_INET6 if family == "ip6" else socket.AF_INET, address)

@@ -280,7 +280,7 @@ def full_transaction(state: State, existing: Iterable[str], config: ProxyConfig,
 def _create_family(tx: Transaction, fam: str, objs: Sequence[render.ServiceObjects], fstate: FamilyState,
                    config: ProxyConfig) -> None:
     tx.put("tables", "add", fam, render.table(fam))
-    for s in render.base_sets(fam):
+    for s in render.base_sets(fam, config):
         tx.put("containers", "add", fam, s)
     for chain, rules in render.base_chains(fam, config):
         _add_chain(tx, fam, chain, rules)
@@ -390,7 +390,7 @@ def add_first_used(tx: Transaction, fam: str, used: Iterable[render.Shared], pen
             _add_shared(tx, fam, shared, config)
 
 
-# --- ClientIP affinity as map elements (layout.AFFINITY_FAMILIES) ----------------------------------
+# --- ClientIP affinity as map elements (layout.affinity_families) ----------------------------------
 
 AffinityKey = Tuple[str, str]
 """(protocol, ``address . port`` or, for a nodePort, ``port``) of a remembered client's service: the

@@ -46,6 +46,9 @@ def cmd_detect(args: argparse.Namespace) -> int:
     print(f"reason: {decision.reason}")
     for line in decision.evidence:
         print(f"evidence: {line}")
+    # A node fact of the nftables backend, printed whichever backend won: what `--backend nftables` renders.
+    affinity = detect_mod.ipv6_affinity_layout()
+    print(f"ipv6 affinity: {affinity.layout} ({affinity.reason})")
     _print_holdings(decision.backend)
     return EXIT_OK
 

@@ -36,9 +36,10 @@ def set_conntrack_sysctls(args: argparse.Namespace, backend: Backend) -> None:
 
 
 def proxy_config(args: argparse.Namespace, backend: str, flavour: str,
-                 node: Optional[NodeInfo] = None) -> ProxyConfig:
+                 node: Optional[NodeInfo] = None, ipv6_affinity: str = ProxyConfig.ipv6_affinity) -> ProxyConfig:
     """The flags (with --config's values already on them) as the one ProxyConfig.  A command without
-    a flag leaves ProxyConfig's default; ``node`` gives NodeCIDR's pod CIDRs and ``primary``'s IPs."""
+    a flag leaves ProxyConfig's default; ``node`` gives NodeCIDR's pod CIDRs and ``primary``'s IPs;
+    ``ipv6_affinity`` is the node's nft's answer (:func:`make_backend` asks it)."""
     D = ProxyConfig
     sync_period = getattr(args, "sync_period", D.sync_period)
     min_sync_period = getattr(args, "min_sync_period", D.min_sync_period)
@@ -48,7 +49,7 @@ def proxy_config(args: argparse.Namespace, backend: str, flavour: str,
                           f"({sync_period:g}s)")
     return ProxyConfig(
         backend=backend, iptables_writer=args.iptables_writer, iptables_flavour=flavour,
-        nftables_writer=args.nftables_writer,
+        nftables_writer=args.nftables_writer, ipv6_affinity=ipv6_affinity,
         sync_period=sync_period,
         min_sync_period=min_sync_period,
         masquerade_all=getattr(args, "masquerade_all", D.masquerade_all),
@@ -95,7 +96,13 @@ def make_backend(args: argparse.Namespace, node: Optional[NodeInfo] = None,
         args.nodeport_addresses = (PRIMARY,)  # kube-proxy's nftables mode default (its platformApplyDefaults)
     if node is None and read_node is not None and needs_node(args):
         node = read_node()
-    config = proxy_config(args, backend, flavour, node)
+    affinity = ProxyConfig.ipv6_affinity
+    if backend == "nftables":
+        # A node fact, asked once here: every command then renders the layout the node's nft lists back.
+        found = detect_mod.ipv6_affinity_layout()
+        log.info("nftables IPv6 ClientIP affinity: %s (%s)", found.layout, found.reason)
+        affinity = found.layout
+    config = proxy_config(args, backend, flavour, node, affinity)
     return new_backend(backend, config, lock_waits), config
 
 

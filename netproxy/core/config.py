@@ -34,6 +34,12 @@ class ProxyConfig:
     answer when that is auto."""
     nftables_writer: str = "netlink"
     """nftables backend: its own netlink batches (default) or libnftables (text)."""
+    ipv6_affinity: str = "sets"
+    """nftables backend: where IPv6 ClientIP affinity lives, a node fact chosen once at start from
+    the node's ``nft --version`` (netproxy/node/detect.py): "maps", elements of the shared
+    ``affinity-<proto>`` maps as IPv4's (nft >= 1.1 lists them in a form it loads again); "sets",
+    one dynamic set per endpoint (nft 1.0.x aborts on the map layout, so an operator's ``nft list``
+    and ``nft -f`` would fail on the node).  The default is the layout every nft reads back."""
     sync_period: float = 30.0
     min_sync_period: float = 1.0
     masquerade_all: bool = False

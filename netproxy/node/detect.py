@@ -5,6 +5,9 @@
 - no iptables binary, but libnftables is loadable  → nftables backend
 - an older or unparsable iptables, or nothing      → a clear error
 
+And one node fact for the nftables backend: where IPv6 ClientIP affinity lives
+(:func:`ipv6_affinity_layout`, from ``nft --version``).
+
 Versions are compared with :mod:`packaging.version`, not by hand.  The probes (running a binary,
 finding a library) are injectable so unit tests feed real version strings without the binaries.
 """
@@ -23,6 +26,10 @@ from packaging.version import InvalidVersion, Version
 
 MIN_IPTABLES = Version("1.4.0")
 _VERSION_LINE = re.compile(r"^iptables v(?P<version>\d+(?:\.\d+)*)(?:\s+\((?P<mode>[a-z_]+)\))?\s*$")
+MIN_NFT_IPV6_AFFINITY_MAPS = Version("1.1")
+"""The first nft that lists IPv6 ClientIP affinity map elements in a form it loads again (1.0.x
+aborts on ``update @map { ip6 ... : ip6 daddr . ... }``; tried on 1.0.6 and 1.1.3: docs/parity.md)."""
+_NFT_VERSION_LINE = re.compile(r"^nftables v(?P<version>\d+(?:\.\d+)*)(?:\s.*)?$")
 
 
 class DetectError(Exception):
@@ -66,6 +73,40 @@ def tool_versions(backend: str, flavour: str, probe: Callable[[str], Optional[st
         line = probe(tool)
         seen.append(f"{tool}: {line or 'not found'}")
     return ", ".join(seen)
+
+
+def run_nft_version() -> Optional[str]:
+    """The first line of ``nft --version`` (``nftables v1.0.6 (Lester Gooch #5)``), or None."""
+    return run_iptables_version("nft")
+
+
+@dataclass(frozen=True)
+class AffinityLayout:
+    """Where the nftables backend keeps IPv6 ClientIP affinity on this node (ProxyConfig.ipv6_affinity)."""
+
+    layout: str                  # "maps" or "sets"
+    reason: str                  # one sentence, printed by `netproxy detect` and logged at start
+
+
+def ipv6_affinity_layout(probe: Callable[[], Optional[str]] = run_nft_version) -> AffinityLayout:
+    """The IPv6 affinity layout this node's own nft can list and load back: the shared maps' elements
+    from nft 1.1 on, one set per endpoint before it, and also when nft is missing or unreadable
+    (the layout every nft reads back)."""
+    line = probe()
+    if line is None:
+        return AffinityLayout("sets", "no nft binary: one set per endpoint, the layout every nft lists back")
+    m = _NFT_VERSION_LINE.match(line.strip())
+    try:
+        version = Version(m.group("version")) if m else None
+    except InvalidVersion:
+        version = None
+    if version is None:
+        return AffinityLayout("sets", f"unrecognised nft --version output {line!r}: one set per endpoint")
+    if version >= MIN_NFT_IPV6_AFFINITY_MAPS:
+        return AffinityLayout("maps", f"nft {version} >= {MIN_NFT_IPV6_AFFINITY_MAPS} lists and loads "
+                              "IPv6 affinity map elements: the shared maps, as IPv4")
+    return AffinityLayout("sets", f"nft {version} < {MIN_NFT_IPV6_AFFINITY_MAPS} cannot list the IPv6 "
+                          "affinity maps back: one set per endpoint")
 
 
 def libnftables_present() -> bool:

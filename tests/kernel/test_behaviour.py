@@ -12,16 +12,17 @@ import logging
 import re
 import shutil
 import time
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import pytest
+from packaging.version import Version
 
 from netproxy_lab.checks import TIME_SCALE, assert_only_and_all, wait_for
 from netproxy_lab.combos import has_iptables, selected
 from netproxy_lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
 from netproxy_lab.proxy import Proxy
 from netproxy_lab.pytest_plugin import require
-from netproxy_lab.topology import GATEWAY4, NODE_EXT4, Pod, Sandbox
+from netproxy_lab.topology import CLIENT6, GATEWAY4, NODE_EXT4, Pod, Sandbox
 from tests.kernel import traced
 
 # The behavioural suite is the one traffic suite that runs on the fallback writers (libiptc,
@@ -30,6 +31,7 @@ pytestmark = [pytest.mark.kernel, pytest.mark.quick_combos("all")]
 log = logging.getLogger(__name__)
 
 WEB_IP = "10.96.0.10"
+WEB_IP6 = "fd00:10:96::10"
 DNS_IP = "10.96.0.53"
 OTHER_IP = "10.96.0.20"
 EXTERNAL_IP = "203.0.113.10"
@@ -372,25 +374,52 @@ def test_auto_selection_follows_iptables_version(bare_sandbox: Sandbox, tmp_path
 def test_the_nodes_own_tools_reload_what_netproxy_wrote(proxy: Proxy, sandbox: Sandbox) -> None:
     """The node's own nft (1.0.6 on Debian 12, 1.1 on Debian 13) or iptables-save/-restore (1.8.7 on
     Debian 11) read back and load again what netproxy wrote, remembered ClientIP clients included:
-    after the reload the kernel holds exactly the plan and every client keeps its endpoint.  Here, so
-    that the guests run it on their own tools; tests/kernel/test_parity.py adds IPv6 on the host."""
+    after the reload the kernel holds exactly the plan and every client keeps its endpoint, IPv4 and
+    IPv6.  On nftables the IPv6 clients are in the layout this node's nft lists back — the shared
+    maps' elements from nft 1.1 on, one set per endpoint before — which ``netproxy detect`` names.
+    Here, so that the guests run it on their own tools."""
     from tests.kernel.test_parity import _dump_and_reload
 
-    proxy.sync(web(endpoints_of(sandbox, 3), type="NodePort", sessionAffinity="ClientIP",
-                   sessionAffinityConfig={"clientIP": {"timeoutSeconds": 600}}))
+    pods = endpoints_of(sandbox, 3)
+    http = [port(8080, name="http")]
+    proxy.sync([service("web", WEB_IP, [port(80, 8080, name="http")], type="NodePort", clusterIPs=[WEB_IP, WEB_IP6],
+                        ipFamilies=["IPv4", "IPv6"], ipFamilyPolicy="RequireDualStack", sessionAffinity="ClientIP",
+                        sessionAffinityConfig={"clientIP": {"timeoutSeconds": 600}}),
+                endpoint_slice("web", pods, http), endpoint_slice("web", pods, http, suffix="v6", address_type="IPv6")])
     clients = sandbox.client_addresses(8)
 
-    def landed() -> dict:  # type: ignore[type-arg]
+    def landed() -> Tuple[Dict[str, Set[str]], Set[str]]:
         res = sandbox.connect(WEB_IP, 80, count=len(clients) * 2, sources=clients, concurrency=1)
-        assert res.errors == {}, res.errors
-        chosen: dict = {}  # type: ignore[type-arg]
+        v6 = sandbox.connect(WEB_IP6, 80, count=4, concurrency=1)
+        assert res.errors == {} and v6.errors == {}, (res.errors, v6.errors)
+        chosen: Dict[str, Set[str]] = {}
         for i, answer in enumerate(res.sequence):
             chosen.setdefault(clients[i % len(clients)], set()).add(answer)
-        return chosen
+        return chosen, set(v6.sequence)
 
-    before = landed()
-    assert all(len(p) == 1 for p in before.values()), before
+    before, before6 = landed()
+    assert all(len(p) == 1 for p in before.values()) and len(before6) == 1, (before, before6)
+    if proxy.combo.backend == "nftables":
+        _check_ipv6_affinity_layout(proxy, sandbox)
     _dump_and_reload(proxy, sandbox)
     diff = proxy.command("plan", "--diff", "--source", proxy.source, *proxy.base_flags)
     assert diff.returncode == 0, f"the kernel differs from the plan after the reload:\n{diff.stdout}{diff.stderr}"
-    assert landed() == before, "affinity lost in the reload"
+    after, after6 = landed()
+    assert (after, after6) == (before, before6), f"affinity lost in the reload: {before} {before6} -> {after} {after6}"
+
+
+def _check_ipv6_affinity_layout(proxy: Proxy, sandbox: Sandbox) -> None:
+    """The node's nft decides the IPv6 affinity layout (>= 1.1: maps), ``netproxy detect`` names it,
+    and the table holds the remembered IPv6 client there."""
+    version = sandbox.exec(sandbox.node, ["nft", "--version"], check=True).stdout.split()[1].lstrip("v")
+    expected = "maps" if Version(version) >= Version("1.1") else "sets"
+    detect = proxy.command("detect", combo_flags=False)
+    assert detect.returncode == 0, detect.stderr
+    assert re.search(rf"^ipv6 affinity: {expected} \(nft {re.escape(version)} ", detect.stdout, re.M), detect.stdout
+    listed = sandbox.exec(sandbox.node, ["nft", "list", "table", "ip6", "netproxy"], check=True).stdout
+    if expected == "maps":
+        assert re.search(rf"{CLIENT6} \. {WEB_IP6} \. 80 (timeout|expires)", listed), listed[-3000:]
+        assert "set aff-" not in listed, listed[-3000:]
+    else:
+        assert "set aff-default/web/http-" in listed and "map affinity-tcp" not in listed, listed[-3000:]
+        assert re.search(rf"elements = {{ {CLIENT6} (timeout|expires)", listed), listed[-3000:]

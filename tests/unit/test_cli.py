@@ -26,6 +26,8 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "cluster.yaml"
 FAKE = ["--backend", "fake", "--iptables-flavour", "legacy", "--hostname-override", "node-a"]
 _REAL_DETECT = detect_mod.detect  # captured at import, before any test patches the module
 _REAL_FLAVOUR = detect_mod.iptables_flavour
+_REAL_LAYOUT = detect_mod.ipv6_affinity_layout
+NFT_1_0_6 = "nftables v1.0.6 (Lester Gooch #5)"
 
 
 class Made:
@@ -66,6 +68,7 @@ def no_real_probes(monkeypatch: pytest.MonkeyPatch) -> None:
     """No test here runs the node's iptables binary: the version check sees a fixed answer."""
     monkeypatch.setattr(detect_mod, "detect", _detect_with("iptables v1.8.9 (legacy)", False))
     monkeypatch.setattr(detect_mod, "iptables_flavour", lambda: _REAL_FLAVOUR(lambda: "iptables v1.8.9 (legacy)"))
+    monkeypatch.setattr(detect_mod, "ipv6_affinity_layout", lambda: _REAL_LAYOUT(probe=lambda: NFT_1_0_6))
     # `detect` also surveys the node's rules (iptables-save, nf_tables): not the machine running the tests.
     monkeypatch.setattr(holdings, "survey", lambda: holdings.Holdings())
 
@@ -328,6 +331,25 @@ def test_detect_says_what_the_node_holds_and_what_migrate_would_do(monkeypatch: 
     assert "holds: kube-proxy's iptables-legacy rules (IPv4), masquerade mark 0x4000" in out
     assert "`netproxy migrate --to nftables --from-kube-proxy` would program nftables" in out
     assert "then remove kube-proxy's iptables-legacy rules" in out
+
+
+@pytest.mark.parametrize("nft, layout", [(NFT_1_0_6, "sets"), ("nftables v1.1.3 (Commodore Bullmoose #4)", "maps")],
+                         ids=["nft-1.0.6", "nft-1.1.3"])
+def test_the_node_nft_decides_the_ipv6_affinity_layout_detect_shows_and_plan_renders(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, nft: str,
+        layout: str) -> None:
+    monkeypatch.setattr(detect_mod, "detect", _detect_with("iptables v1.8.9 (nf_tables)", True))
+    monkeypatch.setattr(detect_mod, "ipv6_affinity_layout", lambda: _REAL_LAYOUT(probe=lambda: nft))
+    assert cli.main(["detect"]) == 0
+    assert f"ipv6 affinity: {layout} (nft {nft.split()[1][1:]} " in capsys.readouterr().out
+    source = tmp_path / "sticky6.yaml"
+    source.write_text(yaml.safe_dump_all([
+        service("web", "fd00::10", sessionAffinity="ClientIP", ipFamilies=["IPv6"]),
+        endpoint_slice("web", ["fd01::1", "fd01::2"], address_type="IPv6")]))
+    assert cli.main(["plan", "--source", str(source), "--backend", "nftables", "--hostname-override", "node-a"]) == 0
+    plan = capsys.readouterr().out
+    assert ("add map ip6 netproxy affinity-tcp {" in plan) == (layout == "maps"), plan
+    assert ("add set ip6 netproxy aff-default/web-fd01__1-8080 {" in plan) == (layout == "sets"), plan
 
 
 def test_migrate_failure_exits_1_naming_the_step(made: Made, clean: Path, monkeypatch: pytest.MonkeyPatch,

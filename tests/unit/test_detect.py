@@ -156,3 +156,29 @@ def test_start_up_line_names_the_versions_of_the_tools_the_backend_drives() -> N
     assert line.startswith("kernel ") and "iptables-nft: iptables v1.8.9 (nf_tables)" in line
     assert "ip6tables-nft: not found" in line  # a missing tool is named, not skipped
     assert "nft: nftables v1.0.6" in detect.tool_versions("nftables", "legacy", probe=seen.get)
+
+
+# -- where the nftables backend keeps IPv6 ClientIP affinity: the node's nft decides --------------------
+
+@pytest.mark.parametrize("line, layout", [
+    ("nftables v1.0.6 (Lester Gooch #5)", "sets"),      # Debian 12
+    ("nftables v0.9.8 (E.D.S.)", "sets"),               # Debian 11
+    ("nftables v1.1.0 (Commodore Bullmoose)", "maps"),
+    ("nftables v1.1.3 (Commodore Bullmoose #4)", "maps"),  # Debian 13
+    ("nftables v1.10.1\n", "maps"),
+    (None, "sets"), ("", "sets"), ("garbage", "sets"), ("nftables vX.Y", "sets"),
+], ids=short)
+def test_ipv6_affinity_layout_follows_the_node_nft(line: Optional[str], layout: str) -> None:
+    found = detect.ipv6_affinity_layout(probe=lambda: line)
+    assert found.layout == layout
+    if line and line.startswith("nftables v1"):
+        assert line.split()[1][1:].strip() in found.reason  # the version that decided it is named
+
+
+def test_nft_version_probe_reads_the_node_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_binary(tmp_path, "nft", 'echo "nftables v1.1.3 (Commodore Bullmoose #4)"')
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert detect.run_nft_version() == "nftables v1.1.3 (Commodore Bullmoose #4)"
+    assert detect.ipv6_affinity_layout().layout == "maps"
+    (tmp_path / "nft").unlink()
+    assert detect.run_nft_version() is None and detect.ipv6_affinity_layout().layout == "sets"

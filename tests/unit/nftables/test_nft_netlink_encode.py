@@ -78,6 +78,28 @@ def test_marks_masquerade_and_the_affinity_record() -> None:
         "[ dynset update reg_key 1 set affinity-tcp sreg_data 2 timeout 10800000ms ]"]
 
 
+def test_the_ipv6_affinity_record_is_nft_1_1s_sequence() -> None:
+    """nft 1.1.3's --debug=netlink for the IPv6 record (Debian 13): the data right after the 9-word
+    key (sreg_data 17); nft 1.0.6's rounding up to the next 16-byte register does not fit (it aborts)."""
+    fam = "ip6"
+    record = st.update("affinity-tcp", (st.addr(fam, "saddr"), st.ct_daddr(fam), st.CT_PROTO_DST),
+                       (st.addr(fam, "daddr"), st.CT_REPLY_PROTO_SRC), 600)
+    assert _debug([record]) == [
+        "[ payload load 16b @ network header + 8 => reg 1 ]",
+        "[ ct load dst_ip6 => reg 2 , dir original ]",
+        "[ ct load proto_dst => reg 3 , dir original ]",
+        "[ payload load 16b @ network header + 24 => reg 17 ]",
+        "[ ct load proto_src => reg 21 , dir reply ]",
+        "[ dynset update reg_key 1 set affinity-tcp sreg_data 17 timeout 600000ms ]"]
+    remembered = st.dnat_map(fam, (st.addr(fam, "saddr"), st.addr(fam, "daddr"), st.DPORT), "affinity-tcp")
+    assert _debug([remembered]) == [
+        "[ payload load 16b @ network header + 8 => reg 1 ]",
+        "[ payload load 16b @ network header + 24 => reg 2 ]",
+        "[ payload load 2b @ transport header + 2 => reg 3 ]",
+        "[ lookup reg 1 set affinity-tcp dreg 1 ]",
+        "[ nat dnat ip6 addr_min reg 1 proto_min reg 2 ]"]
+
+
 def test_set_user_data_is_what_nft_writes() -> None:
     """Bytes read back from the kernel after nft 1.0.6 created these sets."""
     verdict_map = Set("sips", "ipv4_addr . inet_proto . inet_service", "verdict")
