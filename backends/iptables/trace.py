@@ -20,6 +20,7 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 from netproxy.backends import base
 from netproxy.backends.iptables import ipset, names
 from netproxy.backends.iptables.render import FamilyRuleset, Rule
+from netproxy.backends.iptables.words import options
 
 TERMINAL = ("DNAT", "DROP", "REJECT", "ACCEPT", "MASQUERADE")
 
@@ -179,18 +180,10 @@ class Tracer:
 
     def _matches(self, rule: Rule, pkt: Packet, dst: str, st: _State, ctstate: str) -> str:
         result = "yes"
-        negate = False
-        i = 0
-        while i < len(rule):
-            arg = rule[i]
-            if arg == "!":
-                negate = True
-                i += 1
-                continue
-            if arg in ("-j", "-g"):
+        for opt in options(rule):
+            if opt.name in ("-j", "-g"):
                 break
-            value = rule[i + 1] if i + 1 < len(rule) else ""
-            step = 2
+            arg, value = opt.name, opt.value
             ok: Optional[bool]
             if arg == "-s":
                 ok = ipaddress.ip_address(pkt.src) in ipaddress.ip_network(value)
@@ -220,22 +213,19 @@ class Tracer:
                 if float(value) < 1.0:
                     result = "maybe"
             elif arg == "--match-set":
-                flags = rule[i + 2]
-                if flags == "src,dst,dst":
-                    ok = self._member(value, self._key(pkt, dst, st), st)
-                elif flags == "dst" and value == ipset.cluster_ip_set(self.ruleset.family):
-                    ok = ipset.address(int(ipaddress.ip_address(dst))) in self.ruleset.cluster_ips
-                else:
-                    ok = _unknown(arg, f"{value} {flags}")
-                step = 3
+                ok = self._in_set(value, opt.values[1], pkt, dst, st)
             else:
-                _unknown(arg, value)
-                ok = None
-            if ok is not None and ok == negate:
+                ok = _unknown(arg, value)
+            if ok is not None and ok == opt.negated:
                 return "no"
-            negate = False
-            i += step
         return result
+
+    def _in_set(self, name: str, flags: str, pkt: Packet, dst: str, st: _State) -> bool:
+        if flags == "src,dst,dst":
+            return self._member(name, self._key(pkt, dst, st), st)
+        if flags == "dst" and name == ipset.cluster_ip_set(self.ruleset.family):
+            return ipset.address(int(ipaddress.ip_address(dst))) in self.ruleset.cluster_ips
+        return _unknown("--match-set", f"{name} {flags}")
 
 
 def _probability(rule: Rule) -> float:
@@ -250,16 +240,10 @@ def _target(rule: Rule) -> Tuple[Optional[str], Dict[str, str]]:
     if "-j" not in rule:
         return None, {}
     at = rule.index("-j")
-    opts: Dict[str, str] = {}
     rest = rule[at + 2:]
     if rule[at + 1] == "SET":  # --add-set NAME FLAGS --exist --timeout T: the set's name is what matters
         return "SET", {"--add-set": rest[rest.index("--add-set") + 1]}
-    i = 0
-    while i < len(rest):
-        has_value = i + 1 < len(rest) and not rest[i + 1].startswith("--")
-        opts[rest[i]] = rest[i + 1] if has_value else ""
-        i += 2 if has_value else 1
-    return rule[at + 1], opts
+    return rule[at + 1], {opt.name: opt.value for opt in options(rest)}
 
 
 def _mark(mark: int, opts: Dict[str, str]) -> int:

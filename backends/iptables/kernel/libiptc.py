@@ -45,6 +45,7 @@ from netproxy.backends.iptables.kernel import Counts, blob_counts
 from netproxy.backends.iptables.kernel.restore import RestoreTools
 from netproxy.backends.iptables.kernel.stamp import Expected, Stamp, chains_and_jumps, fingerprint
 from netproxy.backends.iptables.payload import rule_line
+from netproxy.backends.iptables.words import options
 from netproxy.backends.iptables.xtlock import XtablesLock
 
 log = logging.getLogger(__name__)
@@ -172,52 +173,31 @@ class RuleBuilder:
         rule = self._rule_cls()
         module: Any = None
         jump_chain: Optional[str] = None
-        negate = False
-        i = 0
-        while i < len(args):
-            arg = args[i]
-            if arg == "!":
-                negate = True
-                i += 1
-                continue
-            prefix = "!" if negate else ""
-            negate = False
-            if arg in ("-s", "-d"):
-                setattr(rule, "src" if arg == "-s" else "dst", prefix + args[i + 1])
-                i += 2
-            elif arg == "-p":
-                rule.protocol = prefix + args[i + 1]
-                i += 2
-            elif arg == "-i":  # --detect-local-mode's interface ("br0", or a prefix "veth+")
-                rule.in_interface = prefix + args[i + 1]
-                i += 2
-            elif arg == "-m":
-                module = rule.create_match(args[i + 1])
-                i += 2
-            elif arg == "-j" and args[i + 1].startswith("KUBE-"):
+        for opt in options(args):
+            prefix = "!" if opt.negated else ""
+            if opt.name in ("-s", "-d"):
+                setattr(rule, "src" if opt.name == "-s" else "dst", prefix + opt.value)
+            elif opt.name == "-p":
+                rule.protocol = prefix + opt.value
+            elif opt.name == "-i":  # --detect-local-mode's interface ("br0", or a prefix "veth+")
+                rule.in_interface = prefix + opt.value
+            elif opt.name == "-m":
+                module = rule.create_match(opt.value)
+            elif opt.name == "-j" and opt.value.startswith("KUBE-"):
                 # python-iptables decides "is this a chain?" by opening every table through its
                 # process-wide singletons (with autocommit on). A jump is the standard target with
                 # the chain's name in it: build a RETURN and put the name in below.
-                jump_chain = args[i + 1]
+                jump_chain = opt.value
                 module = rule.create_target("RETURN")
-                i += 2
-            elif arg == "-j":
-                module = rule.create_target(args[i + 1])
-                i += 2
-            elif arg.startswith("--") and module is not None:
-                # An option takes the words up to the next option: none (--exist), one, or more
-                # (--match-set NAME src,dst,dst).
-                j = i + 1
-                while j < len(args) and not args[j].startswith("-") and args[j] != "!":
-                    j += 1
-                words = list(args[i + 1:j])
-                if len(words) > 1:
-                    module.set_parameter(arg[2:], ([prefix] if prefix else []) + words)
+            elif opt.name == "-j":
+                module = rule.create_target(opt.value)
+            elif opt.name.startswith("--") and module is not None:
+                if len(opt.values) > 1:  # --match-set NAME src,dst,dst
+                    module.set_parameter(opt.name[2:], ([prefix] if prefix else []) + list(opt.values))
                 else:
-                    module.set_parameter(arg[2:], prefix + (words[0] if words else ""))
-                i = j
+                    module.set_parameter(opt.name[2:], prefix + opt.value)
             else:
-                raise ValueError(f"cannot build rule {' '.join(args)!r}: unexpected {arg!r}")
+                raise ValueError(f"cannot build rule {' '.join(args)!r}: unexpected {opt.name!r}")
         rule.final_check()
         buf = rule.rule
         blob = bytearray(ct.string_at(ct.addressof(buf), rule.entry.next_offset))
