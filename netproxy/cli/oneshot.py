@@ -129,10 +129,12 @@ def _plan_diff(backend: Backend, config: ProxyConfig, snapshot: Snapshot, errors
 def cmd_trace(args: argparse.Namespace) -> int:
     from netproxy.cli.trace import parse_destination, report
 
-    if args.backend == "auto" and not args.kernel:
-        args.backend = "nftables"  # a trace reads no kernel: the layout it follows is nftables'
     loaded = _load(args)
+    # auto: the backend this node's version check picks, as `sync` and `run` would (it reads the
+    # node's iptables version, nothing else); said on stderr, since the answer follows its layout.
     backend, config = make_backend(args, loaded.node)
+    if args.backend == "auto":
+        print(f"netproxy trace: --backend auto: tracing the {backend.name} rules (this node's choice)", file=sys.stderr)
     tracer = getattr(backend, "trace", None)
     if tracer is None:
         print(f"netproxy trace: the {backend.name} backend has no tracer", file=sys.stderr)

@@ -64,3 +64,41 @@ def test_plans_exit_codes_are_the_documented_ones(tmp_path: object) -> None:
     assert plan(os.path.join(REPO, "examples", "cluster.yaml")) == 0
     assert plan(str(Path(str(tmp_path)) / "missing.yaml")) == 1
     assert plan(str(bad)) == 2
+
+
+def _readme_row(command: str) -> str:
+    with open(os.path.join(REPO, "README.md")) as f:
+        return next(line for line in f if line.startswith(f"| `netproxy {command} "))
+
+
+def _exit(tmp_path: Path, *args: str) -> int:
+    return subprocess.run([sys.executable, "-m", "netproxy", *args], capture_output=True, cwd=str(tmp_path)).returncode
+
+
+def _bad_source(tmp_path: Path) -> str:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: v1\nkind: Service\nmetadata: {name: Bad_Name, namespace: default}\n"
+                   "spec: {clusterIP: 10.96.0.9, ports: [{port: 80}]}\n")
+    return str(bad)
+
+
+def test_syncs_exit_codes_are_the_documented_ones(tmp_path: Path) -> None:
+    """README: sync exits 0 applied, 1 unusable source, 2 some objects rejected (the fake backend: no kernel)."""
+    row = _readme_row("sync")
+    assert "0 applied; 1 " in row and "the source/backend is unusable; 2 some objects were rejected" in row
+    example = os.path.join(REPO, "examples", "cluster.yaml")
+    assert _exit(tmp_path, "sync", "--backend", "fake", "--source", example) == 0
+    assert _exit(tmp_path, "sync", "--backend", "fake", "--source", str(tmp_path / "missing.yaml")) == 1
+    assert _exit(tmp_path, "sync", "--backend", "fake", "--source", _bad_source(tmp_path)) == 2
+
+
+def test_traces_exit_codes_are_the_documented_ones(tmp_path: Path) -> None:
+    """README: trace exits 0 traced, 1 nothing to trace (bad source or --to), 2 traced, some objects rejected."""
+    row = _readme_row("trace")
+    assert "| 0 traced; 1 the source or `--to` is unusable; 2 some objects rejected (named), the rest traced |" in row
+    example = os.path.join(REPO, "examples", "cluster.yaml")
+    trace = ("trace", "--backend", "nftables", "--to", "10.96.0.10:53", "--protocol", "udp")
+    assert _exit(tmp_path, *trace, "--source", example) == 0
+    assert _exit(tmp_path, *trace, "--source", str(tmp_path / "missing.yaml")) == 1
+    assert _exit(tmp_path, "trace", "--backend", "nftables", "--to", "10.96.0.10", "--source", example) == 1
+    assert _exit(tmp_path, *trace, "--source", _bad_source(tmp_path)) == 2
