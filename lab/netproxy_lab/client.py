@@ -13,6 +13,9 @@ Output (one JSON object on stdout)::
      "sequence": ["pod-0", "!timeout", ...],    # every attempt in start order
      "elapsed": 0.21}
 
+``--proto sctp`` opens one-to-one SCTP associations (``SOCK_STREAM``, ``IPPROTO_SCTP``) and reads
+them as TCP connections: the pod's line, then its SHUTDOWN as the end.
+
 ``--session`` instead keeps one connection (TCP, or a UDP flow from one source port) open: each
 line read on stdin is sent on it and the answer printed as one JSON line (``{"answer": "pod-1
 10.244.1.2 40000 ping"}`` or ``{"error": "reset"}``), so a test holds a long-lived connection open
@@ -90,9 +93,19 @@ def _family(address: str) -> int:
     return socket.AF_INET6 if ":" in address else socket.AF_INET
 
 
+STREAMS = ("tcp", "sctp")
+"""Connection-oriented protocols: connected, then answered with one line and closed."""
+PROTOCOLS = STREAMS + ("udp",)
+
+
+def _socket(proto: str, address: str) -> socket.socket:
+    if proto == "sctp":
+        return socket.socket(_family(address), socket.SOCK_STREAM, getattr(socket, "IPPROTO_SCTP", 132))
+    return socket.socket(_family(address), socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM)
+
+
 def _open(proto: str, address: str, port: int, bind: Optional[Tuple[str, int]]) -> socket.socket:
-    kind = socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM
-    sock = socket.socket(_family(address), kind)
+    sock = _socket(proto, address)
     if bind is not None:
         # A fixed source port (or address) is reused attempt after attempt (the UDP "same flow" case).
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -147,7 +160,7 @@ class Batch:
             self.result.record(index, error_kind(err))
             return
         attempt = Attempt(index, sock, now + self.timeout)
-        if self.proto == "tcp":
+        if self.proto in STREAMS:
             code = sock.connect_ex((self.address, self.port))
             if code not in (0, errno.EINPROGRESS):
                 self._finish(attempt, error_kind(OSError(code, "")), registered=False)
@@ -182,7 +195,7 @@ class Batch:
             self._finish(attempt, error_kind(err))
             return
         attempt.data += chunk
-        # TCP: the pod closes after its line (EOF); UDP: one datagram is the whole answer.
+        # TCP, SCTP: the pod closes after its line (EOF); UDP: one datagram is the whole answer.
         if self.proto == "udp" or not chunk or attempt.data.endswith(b"\n"):
             if attempt.data:
                 self._finish(attempt, "ok")
@@ -208,8 +221,7 @@ def session(proto: str, address: str, port: int, timeout: float, bind: Optional[
         sys.stdout.write(json.dumps(what) + "\n")
         sys.stdout.flush()
 
-    kind = socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM
-    sock = socket.socket(_family(address), kind)
+    sock = _socket(proto, address)
     sock.settimeout(timeout)
     try:
         if bind is not None:
@@ -224,7 +236,7 @@ def session(proto: str, address: str, port: int, timeout: float, bind: Optional[
     for line in sys.stdin:
         data = line.strip().encode() + b"\n"
         try:
-            if proto == "tcp":
+            if proto in STREAMS:
                 sock.sendall(data)
                 while b"\n" not in pending:
                     chunk = sock.recv(4096)
@@ -247,7 +259,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="connect N times and count answers per pod")
     parser.add_argument("address")
     parser.add_argument("port", type=int)
-    parser.add_argument("--proto", choices=("tcp", "udp"), default="tcp")
+    parser.add_argument("--proto", choices=PROTOCOLS, default="tcp")
     parser.add_argument("--count", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1.0, help="seconds per attempt")
     parser.add_argument("--concurrency", type=int, default=32)

@@ -1,11 +1,12 @@
-"""A tiny TCP + UDP echo-who server that the lab runs inside each pod namespace.
+"""A tiny TCP + UDP (+ SCTP) echo-who server that the lab runs inside each pod namespace.
 
-Every TCP connection and every UDP datagram is answered with one line::
+Every TCP connection, SCTP association and UDP datagram is answered with one line::
 
     <pod name> <source address> <source port>\\n
 
 so a test knows which endpoint a connection reached *and* which source address that endpoint saw
-(masquerade versus source preservation is then asserted, not assumed).  TCP connections are closed
+(masquerade versus source preservation is then asserted, not assumed).  TCP connections and SCTP
+associations (one-to-one style: ``SOCK_STREAM``, ``IPPROTO_SCTP``, served as TCP is) are closed
 right after the answer, except on the ``--hold`` ports: there a connection stays open and every
 line the client sends is answered with that line (a long-lived connection across a dataplane
 switch, ``netproxy migrate``).
@@ -40,9 +41,12 @@ def _plain(address: str) -> str:
     return address[7:] if address.startswith("::ffff:") and "." in address else address
 
 
-def _bind(kind: int, port: int, ipv6: bool) -> socket.socket:
+SCTP = getattr(socket, "IPPROTO_SCTP", 132)
+
+
+def _bind(kind: int, port: int, ipv6: bool, proto: int = 0) -> socket.socket:
     family = socket.AF_INET6 if ipv6 else socket.AF_INET
-    sock = socket.socket(family, kind)
+    sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if ipv6:
         # One socket for both families, so that pods answer IPv4 and IPv6 services alike.
@@ -67,12 +71,17 @@ def answer(name: str, peer: Tuple[str, int]) -> bytes:
     return f"{name} {_plain(peer[0])} {peer[1]}\n".encode()
 
 
-def serve(name: str, tcp_ports: Sequence[int], udp_ports: Sequence[int], hold_ports: Sequence[int] = ()) -> None:
-    """Answer forever on the given ports; returns only when interrupted."""
+def serve(name: str, tcp_ports: Sequence[int], udp_ports: Sequence[int], hold_ports: Sequence[int] = (),
+          sctp_ports: Sequence[int] = ()) -> None:
+    """Answer forever on the given ports; returns only when interrupted.  A kernel without SCTP
+    fails the start on an SCTP port (EPROTONOSUPPORT): the lab asks for them only where it has it."""
     ipv6 = _has_ipv6()
     sel = selectors.DefaultSelector()
     for port in tcp_ports:
         sel.register(_bind(socket.SOCK_STREAM, port, ipv6), selectors.EVENT_READ, "tcp")
+    for port in sctp_ports:
+        # Answered exactly as TCP: accept, one line, close (the association's SHUTDOWN is the EOF).
+        sel.register(_bind(socket.SOCK_STREAM, port, ipv6, SCTP), selectors.EVENT_READ, "tcp")
     for port in hold_ports:
         sel.register(_bind(socket.SOCK_STREAM, port, ipv6), selectors.EVENT_READ, "hold")
     for port in udp_ports:
@@ -169,11 +178,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--tcp", default="", help="comma-separated TCP ports")
     parser.add_argument("--udp", default="", help="comma-separated UDP ports")
     parser.add_argument("--hold", default="", help="comma-separated TCP ports whose connections stay open")
+    parser.add_argument("--sctp", default="", help="comma-separated SCTP ports (one-to-one associations)")
     args = parser.parse_args(argv)
     # SIGTERM from the lab should end the process quietly, without a traceback on stderr.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     with contextlib.suppress(KeyboardInterrupt):
-        serve(args.name, _ports(args.tcp), _ports(args.udp), _ports(args.hold))
+        serve(args.name, _ports(args.tcp), _ports(args.udp), _ports(args.hold), _ports(args.sctp))
     return 0
 
 

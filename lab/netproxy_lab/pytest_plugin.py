@@ -28,7 +28,7 @@ import pytest
 
 from netproxy_lab.combos import Combo, selected
 from netproxy_lab.proxy import Proxy
-from netproxy_lab.topology import Sandbox
+from netproxy_lab.topology import Sandbox, kernel_has_sctp
 
 
 def in_ci() -> bool:
@@ -108,8 +108,10 @@ def require_combo(chosen: Combo) -> Combo:
 
 @pytest.fixture(scope="module")
 def sandbox(kernel_env: None, combo: Combo) -> Iterator[Sandbox]:
-    """Four pods (pod-3 is never an endpoint unless a test says so), per module and combination."""
-    with Sandbox(pods=4, tcp_ports=(8080, 9090), udp_ports=(8080,)) as sb:
+    """Four pods (pod-3 is never an endpoint unless a test says so), per module and combination;
+    they answer SCTP on 8080 too where the kernel has SCTP."""
+    sctp = (8080,) if kernel_has_sctp() is None else ()
+    with Sandbox(pods=4, tcp_ports=(8080, 9090), udp_ports=(8080,), sctp_ports=sctp) as sb:
         yield sb
 
 

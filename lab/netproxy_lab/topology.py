@@ -32,6 +32,7 @@ import os
 import secrets
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -115,7 +116,8 @@ class Sandbox:
 
     def __init__(self, pods: int = 3, *, tcp_ports: Sequence[int] = DEFAULT_PORTS,
                  udp_ports: Sequence[int] = DEFAULT_PORTS, remote_pods: int = 0, ipv6: bool = True,
-                 shortid: Optional[str] = None, hold_ports: Sequence[int] = ()) -> None:
+                 shortid: Optional[str] = None, hold_ports: Sequence[int] = (),
+                 sctp_ports: Sequence[int] = ()) -> None:
         self.id = shortid or secrets.token_hex(3)
         self.node = f"np-node-{self.id}"
         self.client = f"np-client-{self.id}"
@@ -127,6 +129,8 @@ class Sandbox:
         self.udp_ports = tuple(udp_ports)
         self.hold_ports = tuple(hold_ports)
         """TCP ports whose connections the pods keep open (:meth:`open_session`)."""
+        self.sctp_ports = tuple(sctp_ports)
+        """SCTP ports the pods answer on (only where the kernel has SCTP: :func:`kernel_has_sctp`)."""
         self.ipv6 = ipv6
         self.pods: List[Pod] = []
         self._want_pods = pods
@@ -298,6 +302,8 @@ class Sandbox:
                 "--tcp", ",".join(map(str, self.tcp_ports)), "--udp", ",".join(map(str, self.udp_ports))]
         if self.hold_ports:
             argv += ["--hold", ",".join(map(str, self.hold_ports))]
+        if self.sctp_ports:
+            argv += ["--sctp", ",".join(map(str, self.sctp_ports))]
         self._servers[pod.name] = self.popen(pod.netns, argv, track=False, stdout=subprocess.PIPE)
         if wait:
             self._wait_servers_ready([pod.name])
@@ -439,6 +445,17 @@ def netproxy_command() -> List[str]:
     """
     override = os.environ.get("NETPROXY_CMD", "").strip()
     return shlex.split(override) if override else [sys.executable, "-m", "netproxy.cli"]
+
+
+def kernel_has_sctp() -> Optional[str]:
+    """None when this kernel opens SCTP sockets (loading the ``sctp`` module if it must, as any SCTP
+    socket would), else why not.  Modules are the kernel's, not a namespace's: the answer here is
+    the pods' answer too."""
+    try:
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM, getattr(socket, "IPPROTO_SCTP", 132)).close()
+    except OSError as err:
+        return f"this kernel has no SCTP ({os.strerror(err.errno) if err.errno else err})"
+    return None
 
 
 def _env(extra: Optional[Mapping[str, str]]) -> Optional[Dict[str, str]]:

@@ -9,6 +9,7 @@ client, the node itself or the off-cluster ``ext`` namespace; pods answer with t
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import time
@@ -22,7 +23,7 @@ from netproxy_lab.combos import has_iptables, selected
 from netproxy_lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
 from netproxy_lab.proxy import Proxy
 from netproxy_lab.pytest_plugin import require
-from netproxy_lab.topology import CLIENT6, GATEWAY4, NODE_EXT4, Pod, Sandbox
+from netproxy_lab.topology import CLIENT6, GATEWAY4, NODE_EXT4, Pod, Sandbox, kernel_has_sctp
 from tests.kernel import traced
 
 # The behavioural suite is the one traffic suite that runs on the fallback writers (libiptc,
@@ -81,6 +82,28 @@ def test_udp(proxy: Proxy, sandbox: Sandbox) -> None:
     assert_only_and_all(res, endpoints_of(sandbox, 3), total=300, at_least=50)
     # The TCP port of the same number is not part of the service.
     assert sandbox.connect(DNS_IP, 53, count=3, timeout=0.3).answered == 0
+
+
+SCTP_IP = "10.96.0.30"
+
+
+def test_sctp(proxy: Proxy, sandbox: Sandbox) -> None:
+    """SCTP to a ClusterIP reaches only and all of its endpoints (one-to-one associations, answered by
+    the pods), on every backend.  Only where the kernel has SCTP: a skip here says so, and the VM
+    guests, whose kernels have it, set NETPROXY_REQUIRE_SCTP=1 (vagrant/guest-test) to make it a failure."""
+    why = kernel_has_sctp()
+    if why is not None:
+        if os.environ.get("NETPROXY_REQUIRE_SCTP") == "1":
+            pytest.fail(f"NETPROXY_REQUIRE_SCTP=1 and {why}", pytrace=False)
+        pytest.skip(why)
+    assert sandbox.sctp_ports == (8080,), "the sandbox's pods answer SCTP where the kernel has it"
+    pods = endpoints_of(sandbox, 3)
+    proxy.sync([service("assoc", SCTP_IP, [port(7777, 8080, name="assoc", protocol="SCTP")]),
+                endpoint_slice("assoc", pods, [port(8080, name="assoc", protocol="SCTP")])])
+    res = sandbox.connect(SCTP_IP, 7777, proto="sctp", count=90, timeout=3.0)
+    assert_only_and_all(res, pods, total=90, at_least=10)
+    # The TCP port of the same number is not part of the service.
+    assert sandbox.connect(SCTP_IP, 7777, count=3, timeout=0.3).answered == 0
 
 
 def test_multi_port_and_named_target_port(proxy: Proxy, sandbox: Sandbox) -> None:
