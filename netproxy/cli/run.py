@@ -23,7 +23,7 @@ log = logging.getLogger("netproxy")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from netproxy.observe import metrics
+    from netproxy import metrics
 
     if args.init_only:
         return init_only(args)
