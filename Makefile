@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BACKEND ?= auto
 
-.PHONY: setup demo test test-all test-unit test-kernel test-vm bench bench-smoke lint clean
+.PHONY: setup demo test test-all test-unit test-kernel test-vm bench bench-smoke lint image clean
 
 setup: $(STAMP)
 	@scripts/setup-system.sh
@@ -54,6 +54,13 @@ test:
 # the whole QEMU matrix. Run it before resolving a change to a backend.
 test-all:
 	@$(PYTHON) scripts/run-tests full
+
+# The image the DaemonSets name, localhost/netproxy:<pyproject.toml's version>, built here without a
+# container registry: a Debian base from mmdebstrap (cached in /var/cache/netproxy-image), the wheels
+# built on the host, deploy/Containerfile; prints its size (scripts/build-image, deploy/README.md).
+image: setup
+	@scripts/setup-system.sh podman mmdebstrap runc
+	@scripts/build-image
 
 bench: setup
 	$(PY) -m bench
