@@ -137,7 +137,8 @@ class Backend(Protocol):
         """
 
     def cleanup(self) -> None:
-        """Remove everything this backend (or the seed's proxier) created, and nothing else."""
+        """Remove everything this backend created (the iptables backend: also the chains kube-proxy's old
+        userspace mode left), and nothing else."""
 
     def missing_in_kernel(self) -> List[str]:
         """What of this backend's last full sync the kernel does not hold now, one line each (empty:

@@ -1,4 +1,5 @@
-"""``netproxy cleanup``: remove the jump rules and every chain netproxy (or the seed) owns, nothing else."""
+"""``netproxy cleanup``: remove the jump rules and every chain netproxy owns (its own, and those kube-proxy's
+old userspace mode left: ``names.USERSPACE_CHAINS``), nothing else."""
 
 from __future__ import annotations
 

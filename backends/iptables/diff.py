@@ -48,8 +48,9 @@ STALE_EXACT = frozenset({names.MASQ_NONCLUSTER})
 def full_change(table: str, desired: Chains, kernel: KernelTable) -> TableChange:
     """Rewrite every chain we own, delete our stale per-service chains, add missing jump rules.
 
-    Only per-service prefixes (KUBE-SVC-, KUBE-SEP-, ...) count as stale here: the seed's userspace
-    chains are still jumped to from built-in chains until ``cleanup`` removes them with those jumps.
+    Only per-service prefixes (KUBE-SVC-, KUBE-SEP-, ...) count as stale here: the chains of kube-proxy's
+    old userspace mode (KUBE-PORTALS-*, KUBE-NODEPORT-CONTAINER/-HOST) are still jumped to from built-in
+    chains until ``cleanup`` removes them with those jumps.
     """
     stale = sorted(c for c in kernel.chains
                    if (c.startswith(names.OWNED_PREFIXES) or c in STALE_EXACT) and c not in desired)

@@ -31,17 +31,20 @@ NODEPORT_PREFIX = "KUBE-NPS-"
 NODEPORTS = "KUBE-NODEPORTS"
 EXTERNAL_SERVICES = "KUBE-EXTERNAL-SERVICES"
 HAIRPIN = "KUBE-HAIRPIN"
-"""nat: masquerade a DNAT-ed packet whose source is the endpoint it was sent to (a pod reaching its
-own service and landing on itself), through a destination-prefix tree of ``KUBE-HP-`` chains."""
+"""nat: where earlier netproxy versions marked hairpin traffic (a destination-prefix tree of ``KUBE-HP-``
+chains, one ``-s ep -d ep`` rule per endpoint).  Nothing writes it, or ``KUBE-HP-`` chains, now: hairpin
+is one rule in ``KUBE-POSTROUTING`` matching the ``NETPROXY-HAIRPIN-<family>`` ipset (``ipset.py``).
+Both names stay owned so that ``cleanup`` removes what those versions left."""
 MASQ_NONCLUSTER = "KUBE-MASQ-NONCLUSTER"
 """nat: marks for masquerade unless the source is inside one of several cluster CIDRs of a family."""
 
-SEED_USERSPACE_CHAINS = ("KUBE-PORTALS-CONTAINER", "KUBE-PORTALS-HOST", "KUBE-NODEPORT-CONTAINER",
-                         "KUBE-NODEPORT-HOST")
-"""The seed's userspace proxier chains; cleanup removes them as the seed's start-up did."""
+USERSPACE_CHAINS = ("KUBE-PORTALS-CONTAINER", "KUBE-PORTALS-HOST", "KUBE-NODEPORT-CONTAINER",
+                    "KUBE-NODEPORT-HOST")
+"""The chains of kube-proxy's old userspace mode; cleanup removes them, as kube-proxy's iptables proxier
+did at start."""
 
 OWNED_CHAINS = (SERVICES, POSTROUTING, MARK_MASQ, NODEPORTS, EXTERNAL_SERVICES, HAIRPIN,
-                MASQ_NONCLUSTER) + SEED_USERSPACE_CHAINS
+                MASQ_NONCLUSTER) + USERSPACE_CHAINS
 OWNED_PREFIXES = (SVC_PREFIX, SEP_PREFIX, EXT_PREFIX, DISPATCH_PREFIX, FW_PREFIX, "KUBE-XLB-", SVL_PREFIX,
                   HAIRPIN_PREFIX, NODEPORT_PREFIX)
 """Only chains named here (exactly, or by prefix) are ever flushed or deleted. Not "KUBE-" as a
@@ -86,8 +89,8 @@ def service_chain(name: ServicePortName, protocol: str, prefix: str = SVC_PREFIX
 
 
 def dispatch_chain(network: str, prefix: str = DISPATCH_PREFIX) -> str:
-    """``KUBE-SVCS-<hash>`` (or ``KUBE-HP-<hash>``, ``KUBE-NPS-<hash>``): a lower-level tree chain for one
-    destination prefix (or protocol and port range)."""
+    """``KUBE-SVCS-<hash>`` (or ``KUBE-NPS-<hash>``): a lower-level tree chain for one destination prefix
+    (or protocol and port range)."""
     key = (network, prefix)
     chain = _net_cache.get(key)
     if chain is None:

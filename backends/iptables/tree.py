@@ -9,8 +9,8 @@ service's path (a leaf splitting aside).
 One builder, :func:`split_tree`, over two key spaces (:class:`KeySpace`):
 
 - destination addresses (:func:`address_space`, ``-d <prefix>``): nat ``KUBE-SERVICES`` (service
-  dispatch), filter ``KUBE-SERVICES`` (rejects and drops) and nat ``KUBE-HAIRPIN`` (hairpin
-  masquerade, keyed on the endpoint address);
+  dispatch) and filter ``KUBE-SERVICES`` (rejects and drops); hairpin masquerade needs no tree, it is
+  one ipset lookup in ``KUBE-POSTROUTING`` (``ipset.py``);
 - (protocol, destination port) (:func:`port_space`, ``-p tcp`` then ``--dport LO:HI``): nat
   ``KUBE-NODEPORTS`` and filter ``KUBE-EXTERNAL-SERVICES``, which every new connection to a node
   address walks (kubelet, ssh, hostNetwork pods), not only NodePort traffic.
