@@ -190,7 +190,7 @@ def check_zone(value: object, field_path: str) -> Optional[str]:
 
 @dataclass(frozen=True, order=True, **_SLOTS)
 class ServicePortName:
-    """namespace/name:port — the identity of one service port, as the seed's proxier keys it."""
+    """namespace/name:port — the identity of one service port, as kube-proxy's proxier keys it."""
 
     namespace: str
     name: str

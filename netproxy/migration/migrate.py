@@ -237,7 +237,7 @@ def remove_leftovers(backend: Backend, config: ProxyConfig, skip_written: bool =
     no longer runs — netproxy's own (a run with the other backend or flavour) and kube-proxy's (an
     earlier kube-proxy, as kube-proxy itself removes the other modes' rules when it starts) — go as
     ``migrate --from-kube-proxy`` would remove them: the new ruleset is complete in the kernel by then,
-    so no connection meets neither (issue 16 item 7, issue 20).  One line each; what was removed.
+    so no connection meets neither, as in a live migration.  One line each; what was removed.
 
     ``skip_written``: the iptables flavour just written is not read back (a one-shot ``sync`` at 10k
     services would pay a whole ``iptables-save`` for it; its kube-proxy chains were taken over by the

@@ -1,4 +1,4 @@
-"""The start-up choice of backend: the seed's iptables version check, extended for nf_tables nodes.
+"""The start-up choice of backend: kube-proxy's iptables version check, extended for nf_tables nodes.
 
 - ``iptables --version`` says ``(nf_tables)``      → nftables backend (the node's iptables is nft-based)
 - a legacy iptables at or above 1.4.0              → iptables backend, legacy flavour

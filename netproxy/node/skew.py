@@ -1,4 +1,4 @@
-"""Version skew, checked before the first write (issue 16 item 7).
+"""Version skew, checked before the first write.
 
 Rules in the tables netproxy's iptables-nft writes that an iptables-nft newer than the node's (or
 ``nft`` itself) wrote: the node's iptables-nft prints "table `nat' is incompatible, use 'nft' tool"

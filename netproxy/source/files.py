@@ -2,7 +2,7 @@
 
 Accepts what ``kubectl get svc,endpointslices -A -o yaml`` prints as is: ``kind: List`` (and typed
 lists such as ``ServiceList``), multi-document YAML, JSON, ``v1 Service``, ``discovery.k8s.io/v1
-EndpointSlice``, the seed's ``v1 Endpoints``, ``v1 Node`` (for this node's zone) and
+EndpointSlice``, the legacy ``v1 Endpoints``, ``v1 Node`` (for this node's zone) and
 ``networking.k8s.io/v1 ServiceCIDR`` (the service CIDRs whose unowned addresses are dropped).
 A file that fails to parse keeps the last good state; an invalid object is rejected on its own.
 """
