@@ -1,4 +1,4 @@
-"""Helpers of the update-storm tests (issue 16 item 5), shared with the soak in ``make bench``:
+"""Helpers of the update-storm tests (fault 5), shared with the soak in ``make bench``:
 a file storm writer, sync counting from a run's log, and a process's resident memory."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The API going away (issue 16 item 6), against the API stand-in in the node namespace.
+"""The API going away (fault 6), against the API stand-in in the node namespace.
 
 One `netproxy run --kubeconfig` lives through, in order: the API down (every request cut unanswered,
 watches dropped) for NETPROXY_API_DOWN_SECONDS (8 s in ``make test``, 60 s in ``make test-all``), the watches

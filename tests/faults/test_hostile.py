@@ -1,4 +1,4 @@
-"""Hostile and broken input through real netproxy, in the namespace harness (issue 16 item 4).
+"""Hostile and broken input through real netproxy, in the namespace harness (fault 4).
 
 The generated cases run in-process by the thousand (tests/unit/test_hostile_input.py); here a seeded
 batch of them, with duplicate keys, an alias bomb and a 50 MB document, goes through `netproxy sync`

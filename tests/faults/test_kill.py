@@ -1,4 +1,4 @@
-"""Fault 1 of issue 16: ``kill -9`` at any moment of a sync.
+"""Fault 1 of the fault suite: ``kill -9`` at any moment of a sync.
 
 - A 5,000-service ``netproxy sync`` (2,000 in the quick tier) is killed at eight moments (four in the
   quick tier) spread over its own duration: every table the kernel holds afterwards is the old

@@ -1,4 +1,4 @@
-"""Issue 16, fault 3: another program writing iptables at the same time.
+"""Fault 3 (tests/faults/README.md): another program writing iptables at the same time.
 
 - A foreign writer (``foreign_writer.py``: ``iptables -w -A``/``-D`` and ``iptables-restore -w
   --noflush`` in a loop, in the node) runs during N one-shot netproxy syncs that alternate between
@@ -46,7 +46,7 @@ METRICS = "127.0.0.1:10249"
 SYNC_BUDGET = knob("NETPROXY_FOREIGN_SECONDS", quick=15, full=120)
 """Seconds of netproxy syncs under the foreign writer per combination (quick tier 15 s, full 120 s)."""
 SYNCS = int(os.environ.get("NETPROXY_FOREIGN_SYNCS", "0") or "0")
-"""A fixed number of syncs instead (the issue's 1,000: ``NETPROXY_FOREIGN_SYNCS=1000``, ~20 min a writer)."""
+"""A fixed number of syncs instead (the target's 1,000: ``NETPROXY_FOREIGN_SYNCS=1000``, ~20 min a writer)."""
 HOLD = 3.0
 _COUNTERS = re.compile(r"\[\d+:\d+\]")
 IPTABLES_COMBOS = [c for c in selected() if c.backend == "iptables"]

@@ -1,4 +1,4 @@
-"""Issue 16, fault 2: rules flushed or edited behind netproxy's back.
+"""Fault 2 (tests/faults/README.md): rules flushed or edited behind netproxy's back.
 
 A running ``netproxy run`` (default ``--sync-period`` 30 s, so a periodic sync cannot be what
 repairs) has its rules flushed, its table deleted, one of its chains emptied, or everything wiped
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.kernel, pytest.mark.serial]
 WEB_IP = "10.96.0.10"
 METRICS = "127.0.0.1:10249"
 REPAIR_TARGET = 2.0
-"""Seconds from the fault to a repaired kernel and working traffic (the issue's target)."""
+"""Seconds from the fault to a repaired kernel and working traffic (the target this fault is judged by)."""
 _COUNTERS = re.compile(r"\[\d+:\d+\]")
 
 

@@ -1,4 +1,4 @@
-"""Version and mode skew (issue 16 item 7), in the namespace harness.
+"""Version and mode skew (fault 7), in the namespace harness.
 
 - Leftovers of the other mode: netproxy's iptables backend's chains when it starts with nftables,
   its nftables tables when it starts with iptables, kube-proxy's ``kube-proxy`` nftables table (here

@@ -1,4 +1,4 @@
-"""Update storms (issue 16 item 5): 1,000 changes a second into `netproxy run`, from the file source
+"""Update storms (fault 5): 1,000 changes a second into `netproxy run`, from the file source
 and from the API source, on every backend/writer.
 
 Syncs coalesce to at most one per ``--min-sync-period`` (counted from the run's own "synced" lines),
