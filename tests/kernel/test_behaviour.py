@@ -1,7 +1,7 @@
 """One test body per behaviour, run against every backend/writer combination (``NETPROXY_BACKENDS``).
 
 That the same body passes on iptables-legacy (restore and libiptc), iptables-nft (restore) and
-nftables is what "the backends are equivalent" means (issues 3 and 4).  Each test syncs a small
+nftables is what "the backends are equivalent" means.  Each test syncs a small
 cluster with real `netproxy` in the sandbox's node namespace and sends real connections from the
 client, the node itself or the off-cluster ``ext`` namespace; pods answer with their names.
 """
@@ -41,7 +41,7 @@ LB_IP = "198.51.100.10"
 
 @pytest.fixture(autouse=True)
 def trace_equals_traffic(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 17: every batch below is traced with ``netproxy trace --kernel`` in the node (here and in
+    """Trace equals traffic: every batch below is traced with ``netproxy trace --kernel`` in the node (here and in
     the VM matrix, which runs this module), and the trace must predict what it saw (traced.py)."""
     traced.install(request, monkeypatch)
 

@@ -1,4 +1,4 @@
-"""The conntrack reconciler and the conntrack sysctls (issue 18 item 7, item 1's conntrack settings),
+"""The conntrack reconciler and the conntrack sysctls (``--conntrack-*``, or ``conntrack.*`` in ``--config``),
 with real traffic, on every backend/writer.
 
 A UDP client sends from one fixed source port every 100 ms, so all its packets are one conntrack

@@ -2,7 +2,7 @@
 
 - Equivalence: over a matrix of snapshots, the restore writer and the libiptc writer leave
   byte-identical ``iptables-legacy-save`` output (the generated-by header and counters aside).
-- Cleanup removes netproxy's chains and the seed's userspace-proxy chains, and nothing else.
+- Cleanup removes netproxy's chains and the chains of kube-proxy's old userspace mode, and nothing else.
 - A refused restore keeps the previous rules, and the error names the failing payload line.
 """
 
@@ -198,12 +198,12 @@ def test_restore_and_libiptc_writers_leave_identical_tables(kernel_env: None, tm
         assert shape in parity, shape
 
 
-SEED = """*nat
+USERSPACE_LEFTOVERS = """*nat
 :KUBE-PORTALS-CONTAINER - [0:0]
 :KUBE-PORTALS-HOST - [0:0]
 :KUBE-NODEPORT-CONTAINER - [0:0]
 :KUBE-NODEPORT-HOST - [0:0]
-:KUBE-SVC-FROMSEED - [0:0]
+:KUBE-SVC-LEFTOVER - [0:0]
 :OPERATOR - [0:0]
 :KUBE-FIREWALL - [0:0]
 -A PREROUTING -m comment --comment "handle ClusterIPs; NOTE: before the NodePort rules" -j KUBE-PORTALS-CONTAINER
@@ -217,8 +217,8 @@ COMMIT
 """
 
 
-def test_cleanup_removes_ours_and_the_seeds_chains_only(netns: str) -> None:
-    in_ns(netns, "iptables-legacy-restore", "--noflush", input=SEED)
+def test_cleanup_removes_ours_and_the_userspace_modes_chains_only(netns: str) -> None:
+    in_ns(netns, "iptables-legacy-restore", "--noflush", input=USERSPACE_LEFTOVERS)
     code = ("from test_iptables_writers import snapshot_steps; from netproxy.backends import create; "
             "from netproxy.core.config import ProxyConfig; from netproxy.core.model import Changes; "
             "b = create('iptables', ProxyConfig()); b.sync(snapshot_steps()[3], Changes(full=True)); b.cleanup()")

@@ -1,4 +1,4 @@
-"""``netproxy migrate`` on a live node (issue 20): no connection dropped, none refused, nothing foreign touched.
+"""``netproxy migrate`` on a live node: no connection dropped, none refused, nothing foreign touched.
 
 Each test builds the old ruleset in the sandbox's node (netproxy's iptables or nftables rules, or
 kube-proxy's as the benchmark's kube-proxy layout writes them), opens long-lived connections through

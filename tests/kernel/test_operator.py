@@ -115,7 +115,7 @@ def test_plan_diff_names_what_a_sync_would_change_and_writes_nothing(proxy: Prox
     pods = sandbox.pods
     cluster = web(pods[:2]) + [service("api", API_IP, [port(80, 9090, name="http")]),
                                endpoint_slice("api", pods[:1], [port(9090, name="http")]),
-                               # Node-wide state too (issue 18): listed and compared like the rest.
+                               # Node-wide state too (a ServiceCIDR): listed and compared like the rest.
                                {"apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
                                 "metadata": {"name": "kubernetes"}, "spec": {"cidrs": ["10.96.0.0/16"]}}]
     code, out = _diff(proxy, cluster)
@@ -242,7 +242,7 @@ def test_trace_predicts_the_endpoints_real_connections_reach(proxy: Proxy, sandb
                service("near", "10.96.0.11", [port(80, 8080)], internalTrafficPolicy="Local"),
                endpoint_slice("near", [pods[0], remote, pods[2]], [port(8080)]),
                service("empty", "10.96.0.12", [port(80, 8080)]),
-               # PreferSameNode (issue 18): this node's endpoints only.
+               # PreferSameNode: this node's endpoints only.
                service("same", "10.96.0.13", [port(80, 8080)], trafficDistribution="PreferSameNode"),
                endpoint_slice("same", [pods[0], remote, pods[2]], [port(8080)]),
                # A service CIDR: an address in it that no service owns is dropped.

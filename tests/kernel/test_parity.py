@@ -1,4 +1,4 @@
-"""kube-proxy parity (issue 8, docs/parity.md): one test body per behaviour, on every backend/writer.
+"""kube-proxy parity (docs/parity.md): one test body per behaviour, on every backend/writer.
 
 Each test syncs (or runs) real netproxy in the sandbox's node and sends real traffic from the
 in-cluster client (10.244.1.2), the off-cluster ``ext`` namespace (192.0.2.100, reaching the node
@@ -61,7 +61,7 @@ def sandbox(kernel_env: None, combo: Any) -> Any:
 
 @pytest.fixture(autouse=True)
 def trace_equals_traffic(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Issue 17: each batch of connections below is traced with ``netproxy trace --kernel`` in the
+    """Trace equals traffic: each batch of connections below is traced with ``netproxy trace --kernel`` in the
     node, and the trace must predict what the batch saw (tests/kernel/traced.py)."""
     traced.install(request, monkeypatch)
     before = traced.traced_count()

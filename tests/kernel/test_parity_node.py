@@ -1,4 +1,4 @@
-"""kube-proxy parity, issue 18 items 2 and 6 (docs/parity.md): what counts as a local pod's traffic
+"""kube-proxy parity (docs/parity.md): what counts as a local pod's traffic
 (``--detect-local-mode``) and which node addresses take NodePorts (``--nodeport-addresses primary``,
 127.0.0.1 with ``--iptables-localhost-nodeports``), one test body per behaviour on every
 backend/writer, with real traffic in the sandbox (tests/kernel/README.md).
@@ -38,7 +38,7 @@ from tests.kernel.test_parity import (  # the shared body's helpers and its five
     run_wait,
     sandbox,
     sources_of,
-    trace_equals_traffic,  # noqa: F401  (autouse: every batch traced with trace --kernel, issue 17)
+    trace_equals_traffic,  # noqa: F401  (autouse: every batch traced with trace --kernel, traced.py)
     web,
 )
 

@@ -1,4 +1,4 @@
-"""Trace equals traffic (issue 17): every connection batch a parity test sends is also traced with
+"""Trace equals traffic: every connection batch a parity test sends is also traced with
 ``netproxy trace --kernel`` in the node, and the tracer's answer must cover what the batch saw.
 
 - answered connections: every pod that answered is a DNAT target the trace predicts (the pods'
