@@ -1,4 +1,4 @@
-"""Hostile input for the fault suite (issue 16 item 4): one valid service beside objects with one field
+"""Hostile input for the fault suite (fault 4): one valid service beside objects with one field
 made hostile, as hypothesis strategies (the in-process tests) and as a seeded batch (the kernel and
 API-source tests, which cannot afford a hypothesis run per case).
 

@@ -320,7 +320,7 @@ def test_load_into_counts_rejections(tmp_path: Path) -> None:
 
 def test_a_file_that_never_holds_still_is_still_loaded(tmp_path: Path) -> None:
     """An update storm rewrites the file faster than the debounce interval: it must be loaded at least
-    every max_settle anyway, not only once the storm ends (issue 16 item 5)."""
+    every max_settle anyway, not only once the storm ends (fault 5 of the fault suite)."""
     path = tmp_path / "c.yaml"
     write_yaml(path, service("s0", "10.96.0.1"))
     tracker = ChangeTracker()

@@ -1,4 +1,4 @@
-"""One kernel-free flow table, run over both backends through their own tracers (issue 19).
+"""One kernel-free flow table, run over both backends through their own tracers.
 
 Each row is a cluster, a first packet and what must become of it: the DNAT targets with their
 shares and whether the source is masqueraded, or a refusal, a drop, or nothing of netproxy's. The

@@ -1,4 +1,4 @@
-"""Hostile and broken input, property-based (issue 16 item 4): the in-process part, 5,000 cases.
+"""Hostile and broken input, property-based (fault 4 of the fault suite): the in-process part, 5,000 cases.
 
 Each case puts one valid service beside an object with one field made hostile (injection strings,
 wrong types, out-of-range ports, zone ids...) or a document made hostile (duplicate keys, alias
@@ -282,7 +282,7 @@ def test_a_hostile_api_object_is_rejected_counted_and_the_rest_applied(case: Tup
 
 
 def test_zz_at_least_5000_cases_ran() -> None:
-    """The issue's floor, counted from what ran (last in this module: pytest keeps file order)."""
+    """The 5,000-case floor, counted from what ran (last in this module: pytest keeps file order)."""
     if len(RUN) < 5:
         pytest.skip(f"only part of the module ran ({sorted(RUN)}): the floor is for the whole module")
     total = sum(RUN.values())

@@ -1,4 +1,4 @@
-"""``status.loadBalancer.ingress[].ipMode`` (issue 18 item 5): ``VIP`` (the default) is handled on the
+"""``status.loadBalancer.ingress[].ipMode``: ``VIP`` (the default) is handled on the
 node as today; ``Proxy`` gets no rule at all (kube-proxy >= 1.30 skips such ingress IPs), so traffic
 to it leaves the node for the load balancer.  Traffic: tests/kernel/test_parity.py; both tracers:
 tests/unit/test_service_cidrs.py."""

@@ -89,7 +89,7 @@ def test_local_endpoints_fall_back_to_local_terminating_ones() -> None:
 
 
 def test_no_node_name_means_no_local_endpoints() -> None:
-    """A proxy that does not know its node name cannot call any endpoint local (the `run` bug of issue 8)."""
+    """A proxy that does not know its node name cannot call any endpoint local."""
     assert local_endpoints([ep(10)], NodeInfo()) == ()
 
 

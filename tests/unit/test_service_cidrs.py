@@ -1,4 +1,4 @@
-"""Service CIDRs (issue 18 item 4): ``--service-cluster-ip-range`` and ``networking.k8s.io/v1``
+"""Service CIDRs: ``--service-cluster-ip-range`` and ``networking.k8s.io/v1``
 ServiceCIDR objects → ``Snapshot.service_cidrs`` → a drop for addresses no service owns, on both
 backends (the kernel suite's test_parity.py sends the traffic; here the pieces and both tracers)."""
 

@@ -1,4 +1,4 @@
-"""Version and mode skew (issue 16 item 7), with the node's tools answered by a table of outputs."""
+"""Version and mode skew (fault 7 of the fault suite), with the node's tools answered by a table of outputs."""
 
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ def test_service_change_reports_exactly_its_ports(tracker: ChangeTracker) -> Non
 
 
 def test_endpoints_only_change_is_reported(tracker: ChangeTracker) -> None:
-    # The seed forgot this and waited for the periodic sync.
+    # An endpoints-only change syncs by itself; it must not wait for the periodic sync.
     tracker.update_endpoints("default", "api-1", eps("api", "10.0.1.1", "10.0.1.2"))
     assert tracker.pending()
     snap, changes = tracker.take()

@@ -1,4 +1,4 @@
-"""/healthz through an API outage (issue 16 item 6), the whole `run` loop in process: the real source
+"""/healthz through an API outage (fault 6 of the fault suite), the whole `run` loop in process: the real source
 against the stand-in, the tracker, the proxier and its runner, a fake backend.
 
 While the API is down nothing is pending, so /healthz stays 200; a change that arrives and cannot be

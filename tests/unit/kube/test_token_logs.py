@@ -1,4 +1,4 @@
-"""Least privilege (issue 16 item 8): the API token never reaches netproxy's logs.
+"""Least privilege (the fault suite's item 8): the API token never reaches netproxy's logs.
 
 `netproxy run --kubeconfig` (fake backend: no kernel) authenticates with a bearer token, inline or
 from a tokenFile, against the stand-in, at --log-level debug, through 401s and 500s that make the

@@ -1,4 +1,4 @@
-"""IPv6 ClientIP affinity in its two layouts (issue 28 item 9), rendered by the same code: the shared
+"""IPv6 ClientIP affinity in its two layouts, rendered by the same code: the shared
 ``affinity-<proto>`` maps' elements (``ProxyConfig.ipv6_affinity == "maps"``, chosen where the node's
 nft is 1.1 or later) and one set per endpoint ("sets", the layout nft 1.0.x lists back).  Which one a
 node gets is netproxy/node/detect.py's (tests/unit/test_detect.py); that the chosen one re-loads with
