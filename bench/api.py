@@ -1,4 +1,4 @@
-"""``python -m bench.api`` — the API path at 10,000 services, with issue 27's targets (part of ``make bench``).
+"""``python -m bench.api`` — the API path at 10,000 services, against its targets (part of ``make bench``).
 
     python -m bench.api [--services 10000] [--backends nftables,iptables-legacy/restore] [--out bench/results]
 

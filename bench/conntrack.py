@@ -1,5 +1,5 @@
-"""The conntrack reconciler at 100,000 entries (issue 18 item 7: one pass <= 0.5 s; kube-proxy reports
-222 ms for 4,705 entries: the issue's outside figure, not measured here).
+"""The conntrack reconciler at 100,000 entries (target: one pass <= 0.5 s; kube-proxy reports
+222 ms for 4,705 entries: an outside figure, not measured here).
 
 In a throwaway ``np-bench-…-ct`` namespace, a child process (``python -m bench.conntrack --child``):
 1. creates ``ENTRIES`` UDP entries through ctnetlink, as DNAT-ed flows leave them: 1,000 UDP
@@ -132,7 +132,7 @@ def measure(timeout: float = 300.0, entries: int = ENTRIES) -> Dict[str, Any]:
 
 
 def target(results: Dict[str, Any]) -> Dict[str, Any]:
-    """Issue 18's line in the report's targets (bench/targets.py): one pass over 100,000 entries in
+    """The reconciler's line in the report's targets (bench/targets.py): one pass over 100,000 entries in
     0.5 s of wall time; the CPU time is shown beside it (a busy machine inflates the wall time)."""
     cell = results.get("conntrack") or {}
     name, goal = "conntrack reconciler, one pass over 100,000 entries", "≤ 0.5 s"
@@ -147,7 +147,7 @@ def markdown(cell: Dict[str, Any]) -> List[str]:
     """The report's section (bench/report.py)."""
     if not cell:
         return []
-    lines = ["### Conntrack reconciler (issue 18: one pass over 100,000 entries <= 0.5 s)", ""]
+    lines = ["### Conntrack reconciler (target: one pass over 100,000 entries <= 0.5 s)", ""]
     if "seconds" not in cell:
         return lines + [f"- not measured: {cell.get('error') or cell.get('skipped')}", ""]
     lines += [

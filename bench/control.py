@@ -125,7 +125,7 @@ FLOOR_CHAIN = "NP-BENCH-FLOOR"
 
 
 def floor(combo: Combo, ns: str, workdir: str, timeout: float, budget: float = 6.0) -> Step:
-    """The least any write costs on the table as it is now (issue 15): the raw
+    """The least any write costs on the table as it is now (the iptables targets' floor): the raw
     ``iptables-<flavour>-restore --noflush`` of a one-rule change into the nat table netproxy left
     loaded, timed inside ``ns`` (``rawapply``); min of up to 3 within ``budget`` seconds.
 

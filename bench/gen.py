@@ -75,7 +75,7 @@ def shapes(n: int, variant: str = "uniform", seed: int = 6) -> List[Shape]:
         count = rng.randint(1, MAX_ENDPOINTS)
         proto = "UDP" if rng.random() < 0.2 else "TCP"
         affinity = rng.random() < 0.1
-        # Issue 8's features in the mixed cluster: one service in four gets a NodePort (while the
+        # The kube-proxy parity features in the mixed cluster: one service in four gets a NodePort (while the
         # range lasts), one NodePort service in five has externalTrafficPolicy: Local, one service
         # in twenty internalTrafficPolicy: Local.
         node_port = 0

@@ -1,4 +1,4 @@
-"""Issue 20's measure: ``netproxy migrate`` at N services, and how long two rulesets were installed together.
+"""The live-migration measure: ``netproxy migrate`` at N services, and how long two rulesets were installed together.
 
 In throwaway namespaces (``np-bench-<pid>-…-migrate``), on the uniform cluster of N services:
 
@@ -108,7 +108,7 @@ def describe(steps: Dict[str, Step]) -> List[str]:
 
 
 def figures(results: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """The report's lines (references: the issue sets no number), at the largest N measured."""
+    """The report's lines (references only: no target number is set), at the largest N measured."""
     measured = results.get("migrate", {})
     if not measured:
         return []

@@ -1,4 +1,4 @@
-"""Worker steps that only the nftables backend has (issue 14), run inside the worker's namespace.
+"""Worker steps that only the nftables backend has, run inside the worker's namespace.
 
 - ``raw-netlink``: the kernel's share of a full sync: the same batch netproxy's netlink writer
   sends, encoded beforehand, sent over a bare netlink socket into an empty namespace (median of 3, as

@@ -1,4 +1,4 @@
-"""``python -m bench.storm`` — the fault suite's soak (issue 16 items 5 and 6), part of ``make bench``.
+"""``python -m bench.storm`` — the fault suite's soak (update storms, the API going away), part of ``make bench``.
 
 Runs tests/faults/test_storm.py and test_api.py at soak size: 10,000 services, storms of 1,000
 changes a second for 60 s from the file and the API source, 10,000 sync cycles for the RSS figure,

@@ -1,4 +1,4 @@
-"""The issue's targets, checked against this run's figures (at N=10,000, or the largest N measured)."""
+"""The benchmark's targets, checked against this run's figures (at N=10,000, or the largest N measured)."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def rss(results: Results) -> Target:
     worst, where = None, ""
     for key, per in results["rss"].items():
         if key.endswith(MIXED_SUFFIX) or key == targets_nft.TEXT:
-            continue  # issue 8's line, in mixed(); the libnftables writer is the reference, in targets_nft
+            continue  # the features-on line, in mixed(); the libnftables writer is the reference, in targets_nft
         for n, cell in per.items():
             if cell.get("maxrss_mib") is not None and (worst is None or cell["maxrss_mib"] > worst):
                 worst, where = cell["maxrss_mib"], f"{key} `sync` at N={int(n):,}"
@@ -165,7 +165,7 @@ def rss(results: Results) -> Target:
 
 
 def mixed(results: Results) -> List[Target]:
-    """Issue 8: the targets again, on the mixed cluster (its features on); figures of the mixed phase."""
+    """Features on: the targets again, on the mixed cluster (its features on); figures of the mixed phase."""
     n = _at(results)
     out = []
 
@@ -175,7 +175,7 @@ def mixed(results: Results) -> List[Target]:
     def why(key: str, step: str) -> str:
         return _why(results, key, n, step, "mixed") + _where(n)
 
-    # nftables' features-on lines are issue 14's (targets_nft.py).
+    # nftables' features-on lines are in targets_nft.py.
     out.append(_legacy_full("features on: iptables-legacy restore writer, full sync", cell(LEGACY, "cold"),
                             cell(LEGACY, "raw"), why(LEGACY, "cold"), _where(n)))
     x = cell(LEGACY, "endpoint")
@@ -193,7 +193,7 @@ CHECKS: List[Callable[[Results], Any]] = [
 
 
 def check(results: Results) -> List[Target]:
-    """Every target line, each tagged with the module that checks it (its issue's group in the report)."""
+    """Every target line, each tagged with the module that checks it (its group in the report)."""
     out: List[Target] = []
     for fn in CHECKS:
         got = fn(results)

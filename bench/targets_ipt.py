@@ -1,4 +1,4 @@
-"""Issue 15's targets for the iptables backend at 10,000 services: a change costs what it changes.
+"""The iptables backend's targets at 10,000 services, features on: a change costs what it changes.
 
 Every ratio is against a raw tool measured in the same run: the *floor* (``control.floor``: the
 raw ``iptables-<flavour>-restore --noflush`` of a one-rule change into the nat table as netproxy
@@ -153,7 +153,7 @@ OTHER_STEPS = (("uniform", ("endpoint", "add", "remove")), ("mixed", ("endpoint"
 
 
 def other_writers(r: Results) -> List[Target]:
-    """Not issue-15 targets: the libiptc writer and the iptables-nft flavour on the same clusters."""
+    """Not targets, shown beside them: the libiptc writer and the iptables-nft flavour on the same clusters."""
     n = _n(r)
     out = []
     for key, what in ((LIBIPTC, "libiptc writer"), (NFT_FLAVOUR, "iptables-nft flavour")):

@@ -1,4 +1,4 @@
-"""Issue 14's targets for the nftables backend (netlink writer), with the libnftables writer's
+"""The nftables backend's targets at scale (netlink writer), with the libnftables writer's
 figures from the same run beside them, so the gain is a ratio and not a memory."""
 
 from __future__ import annotations
