@@ -148,6 +148,14 @@ def smoke_failures(results: report.Results) -> List[str]:
             cell = cells.get(key)
             if not cell or not any(k in cell for k in ("seconds", "p50_us", "n")):
                 out.append(f"{section} {key}: no figure ({cell})")
+    # Issue 28 item 8: the object counts are printed, and one endpoint draws no random number.
+    objs = results.get("objects") or {}
+    for backend, column in (("nftables", "numgen rules"), ("iptables", "statistic rules")):
+        counts = objs.get(backend, {})
+        if "error" in objs or not counts:
+            out.append(f"single-endpoint object counts, {backend}: no figure ({objs.get('error')})")
+        elif counts["1"][column] != 0:
+            out.append(f"single-endpoint services, {backend}: {counts['1'][column]} {column} (expected none)")
     for ref in ("kube-proxy iptables-legacy", "kube-proxy nft"):
         cell = results["reference"].get(ref, {}).get("100", {}).get("cold")
         if not cell or "seconds" not in cell:

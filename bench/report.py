@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from bench import conntrack, latency, sample
+from bench import conntrack, latency, objects, sample
 
 Results = Dict[str, Any]
 Cell = Optional[Dict[str, Any]]
@@ -328,7 +328,8 @@ def markdown(results: Results) -> str:
         head.append("")
     body = (control_tables(results) + ratio_table(results) + mixed_table(results) + floor_table(results)
             + dataplane_table(results)
-            + latency_table(results) + rss_table(results) + conntrack.markdown(results.get("conntrack") or {})
+            + latency_table(results) + rss_table(results) + objects.markdown(results.get("objects") or {})
+            + conntrack.markdown(results.get("conntrack") or {})
             + target_lines(results))
     failed = results.get("dataplane_failures", [])
     if failed:

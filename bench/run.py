@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from bench import client as client_mod
-from bench import conntrack, control, dataplane, gen, latency, report, rss
+from bench import conntrack, control, dataplane, gen, latency, objects, report, rss
 from netproxy_lab import netns
 from netproxy_lab.combos import Combo
 
@@ -316,6 +316,7 @@ class Bench:
         self.progress(f"client: {' '.join(self.client)}")
         if not self._probed:
             self.probe()
+        self.phase_objects()
         pods = 3 if self.smoke else 10
         self.progress(f"sandbox: client, node and {pods} pod namespaces")
         with Sandbox(pods=pods, udp_ports=(), ipv6=True) as sb, Sandbox(pods=pods, udp_ports=(), ipv6=True) as base:
@@ -346,6 +347,20 @@ class Bench:
             sb.reset_netfilter()
         self.phase_conntrack()
         return self.results
+
+    def phase_objects(self) -> None:
+        """Issue 28 item 8: the objects each backend renders for single-endpoint services against
+        two-endpoint ones (bench/objects.py), at the largest N up to 10,000; no kernel involved."""
+        n = max([k for k in self.sizes if k <= LARGE] or self.sizes[:1])
+        try:
+            cell = objects.measure(n)
+        except Exception as err:  # noqa: BLE001 - a figure that failed is reported, the run goes on
+            self.results["errors"].append(f"single-endpoint object counts N={n}: {err}")
+            self.results["objects"] = {"n": n, "error": str(err)}
+            return
+        self.results["objects"] = cell
+        for line in objects.lines(cell):
+            self.progress(line)
 
     def phase_conntrack(self) -> None:
         """Issue 18's conntrack reconciler at 100,000 entries, in a namespace of its own (bench/conntrack.py);

@@ -74,3 +74,22 @@ def test_a_clean_data_plane_cell_is_no_failure_and_a_missing_figure_is_one() -> 
     assert dataplane.failure(dataplane.summarise([batch])) == ""
     assert dataplane.failure({"error": "not reachable"}) == "not reachable"
     assert "did not finish" in dataplane.failure({"timeout": 21.0})
+
+
+def test_single_endpoint_services_draw_nothing_and_the_bench_prints_their_object_counts() -> None:
+    """Issue 28 item 8 (kube-proxy 1.37): the counts the bench prints, from the backends' own plans."""
+    from bench import objects
+
+    cell = objects.measure(20)
+    nft, ipt = cell["nftables"], cell["iptables"]
+    assert (nft["1"]["numgen rules"], nft["1"]["numgen maps"]) == (0, 0)
+    assert (nft["2"]["numgen rules"], nft["2"]["numgen maps"]) == (1, 1)  # one shared pick chain for all 20
+    # elements: service-ips, the endpoints map, cluster-ips and hairpin pairs — one endpoint each or two
+    assert (nft["1"]["elements"], nft["2"]["elements"]) == (80, 120)
+    assert (ipt["1"]["statistic rules"], ipt["2"]["statistic rules"]) == (0, 20)
+    assert ipt["2"]["rules"] - ipt["1"]["rules"] == 20  # one DNAT rule more per service, the rest alike
+    text = "\n".join(objects.markdown(cell))
+    assert "### Single-endpoint services (issue 28 item 8)" in text
+    assert "| 1 endpoint each | " in text and "| 2 endpoints each | " in text
+    assert "single-endpoint services, nftables, N = 20 (1 endpoint / 2 endpoints each): rules " in text
+    assert "statistic rules 0 / 20" in text
