@@ -123,7 +123,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not bench.available():
         print("bench: FAILED: no backend could run here", file=sys.stderr)
         return 1
-    # Traffic that did not get through is not a figure to read past: the run fails (issue 19).
+    # Traffic that did not get through is not a figure to read past: the run fails.
     if dp_failed:
         print(f"bench: FAILED: {len(dp_failed)} data-plane failure(s): " + "; ".join(dp_failed)[:3000],
               file=sys.stderr)
@@ -148,7 +148,7 @@ def smoke_failures(results: report.Results) -> List[str]:
             cell = cells.get(key)
             if not cell or not any(k in cell for k in ("seconds", "p50_us", "n")):
                 out.append(f"{section} {key}: no figure ({cell})")
-    # Issue 28 item 8: the object counts are printed, and one endpoint draws no random number.
+    # Single-endpoint services: the object counts are printed, and one endpoint draws no random number.
     objs = results.get("objects") or {}
     for backend, column in (("nftables", "numgen rules"), ("iptables", "statistic rules")):
         counts = objs.get(backend, {})

@@ -1,4 +1,4 @@
-"""Issue 28 item 8: what a service port with one endpoint costs in the kernel's objects, against two.
+"""What a service port with one endpoint costs in the kernel's objects, against two.
 
 kube-proxy 1.37 (kubernetes #140723) takes no random choice for one endpoint, and neither does
 netproxy: on nftables no ``numgen`` and its map keyed without an index, on iptables no ``-m statistic``
@@ -107,8 +107,8 @@ def markdown(cell: Dict[str, Any]) -> List[str]:
     if not cell:
         return []
     if "error" in cell:
-        return ["### Single-endpoint services (issue 28 item 8)", "", f"not measured: {cell['error']}", ""]
-    out = ["### Single-endpoint services (issue 28 item 8)", "",
+        return ["### Single-endpoint services", "", f"not measured: {cell['error']}", ""]
+    out = ["### Single-endpoint services", "",
            f"Objects rendered (`plan`, no kernel) for N = {cell['n']:,} ClusterIP services of one TCP port, with "
            "one endpoint each against two each: one endpoint takes no random choice (kube-proxy 1.37, "
            "kubernetes #140723) — no `numgen` rule or map on nftables, no `-m statistic` rule on iptables.", ""]

@@ -197,7 +197,7 @@ def latency_table(results: Results) -> List[str]:
 
 
 MIXED_SUFFIX = " (mixed cluster)"
-"""RSS rows of the mixed cluster (issue 8's features on) are keyed ``<combo key> (mixed cluster)``."""
+"""RSS rows of the mixed cluster (its features on) are keyed ``<combo key> (mixed cluster)``."""
 
 
 def rss_table(results: Results) -> List[str]:
@@ -243,7 +243,7 @@ def mixed_table(results: Results) -> List[str]:
         rows.append((c["key"], cells))
     if not any(r[1] for r in rows):
         return []
-    return _table("Issue 8's features on — mixed cluster: cold full sync (÷ raw tool) · one endpoint replaced", rows,
+    return _table("Features on — mixed cluster: cold full sync (÷ raw tool) · one endpoint replaced", rows,
                   _ncols(sizes),
                   "1–50 endpoints per service (2.6× the uniform cluster's endpoints), one service in five UDP, one in "
                   "ten with ClientIP affinity, one in four a NodePort (a fifth of those externalTrafficPolicy: "
@@ -257,7 +257,7 @@ FLOOR_STEPS = {"uniform": (("endpoint", "endpoint"), ("add", "add"), ("remove", 
 
 
 def floor_table(results: Results) -> List[str]:
-    """Issue 15: the one-rule floor of an iptables write into the table netproxy left loaded, and each
+    """The one-rule floor of an iptables write into the table netproxy left loaded, and each
     one-service change of the same run as a ratio to it."""
     sizes = _sizes(results)
     rows = []
@@ -281,7 +281,7 @@ def floor_table(results: Results) -> List[str]:
             rows.append((f"{c['key']}, {variant} cluster", cells))
     if not rows:
         return []
-    return _table("iptables: the one-rule floor of a write, and one-service changes ÷ it (issue 15)", rows,
+    return _table("iptables: the one-rule floor of a write, and one-service changes ÷ it", rows,
                   _ncols(sizes),
                   "Floor: the raw `iptables-<flavour>-restore --noflush` of a one-rule change (one chain holding "
                   "one `-j RETURN` rule) into the nat table as netproxy's full sync and changes left it, timed "
@@ -290,9 +290,9 @@ def floor_table(results: Results) -> List[str]:
                   "sync, median) divided by the floor.")
 
 
-TARGET_GROUPS = {"bench.targets_nft": "Issue 14: nftables at scale", "bench.targets_ipt": "Issue 15: iptables at scale",
-                 "bench.targets": "Earlier targets", "bench.conntrack": "Issue 18: the conntrack reconciler",
-                 "bench.migratestep": "Issue 20: live migration"}
+TARGET_GROUPS = {"bench.targets_nft": "nftables at scale", "bench.targets_ipt": "iptables at scale, features on",
+                 "bench.targets": "Earlier targets", "bench.conntrack": "The conntrack reconciler",
+                 "bench.migratestep": "Live migration"}
 
 
 def target_lines(results: Results) -> List[str]:

@@ -101,7 +101,7 @@ class Bench:
         return self.budget.left() < need
 
     def measure_floor(self, combo: Combo, steps: Dict[str, Any], what: str) -> Dict[str, Any]:
-        """Issue 15's floor on the table the worker just left loaded: what any write into it costs at
+        """The one-rule floor on the table the worker just left loaded: what any write into it costs at
         least (``control.floor``); one-service changes are printed as ratios to it."""
         if "seconds" not in steps.get("cold", {}):
             return self._skip("no loaded table: the cold sync did not finish")
@@ -328,7 +328,7 @@ class Bench:
                 for n in self.sizes:
                     if n > LARGE and combo.name not in AT_LARGE:
                         self._cell("control", combo.name, n, "uniform")["cold"] = self._skip(
-                            f"beyond {LARGE:,} services only {', '.join(AT_LARGE)} runs (issue 14's 44k target)")
+                            f"beyond {LARGE:,} services only {', '.join(AT_LARGE)} runs (the nftables 44k target)")
                     elif not (n == big and combo in late):
                         self.phase_control(combo, n)
             self.phase_references(upto=1000 if big > 1000 else big)
@@ -341,7 +341,7 @@ class Bench:
             self.phase_migrate(big)
             if big > 1000:
                 # The slow reference (kube-proxy's nft layout at 10k: a chain per endpoint in one
-                # transaction, the slowest apply of the run; docs/performance.md) after issue 15's mixed
+                # transaction, the slowest apply of the run; docs/performance.md) after the mixed
                 # iptables figures, which are targets.
                 self.phase_references(only=big, refs=("kube-proxy nft", "kube-proxy iptables-nft"))
             sb.reset_netfilter()
@@ -349,7 +349,7 @@ class Bench:
         return self.results
 
     def phase_objects(self) -> None:
-        """Issue 28 item 8: the objects each backend renders for single-endpoint services against
+        """The objects each backend renders for single-endpoint services against
         two-endpoint ones (bench/objects.py), at the largest N up to 10,000; no kernel involved."""
         n = max([k for k in self.sizes if k <= LARGE] or self.sizes[:1])
         try:
@@ -363,7 +363,7 @@ class Bench:
             self.progress(line)
 
     def phase_conntrack(self) -> None:
-        """Issue 18's conntrack reconciler at 100,000 entries, in a namespace of its own (bench/conntrack.py);
+        """The conntrack reconciler at 100,000 entries, in a namespace of its own (bench/conntrack.py);
         not in a smoke run (filling the table takes seconds)."""
         if self.smoke:
             return
@@ -380,7 +380,7 @@ class Bench:
             self.results["errors"].append(f"conntrack reconciler: {self.results['conntrack']['error']}")
 
     def phase_migrate(self, n: int) -> None:
-        """Issue 20: ``netproxy migrate`` both ways at the largest N (bench/migratestep.py)."""
+        """Live migration: ``netproxy migrate`` both ways at the largest N (bench/migratestep.py)."""
         from bench import migratestep
 
         keys = {c.name for c in self.available()}
@@ -451,11 +451,11 @@ class Bench:
                     self.progress(f"{combo.name} N={n:,}: event → kernel {res}")
 
     def phase_mixed(self) -> None:
-        """Issue 8's features switched on: the mixed cluster (NodePorts, Local policies, affinity, UDP).
+        """The features switched on: the mixed cluster (NodePorts, Local policies, affinity, UDP).
 
         Each backend/writer: cold full sync, one endpoint of a service without and of one with
         ClientIP affinity, the raw tool applying the same payload (the kernel's share) and, on
-        iptables, the floor of any write into the loaded table (issue 15)."""
+        iptables, the floor of any write into the loaded table."""
         if self.smoke:
             return
         big = max(n for n in self.sizes if n <= LARGE)
@@ -472,7 +472,7 @@ class Bench:
                 if n == big and n > 1000 and combo.name not in MIXED_AT_LARGEST:
                     cell["cold"] = self._skip(MIXED_AT_LARGEST_WHY.get(combo.name, "not run at the largest N"))
                     continue
-                # 2.6x the endpoints; iptables-nft's cold sync of it is the slowest (issue 15 allows 60 s).
+                # 2.6x the endpoints; iptables-nft's cold sync of it is the slowest (its target allows 60 s).
                 limit = min(400.0, 60 * cold + 60)
                 if self._out_of_time(limit / 2):
                     cell["cold"] = self._skip("out of time budget")
@@ -507,7 +507,7 @@ class Bench:
                               f"affinity endpoint {control.describe(got.get('endpoint-affinity'))}")
 
     def measure_rss_mixed(self, combo: Combo, n: int, limit: float) -> None:
-        """`netproxy sync` of the mixed cluster: the memory issue 8's features cost at the largest N."""
+        """`netproxy sync` of the mixed cluster: the memory its features cost at the largest N."""
         if self._out_of_time(limit / 2):
             self._cell("rss", combo.name + report.MIXED_SUFFIX, n).update(self._skip("out of time budget"))
             return
@@ -528,7 +528,7 @@ MIXED_AT_LARGEST = ("nftables", "nftables/libnftables", "iptables-legacy/restore
 MIXED_AT_LARGEST_WHY: Dict[str, str] = {}
 MIXED_ORDER = ("nftables", "iptables-legacy/restore", "iptables-nft/restore", "iptables-legacy/libiptc",
                "nftables/libnftables")
-"""The mixed phase's order at the largest N: issue 14's and issue 15's target rows first (nftables,
+"""The mixed phase's order at the largest N: the rows with targets first (nftables,
 iptables-legacy, the iptables-nft flavour), the reference writers after, so a tight budget cuts those."""
 RSS_MIXED = ("nftables", "nftables/libnftables", "iptables-legacy/restore")
 """Whose `netproxy sync` of the mixed cluster is measured for memory at the largest N."""

@@ -1,4 +1,4 @@
-"""The benchmark reports only what a run measured (issue 19): sampling, timeouts, data-plane failures."""
+"""The benchmark reports only what a run measured: sampling, timeouts, data-plane failures."""
 
 from __future__ import annotations
 
@@ -77,7 +77,8 @@ def test_a_clean_data_plane_cell_is_no_failure_and_a_missing_figure_is_one() -> 
 
 
 def test_single_endpoint_services_draw_nothing_and_the_bench_prints_their_object_counts() -> None:
-    """Issue 28 item 8 (kube-proxy 1.37): the counts the bench prints, from the backends' own plans."""
+    """One endpoint draws no random number (kube-proxy 1.37): the counts the bench prints, from the
+    backends' own plans."""
     from bench import objects
 
     cell = objects.measure(20)
@@ -89,7 +90,7 @@ def test_single_endpoint_services_draw_nothing_and_the_bench_prints_their_object
     assert (ipt["1"]["statistic rules"], ipt["2"]["statistic rules"]) == (0, 20)
     assert ipt["2"]["rules"] - ipt["1"]["rules"] == 20  # one DNAT rule more per service, the rest alike
     text = "\n".join(objects.markdown(cell))
-    assert "### Single-endpoint services (issue 28 item 8)" in text
+    assert "### Single-endpoint services" in text
     assert "| 1 endpoint each | " in text and "| 2 endpoints each | " in text
     assert "single-endpoint services, nftables, N = 20 (1 endpoint / 2 endpoints each): rules " in text
     assert "statistic rules 0 / 20" in text
