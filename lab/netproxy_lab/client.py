@@ -31,6 +31,7 @@ import errno
 import json
 import selectors
 import socket
+import struct
 import sys
 import time
 from dataclasses import dataclass, field
@@ -98,10 +99,30 @@ STREAMS = ("tcp", "sctp")
 PROTOCOLS = STREAMS + ("udp",)
 
 
+SOL_SCTP = IPPROTO_SCTP = 132
+SCTP_PEER_ADDR_PARAMS, SPP_HB_DISABLE = 9, 2
+# struct sctp_paddrparams up to spp_flags (packed; the kernel takes this shorter form, 4-byte aligned):
+# assoc id (0: the socket's defaults), sockaddr_storage (zero: no one address), hbinterval,
+# pathmaxrxt, pathmtu, sackdelay, flags.
+_PADDRPARAMS = struct.Struct("=i128sIHIII2x")
+
+
 def _socket(proto: str, address: str) -> socket.socket:
-    if proto == "sctp":
-        return socket.socket(_family(address), socket.SOCK_STREAM, getattr(socket, "IPPROTO_SCTP", 132))
-    return socket.socket(_family(address), socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM)
+    if proto != "sctp":
+        return socket.socket(_family(address), socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM)
+    sock = socket.socket(_family(address), socket.SOCK_STREAM, IPPROTO_SCTP)
+    try:
+        # No HEARTBEATs: the pod's INIT-ACK lists its own address, which the client would probe
+        # straight (not through the service address); conntrack finds that path's reply tuple taken
+        # by the DNAT-ed association's, remaps its source port, and the pod answers the stranger
+        # with an ABORT that ends the real association (seen as resets under emulation, where an
+        # answer can take longer than the probe's first RTO).  Multihoming through DNAT is not
+        # what the lab tests; one path, the service address, is.
+        sock.setsockopt(SOL_SCTP, SCTP_PEER_ADDR_PARAMS, _PADDRPARAMS.pack(0, b"", 0, 0, 0, 0, SPP_HB_DISABLE))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _open(proto: str, address: str, port: int, bind: Optional[Tuple[str, int]]) -> socket.socket:
