@@ -15,7 +15,8 @@ from netproxy.cli.args import build_parser
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OTHER_TOOLS = {"--noflush": "iptables-restore", "--net": "unshare", "--debug": "nft (--debug=netlink)",
-               "--strict": "mypy"}
+               "--strict": "mypy", "--network": "podman run", "--pull": "podman build", "--rm": "podman run",
+               "--type": "kubectl patch"}
 
 
 def netproxy_flags() -> Set[str]:
