@@ -41,8 +41,10 @@ class TableChange:
         return sum(len(r) for r in self.write.values()) + len(self.jumps)
 
 
-STALE_EXACT = frozenset({names.MASQ_NONCLUSTER})
-"""Exactly named chains that only our own per-service chains jump to, so a full sync may delete them."""
+STALE_EXACT = frozenset({names.MASQ_NONCLUSTER, names.HAIRPIN})
+"""Exactly named chains that only our own chains jump to, so a full sync may delete them: KUBE-HAIRPIN
+is an earlier version's hairpin tree (an ipset replaced it), whose KUBE-HP- chains could not be
+deleted while it still jumped to them."""
 
 
 def full_change(table: str, desired: Chains, kernel: KernelTable) -> TableChange:

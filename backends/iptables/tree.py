@@ -1,10 +1,10 @@
 """Dispatch trees: a long list of keyed rules split into chains by key prefix.
 
-A flat chain makes every packet check every rule before its own (docs/performance.md: ~24 ns per rule on
-legacy, 252 µs at 10k services).  The tree jumps on a key prefix 16 ways per level until a chain
-holds at most :data:`LEAF_SIZE` rules, so a packet checks a few dozen rules whatever the size.  It is
-deterministic in the set of keys, so a one-service change rewrites only the chains on that
-service's path (a leaf splitting aside).
+A flat chain makes every packet check every rule before its own (docs/performance.md: ~24 ns per
+rule on legacy, 252 µs at 10k services).  The tree jumps on a key prefix up to 16 ways per level, cut
+on a fixed 4-bit grid, until a chain holds at most :data:`LEAF_SIZE` rules, so a packet checks a few
+dozen rules whatever the size.  A chain depends only on the keys inside its block, so a one-service
+change rewrites only the chains on that service's path (a leaf splitting aside).
 
 One builder, :func:`split_tree`, over two key spaces (:class:`KeySpace`):
 
@@ -55,6 +55,16 @@ class KeySpace:
     the chain's name)."""
 
 
+def _grid(common: int) -> int:
+    """The cut below a common prefix of ``common`` bits: the next multiple of FANOUT_BITS.  On a fixed
+    grid, not ``common + FANOUT_BITS``: the blocks (and the chains named after them) then depend only
+    on the keys inside them, so a service whose address lies far from the others (another range of
+    the service CIDR) adds a level at the top and leaves every existing chain as it was.  Cut at
+    ``common + 4``, it moved every cut below and renamed every leaf: one service added to a 10k
+    table rewrote all 10,000 dispatch rules (iptables-nft: 4.6 s instead of a few chains)."""
+    return (common // FANOUT_BITS + 1) * FANOUT_BITS
+
+
 def address_space(family: int, chain_name: Callable[[str], str], label: str = "services") -> KeySpace:
     """Keys are destination addresses; ``chain_name(prefix)`` names the chain of ``-d <prefix>``."""
     bits = 32 if family == 4 else 128
@@ -64,7 +74,7 @@ def address_space(family: int, chain_name: Callable[[str], str], label: str = "s
         net = str(network((block << (bits - split), split)))
         return ("-d", net, "-m", "comment", "--comment", f"{label} in {net}"), chain_name(net)
 
-    return KeySpace(bits, lambda common: min(bits, common + FANOUT_BITS), jump)
+    return KeySpace(bits, lambda common: min(bits, _grid(common)), jump)
 
 
 PROTOCOLS = ("tcp", "udp", "sctp")
@@ -85,7 +95,7 @@ def port_space(chain_name: Callable[[str], str], label: str = "nodeports") -> Ke
     bits = _PROTOCOL_BITS + _PORT_BITS
 
     def split(common: int) -> int:
-        return _PROTOCOL_BITS if common < _PROTOCOL_BITS else min(bits, common + FANOUT_BITS)
+        return _PROTOCOL_BITS if common < _PROTOCOL_BITS else min(bits, _PROTOCOL_BITS + _grid(common - _PROTOCOL_BITS))
 
     def jump(block: int, split: int) -> Tuple[Rule, str]:
         proto = PROTOCOLS[block >> (split - _PROTOCOL_BITS)]

@@ -6,7 +6,7 @@ from typing import List
 
 import pytest
 
-from netproxy.backends.iptables import save
+from netproxy.backends.iptables import names, save
 from netproxy.backends.iptables.diff import KernelTable, TableChange, full_change, partial_change
 from netproxy.backends.iptables.kernel.restore import failing_line
 from netproxy.backends.iptables.payload import quote, restore_payload, rule_line
@@ -75,6 +75,14 @@ def test_full_change_deletes_only_owned_stale_chains_and_adds_missing_jumps() ->
     change = full_change("nat", {"KUBE-SERVICES": ()}, kernel)
     assert change.delete == ["KUBE-SEP-OLD", "KUBE-SVC-OLD"]
     assert [hook for hook, _ in change.jumps] == ["OUTPUT", "POSTROUTING"]
+
+
+def test_full_change_deletes_an_earlier_versions_hairpin_tree_whole() -> None:
+    """KUBE-HAIRPIN jumping to KUBE-HP- chains (before the hairpin ipset): both go in one write, or
+    the KUBE-HP- chains, still referenced, could not be deleted and the full sync would fail."""
+    kernel = KernelTable(frozenset({"POSTROUTING", "KUBE-POSTROUTING", names.HAIRPIN, "KUBE-HP-ABCDEF"}))
+    change = full_change("nat", {"KUBE-POSTROUTING": ()}, kernel)
+    assert change.delete == [names.HAIRPIN, "KUBE-HP-ABCDEF"]
 
 
 def test_partial_change_writes_only_differences() -> None:
