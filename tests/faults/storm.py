@@ -15,7 +15,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from netproxy_lab.manifests import endpoint_slice, port, service, slice_port
 
 Obj = Dict[str, Any]
-SYNCED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO netproxy\.core\.proxier: synced (full|partial)", re.M)
+SYNCED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO netproxy\.core\.proxier: "
+                    r"synced (full|partial)", re.M)
 
 
 def cluster(count: int, pods: Sequence[str], first_ip: str = "10.96.3.1", rng: Optional[random.Random] = None,
