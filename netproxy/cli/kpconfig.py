@@ -222,8 +222,7 @@ def parse(doc: Any) -> FileConfig:
     nodeports = _nodeport_addresses(doc.get("nodePortAddresses"))
     if nodeports is not None:
         values["nodeport_addresses"] = nodeports
-    values.update(_read_fields(sections["clientConnection"], (("kubeconfig", "kubeconfig", _text),),
-                               "clientConnection."))
+    values.update(_read_fields(sections["clientConnection"], _CLIENT_FIELDS, "clientConnection."))
     values.update(_mode_section(mode, sections))
     values.update(_conntrack(sections["conntrack"]))
     gates, not_applied = _feature_gates(doc)
@@ -443,6 +442,9 @@ _MODE_FIELDS: Tuple[Tuple[str, str, Reader], ...] = (
     ("masqueradeAll", "masquerade_all", _true_only),
     ("syncPeriod", "sync_period", _period),
     ("minSyncPeriod", "min_sync_period", _period),
+)
+_CLIENT_FIELDS: Tuple[Tuple[str, str, Reader], ...] = (
+    ("kubeconfig", "kubeconfig", _text),
 )
 _IPTABLES_FIELDS: Tuple[Tuple[str, str, Reader], ...] = (
     ("localhostNodePorts", "iptables_localhost_nodeports", _flag),  # null is kube-proxy's default, true
