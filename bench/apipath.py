@@ -12,7 +12,9 @@ What a real node does at start and under churn, measured from outside the proces
   "converged" is that service answering, timed from the moment the last PUT was answered; the RSS
   (VmRSS) before the burst and 3 s after convergence;
 - ``source``: ``netproxy run --source`` of the same objects in a file, started → the last service
-  answering: the same proxy without the API, for the ratio.
+  answering: the same proxy without the API, for the ratio;
+- ``sync``: ``netproxy sync`` of that file into the emptied node, a new process (``bench.rss``): what
+  ``run --source`` is held to (≤ 1.1×, ``bench.api.SOURCE_SYNC_TARGET``).
 
 Every process runs in the sandbox's namespaces and is stopped by its PID; the stand-in holds the
 cluster in memory (``netproxy_lab.apiserver``).
@@ -33,7 +35,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import quote, urlsplit
 
-from bench import gen
+from bench import gen, rss
 from bench.latency import _poll, _started, _tail, _wait_poll, proc_status_kib, vm_hwm_kib
 from netproxy.source.convert import PROXY_LABEL_SELECTOR
 from netproxy_lab import netns
@@ -152,7 +154,7 @@ def _python_in(sandbox: Any, args: Sequence[str], timeout: float) -> Dict[str, A
 
 def measure(sandbox: Any, combo: Any, n: int, client: Sequence[str], workdir: str,
             timeout: float = 120.0, burst_count: int = BURST) -> Dict[str, Any]:
-    """The four measures above for ``combo`` at ``n`` services; a failed step says so in its cell."""
+    """The five measures above for ``combo`` at ``n`` services; a failed step says so in its cell."""
     pods = [(p.ip, 8080) for p in sandbox.pods]
     tag = f"{combo.name.replace('/', '-')}-{n}"
     objects = _objects(n, pods, sandbox.node_ips[0])
@@ -173,6 +175,10 @@ def measure(sandbox: Any, combo: Any, n: int, client: Sequence[str], workdir: st
                                                 os.path.join(workdir, f"netproxy-run-api-{tag}.log"), timeout, burst)
     out["source"], _ = _timed_run(sandbox, combo, client, n, ["--source", source],
                                   os.path.join(workdir, f"netproxy-run-source-{tag}.log"), timeout)
+    # The node is empty again (_timed_run resets it): `netproxy sync` of the same file, a new process.
+    out["sync"] = rss.measure_sync(sandbox, combo, source, timeout, os.path.join(workdir, f"netproxy-sync-{tag}.log"),
+                                   node_name=gen.LOCAL_NODE)
+    sandbox.reset_netfilter()
     return out
 
 

@@ -291,6 +291,7 @@ def floor_table(results: Results) -> List[str]:
 
 
 TARGET_GROUPS = {"bench.targets_nft": "nftables at scale", "bench.targets_ipt": "iptables at scale, features on",
+                 "bench.targets_floor": "close to the kernel's floor (start-up, restart, memory, full syncs)",
                  "bench.targets": "Earlier targets", "bench.conntrack": "The conntrack reconciler",
                  "bench.migratestep": "Live migration"}
 

@@ -94,3 +94,47 @@ def test_single_endpoint_services_draw_nothing_and_the_bench_prints_their_object
     assert "| 1 endpoint each | " in text and "| 2 endpoints each | " in text
     assert "single-endpoint services, nftables, N = 20 (1 endpoint / 2 endpoints each): rules " in text
     assert "statistic rules 0 / 20" in text
+
+
+def _floor_results() -> Dict[str, Any]:
+    """10k results with nftables only: its `netproxy sync`, restart, RSS and full sync ÷ the raw netlink apply."""
+    nft = {"uniform": {"10000": {"cold": {"seconds": 0.6}, "raw-netlink": {"seconds": 0.4}}}}
+    return {"meta": {"sizes": [100, 10000], "combos": [{"key": "nftables"}]}, "unavailable": {}, "latency": {},
+            "control": {"nftables": nft},
+            "rss": {"nftables": {"10000": {"seconds": 1.5, "maxrss_mib": 130.0, "restart": {"timeout": 60}}},
+                    "nftables (mixed cluster)": {"10000": {"error": "exited 1", "maxrss_mib": 90.0}}}}
+
+
+def test_the_floor_group_says_met_missed_or_why_each_line_has_no_figure() -> None:
+    from bench import targets_floor
+
+    assert all(fn in targets.CHECKS for fn in targets_floor.CHECKS)  # check() tags them with their module
+    by = {fn.__name__: {**fn(_floor_results()), "group": fn.__module__} for fn in targets_floor.CHECKS}
+    assert by["sync_process"]["met"] is None  # the legacy half is not in this run
+    assert "nftables 1.50 s" in by["sync_process"]["figure"]
+    assert "iptables-legacy/restore not in this run" in by["sync_process"]["figure"]
+    assert "nftables timeout: 60" in by["restart"]["figure"]
+    assert by["source_vs_sync"]["figure"] == targets_floor.API_REPORT
+    assert by["peak_rss"]["met"] is False  # 130 MiB = 136 MB misses, whatever the figures it has not
+    assert "uniform 136 MB, mixed error: exited 1" in by["peak_rss"]["figure"]  # an error's high-water mark
+    assert by["nft_full"]["met"] is True and "1.50× (0.600 s ÷ 0.400 s)" in by["nft_full"]["figure"]
+    assert "not run" in by["large"]["figure"] and by["large"]["met"] is None
+    text = "\n".join(report.target_lines({"targets": list(by.values())}))
+    assert "#### close to the kernel's floor (start-up, restart, memory, full syncs)" in text
+    assert "NOT MEASURED (see bench/results/api.md (python -m bench.api))" in text
+
+
+def test_the_floor_group_reads_the_44k_run_and_an_api_section_when_the_results_hold_them() -> None:
+    from bench import api, targets_floor
+
+    r = _floor_results()
+    r["meta"]["sizes"].append(44000)
+    r["control"]["nftables"]["uniform"]["44000"] = {"cold": {"seconds": 3.5}}
+    r["rss"]["nftables"]["44000"] = {"seconds": 9.0, "maxrss_mib": 500.0}
+    got = targets_floor.large(r)
+    assert got["met"] is False and got["figure"] == "full sync 3.500 s; peak RSS 524 MB"
+    r["api"] = {"cells": {"nftables": {"source": {"seconds": 3.3}, "sync": {"seconds": 3.0}}}}
+    got = targets_floor.source_vs_sync(r)
+    assert got["met"] is True and got["figure"] == "nftables 1.10× (3.30 s ÷ 3.00 s)"
+    assert ("nftables: `run --source` ÷ `sync` of the same file", "1.10×", "≤ 1.1", "met") in \
+        api.rows("nftables", r["api"]["cells"]["nftables"])
