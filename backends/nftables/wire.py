@@ -120,8 +120,16 @@ def udata_strz(text: str) -> bytes:
 def message(msg_type: int, flags: int, seq: int, family: int, body: bytes, subsys: int = NFNL_SUBSYS_NFTABLES,
             res_id: int = 0) -> bytes:
     """One nfnetlink message: netlink header, ``nfgenmsg`` (family, version 0, resource id), attributes."""
-    payload = _NFGEN.pack(family, 0, 0)[:2] + res_id.to_bytes(2, "big") + body
-    return _HDR.pack(_HDR.size + len(payload), (subsys << 8) | msg_type, flags, seq, 0) + payload
+    return message_head(msg_type, flags, seq, family, len(body), subsys, res_id) + body
+
+
+def message_head(msg_type: int, flags: int, seq: int, family: int, body_length: int,
+                 subsys: int = NFNL_SUBSYS_NFTABLES, res_id: int = 0) -> bytes:
+    """The headers of :func:`message` alone (netlink header and ``nfgenmsg``): a batch sends them
+    beside the bodies (``sendmsg`` with a vector) instead of copying every body into a new message."""
+    size = _HDR.size + 4 + body_length
+    return (_HDR.pack(size, (subsys << 8) | msg_type, flags, seq, 0) + _NFGEN.pack(family, 0, 0)[:2]
+            + res_id.to_bytes(2, "big"))
 
 
 def batch_begin(seq: int) -> bytes:

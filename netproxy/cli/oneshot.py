@@ -32,7 +32,7 @@ def _load(args: argparse.Namespace) -> Loaded:
     write, and nothing they build forms cycles: the cyclic collector stays off for their whole life."""
     gc.disable()
     if args.source:
-        return load(args.source, hostname(args))
+        return load(args.source, hostname(args), remember_addresses=False)
     if getattr(args, "kernel", False) and not args.kubeconfig:
         return Loaded()  # trace --kernel: the rules are the kernel's, no cluster needed
     from netproxy.source import kube

@@ -143,6 +143,17 @@ def forget_parsed_addresses() -> None:
     _parse_ip.cache_clear()
 
 
+def _v4(number: int) -> ipaddress.IPv4Address:
+    """``IPv4Address(number)`` for a number known to be in range: the class's Python-level
+    ``__init__`` (type checks, range check) cost a third of parsing 100k endpoint addresses."""
+    ip = _NEW_V4(ipaddress.IPv4Address)
+    ip._ip = number  # the only field (__slots__ = ('_ip', '__weakref__')), as __init__ sets it
+    return ip
+
+
+_NEW_V4 = object.__new__
+
+
 @functools.lru_cache(maxsize=1 << 18)
 def _parse_ip(value: str) -> Optional[IPAddress]:
     # Cached: a watched file or a relist parses the same 100k endpoint addresses again, and
@@ -152,7 +163,7 @@ def _parse_ip(value: str) -> Optional[IPAddress]:
         # other spelling goes to ipaddress, which stays the authority on what is valid.
         packed = socket.inet_pton(socket.AF_INET, value)
         if socket.inet_ntop(socket.AF_INET, packed) == value:
-            return ipaddress.IPv4Address(packed)
+            return _v4(int.from_bytes(packed, "big"))
     except (OSError, ValueError):  # ValueError: an embedded NUL ("10.0.0.1\0..."), found by the fault suite
         pass
     try:

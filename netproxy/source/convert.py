@@ -423,8 +423,8 @@ def not_for_this_proxy(obj: Mapping[str, Any]) -> Optional[str]:
     """The label of :data:`PROXY_LABELS` that ``obj`` carries (the file source's side of the
     informers' selector), or None.  Labels that are no mapping are left to validation."""
     meta = obj.get("metadata")
-    labels = meta.get("labels") if isinstance(meta, Mapping) else None
-    if not isinstance(labels, Mapping):
+    labels = meta.get("labels") if is_mapping(meta) else None
+    if not is_mapping(labels):
         return None
     return next((label for label in PROXY_LABELS if label in labels), None)
 

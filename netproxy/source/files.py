@@ -24,6 +24,7 @@ import yaml
 from netproxy.core.model import EndpointSet, IPNetwork, NodeInfo, ServicePort, ValidationError, shown
 from netproxy.source import jsonstream, yamldocs
 from netproxy.source.convert import (
+    is_mapping,
     loose_ref,
     not_for_this_proxy,
     object_ref,
@@ -108,14 +109,14 @@ def read_objects(path: str) -> Iterator[Union[Mapping[str, Any], ValidationError
     try:
         for what, value in jsonstream.iter_document(text):
             if what == "item":
-                if isinstance(value, Mapping) and not value.get("kind"):
+                if is_mapping(value) and not value.get("kind"):
                     kindless.append(value)
                 else:
                     yield from flatten([value], path)
                 continue
-            if kindless and isinstance(value, Mapping):
+            if kindless and is_mapping(value):
                 yield from flatten([{**value, "items": kindless}], path)
-            elif not isinstance(value, Mapping):
+            elif not is_mapping(value):
                 raise SourceError(f"the document is {shown(value)}, not a Kubernetes object")
             elif not str(value.get("kind") or "").endswith("List"):
                 yield from flatten([value], path)
@@ -135,7 +136,7 @@ def flatten(docs: Sequence[Any], source: str = "") -> Iterator[Union[Mapping[str
         if isinstance(doc, ValidationError):
             yield doc
             continue
-        if not isinstance(doc, Mapping):
+        if not is_mapping(doc):
             yield ValidationError("object", f"? in {source}" if source else "?", "(root)",
                                   f"is {shown(doc)}, not a Kubernetes object")
             continue
@@ -144,7 +145,7 @@ def flatten(docs: Sequence[Any], source: str = "") -> Iterator[Union[Mapping[str
         if kind.endswith("List") and isinstance(doc.get("items"), list):
             item_kind = kind[: -len("List")] or None
             for item in doc["items"]:
-                if isinstance(item, Mapping) and not item.get("kind") and item_kind:
+                if is_mapping(item) and not item.get("kind") and item_kind:
                     item = {**item, "kind": item_kind}  # typed lists omit the items' kind
                 yield from flatten([item], source)
         else:
@@ -156,8 +157,11 @@ def parse_objects(objects: Iterator[Union[Mapping[str, Any], ValidationError]], 
     return merge([parse_part(objects, node_name)])
 
 
-def parse_part(objects: Iterator[Union[Mapping[str, Any], ValidationError]], node_name: str) -> Loaded:
-    """One file's objects, converted; duplicates and legacy Endpoints are settled by :func:`merge`."""
+def parse_part(objects: Iterator[Union[Mapping[str, Any], ValidationError]], node_name: str,
+               remember_addresses: bool = True) -> Loaded:
+    """One file's objects, converted; duplicates and legacy Endpoints are settled by :func:`merge`.
+    ``remember_addresses=False``: endpoint addresses are parsed without the address cache (see
+    :func:`load`)."""
     out = Loaded()
     seen: Set[Key] = set()
     for obj in objects:
@@ -182,7 +186,7 @@ def parse_part(objects: Iterator[Union[Mapping[str, Any], ValidationError]], nod
                 out.services[(ns, name)] = parse_service(obj)
             elif kind == "EndpointSlice":
                 _, ns, name = object_ref(obj)
-                eps = parse_endpoint_slice(obj)
+                eps = parse_endpoint_slice(obj, cache=remember_addresses)
                 if eps is not None:
                     out.endpoints[(ns, name)] = eps
             elif kind == "Endpoints":
@@ -250,15 +254,20 @@ def _signature(path: str) -> Optional[FileSig]:
     return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
-def load(path: str, node_name: str = "", cache: Optional[Dict[str, Tuple[FileSig, Loaded]]] = None) -> Loaded:
+def load(path: str, node_name: str = "", cache: Optional[Dict[str, Tuple[FileSig, Loaded]]] = None,
+         remember_addresses: bool = True) -> Loaded:
     """Load every manifest under ``path``; raises :class:`SourceError` if any file cannot be parsed.
 
     With ``cache`` (path → (signature, part)), files whose (mtime, size, inode) did not change are
     not read again: a directory with a 10k-service file and a small file that changes costs the
     small file's parse, not the big one's.
+
+    ``remember_addresses``: parse endpoint addresses through the address cache, which pays when the
+    same file is read again (``run``).  A command that loads once passes False: at 10k x 10 the
+    cache held 100k entries (18 MB, the load's peak) and cost its lookups for nothing.
     """
     with gc_paused():
-        return _load(path, node_name, cache)
+        return _load(path, node_name, cache, remember_addresses)
 
 
 @contextlib.contextmanager
@@ -275,7 +284,8 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _load(path: str, node_name: str, cache: Optional[Dict[str, Tuple[FileSig, Loaded]]]) -> Loaded:
+def _load(path: str, node_name: str, cache: Optional[Dict[str, Tuple[FileSig, Loaded]]],
+          remember_addresses: bool) -> Loaded:
     parts: List[Loaded] = []
     fresh: Dict[str, Tuple[FileSig, Loaded]] = {}
     for f in manifest_files(path):
@@ -284,7 +294,7 @@ def _load(path: str, node_name: str, cache: Optional[Dict[str, Tuple[FileSig, Lo
         if hit is not None and sig is not None and hit[0] == sig:
             part = hit[1]
         else:
-            part = parse_part(read_objects(f), node_name)
+            part = parse_part(read_objects(f), node_name, remember_addresses)
         if sig is not None:
             fresh[f] = (sig, part)
         parts.append(part)

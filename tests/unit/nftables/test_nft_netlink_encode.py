@@ -159,6 +159,10 @@ class _FakeSock:
     def sendall(self, data: bytes) -> None:
         self.sent.append(data)
 
+    def sendmsg(self, buffers: List[bytes]) -> int:
+        self.sent.append(b"".join(buffers))
+        return len(self.sent[-1])
+
     def recv(self, size: int, flags: int = 0) -> bytes:
         if flags:  # MSG_PEEK | MSG_DONTWAIT
             if not self.answers:
@@ -190,6 +194,25 @@ def test_a_refusal_names_the_index_of_its_message() -> None:
         s.send_batch(bodies)
     assert err.value.seq == 1 and err.value.errno == errno.ENOENT
     assert len(s.sock.sent) == 1, "the whole batch in one sendmsg"  # type: ignore[attr-defined]
+
+
+def test_a_batch_sent_as_a_vector_is_the_messages_end_to_end() -> None:
+    bodies = [(wire.NEWTABLE, 0, 2, b"\x08\x00\x01\x00ab\x00\x00"), (wire.NEWCHAIN, 0, 10, b"")]
+    s = _socket([_answer(102, 0), _answer(103, 0)])
+    assert s.send_batch(bodies) is True
+    expected = (wire.batch_begin(101)
+                + wire.message(wire.NEWTABLE, wire.NLM_F_REQUEST | wire.NLM_F_ACK, 102, 2, bodies[0][3])
+                + wire.message(wire.NEWCHAIN, wire.NLM_F_REQUEST | wire.NLM_F_ACK, 103, 10, b"")
+                + wire.batch_end(104))
+    assert s.sock.sent == [expected]  # type: ignore[attr-defined]
+
+
+def test_a_vector_longer_than_iov_max_is_joined_into_fewer_buffers() -> None:
+    parts = [bytes([i % 251]) * 4 for i in range(3 * nlsocket._IOV_MAX + 7)]
+    vector = nlsocket._vector(parts)
+    assert len(vector) <= nlsocket._IOV_MAX
+    assert b"".join(vector) == b"".join(parts)
+    assert nlsocket._vector(parts[:10]) == parts[:10]
 
 
 def test_a_failed_commit_answers_once_for_the_batch() -> None:
