@@ -31,9 +31,7 @@ from typing import Optional, Sequence
 
 from netproxy.backends.base import BackendError
 from netproxy.cli.args import EXIT_FAILED, EXIT_OK, EXIT_REJECTED, build_parser
-from netproxy.cli.observe import cmd_detect, cmd_status
 from netproxy.cli.oneshot import cmd_cleanup, cmd_migrate, cmd_plan, cmd_sync, cmd_trace
-from netproxy.cli.run import cmd_run
 from netproxy.node import ctsysctl
 from netproxy.node import detect as detect_mod
 from netproxy.node.nodeconfig import ConfigError
@@ -43,6 +41,28 @@ from netproxy.source.files import SourceError
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_REJECTED", "build_parser", "main"]
 
 log = logging.getLogger("netproxy")
+
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    # run, status and detect import their servers and clients (http.server, wsgiref, email...:
+    # 50 ms) only when asked: a one-shot sync pays none of it.
+    from netproxy.cli.run import cmd_run as run
+
+    return run(args)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from netproxy.cli.observe import cmd_status as status
+
+    return status(args)
+
+
+def cmd_detect(args: argparse.Namespace) -> int:
+    from netproxy.cli.observe import cmd_detect as detect
+
+    return detect(args)
+
 
 COMMANDS = {"sync": cmd_sync, "run": cmd_run, "plan": cmd_plan, "trace": cmd_trace, "status": cmd_status,
             "detect": cmd_detect, "migrate": cmd_migrate,

@@ -235,10 +235,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_FAILED, f"{self.prog}: error: {message}\n")
 
 
+class _Version(argparse.Action):
+    """argparse's ``version`` action wants the text when the parser is built; reading the installed
+    version costs an import every command would pay, so it is read only when asked."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        sys.stdout.write(f"netproxy {version()}\n")  # stdout, as argparse's own version action
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="netproxy", description="Node service proxy: Kubernetes Services "
                                      "to iptables or nftables rules.")
-    parser.add_argument("--version", action="version", version=f"netproxy {version()}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("sync", help="load the source, sync once, exit (0 ok, 1 write failed, 2 rejected)")
     _add_source(p)
