@@ -10,7 +10,14 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tupl
 
 from netproxy.backends.iptables import ipset, names
 from netproxy.backends.iptables.render import FamilyRuleset, ServiceRules, host_net, reject_target
-from netproxy.backends.iptables.tree import Chains, Rule, build_port_tree, build_tree
+from netproxy.backends.iptables.tree import (
+    Chains,
+    DispatchEntry,
+    Rule,
+    SortedEntries,
+    build_port_tree,
+    build_sorted_tree,
+)
 from netproxy.core.config import ProxyConfig
 from netproxy.core.model import IPNetwork, NodeInfo
 
@@ -112,6 +119,7 @@ class Memo:
 
     def __init__(self) -> None:
         self._last: Dict[str, Tuple[List[object], object]] = {}
+        self._sorted: Dict[str, SortedEntries] = {}
 
     def get(self, part: str, inputs: List[object], build: Callable[[], T]) -> T:
         last = self._last.get(part)
@@ -121,6 +129,15 @@ class Memo:
         value = build()
         self._last[part] = (inputs, value)
         return value
+
+    def tree(self, part: str, inputs: List[Tuple[DispatchEntry, ...]], build: Callable[[List[DispatchEntry]], T],
+             unique: bool = False) -> T:
+        """:meth:`get` for a dispatch tree: ``build`` gets the entries sorted, kept sorted between
+        syncs (:class:`SortedEntries`), so that a one-service change does not sort 10k again."""
+        entries = self._sorted.get(part)
+        if entries is None:
+            entries = self._sorted[part] = SortedEntries(unique)
+        return self.get(part, inputs, lambda: build(entries.update(inputs)))  # type: ignore[arg-type]
 
 
 SERVICE_CIDR_COMMENT = "service CIDR: an address no service owns"
@@ -147,8 +164,8 @@ def assemble(family: int, services: Iterable[ServiceRules], config: ProxyConfig,
     filt = out.chains("filter")
     memo = memo if memo is not None else Memo()
 
-    top, sub = memo.get("dispatch", [s.dispatch for s in rendered], lambda: build_tree(
-        (e for s in rendered for e in s.dispatch), family, names.dispatch_chain))
+    top, sub = memo.tree("dispatch", [s.dispatch for s in rendered], lambda ordered: build_sorted_tree(
+        ordered, family, names.dispatch_chain))
     # KUBE-NODEPORTS is walked by every new connection to a node address, not only NodePort traffic:
     # a (protocol, port-range) tree above LEAF_SIZE rules, kube-proxy's flat list below.
     nodeports, np_sub = memo.get("nodeports", [s.nodeports for s in rendered], lambda: build_port_tree(
@@ -174,8 +191,8 @@ def assemble(family: int, services: Iterable[ServiceRules], config: ProxyConfig,
         out.affinity[slot] = frozenset(keys[slot])
 
     # dict.fromkeys: the catch-all REJECT of a multi-port service's cluster IP comes once per port.
-    ftop, fsub = memo.get("filter", [s.filter for s in rendered], lambda: build_tree(
-        list(dict.fromkeys(e for s in rendered for e in s.filter)), family, names.dispatch_chain))
+    ftop, fsub = memo.tree("filter", [s.filter for s in rendered], lambda ordered: build_sorted_tree(
+        ordered, family, names.dispatch_chain), unique=True)
     # The same for filter's per-NodePort verdicts: jumped to for every new connection to a node address
     # (INPUT, OUTPUT), so a long list of endpoint-less NodePorts would tax all of the node's traffic.
     external, ext_sub = memo.get("filter-nodeports", [s.filter_nodeports for s in rendered], lambda: build_port_tree(

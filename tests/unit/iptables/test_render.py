@@ -9,9 +9,9 @@ from typing import Dict, List, Tuple
 import pytest
 
 from netproxy.backends.iptables import affinity, ipset, names
-from netproxy.backends.iptables.assemble import assemble
+from netproxy.backends.iptables.assemble import Memo, assemble
 from netproxy.backends.iptables.render import Rule, probability, render_service, safe_comment
-from netproxy.backends.iptables.tree import LEAF_SIZE, build_tree
+from netproxy.backends.iptables.tree import LEAF_SIZE, DispatchEntry, SortedEntries, build_tree, entry_order
 from netproxy.core.config import ProxyConfig
 from netproxy.core.model import Endpoint, NodeInfo, ServicePort, ServicePortName
 from netproxy_lab.manifests import service_port
@@ -210,6 +210,47 @@ def test_dispatch_small_stays_flat_and_same_address_many_ports_is_a_leaf() -> No
                for p in range(1, 2 * LEAF_SIZE)]
     top, sub = build_tree([e for r in entries if r for e in r.dispatch], 4, names.dispatch_chain)
     assert sub == {} and len(top) == 2 * LEAF_SIZE - 1
+
+
+@pytest.mark.parametrize("unique", [False, True])
+def test_sorted_entries_kept_between_syncs_equal_a_fresh_sort(unique: bool) -> None:
+    """What a sync keeps sorted by the changes (identity of each service's tuple) is what sorting all
+    again gives, duplicates included: shared by two services (counted, one rule when ``unique``)."""
+    import random
+
+    rng = random.Random(7)
+
+    def group(i: int) -> Tuple[DispatchEntry, ...]:
+        shared = DispatchEntry(1000, ("-d", "shared"))  # in several services' tuples
+        own = tuple(DispatchEntry(rng.randrange(64), ("-j", f"c{i}-{k}"), rng.randrange(2)) for k in range(3))
+        return own + ((shared,) if i % 3 == 0 else ())
+
+    kept = SortedEntries(unique)
+    inputs = [group(i) for i in range(200)]
+    for step in range(60):
+        at = rng.randrange(len(inputs))
+        if step % 3 == 0:
+            inputs.insert(at, group(1000 + step))
+        elif step % 3 == 1:
+            del inputs[at]
+        else:
+            inputs[at] = group(2000 + step)  # a service's entries replaced
+        everything = [e for t in inputs for e in t]
+        fresh = sorted(dict.fromkeys(everything) if unique else everything, key=entry_order)
+        assert kept.update(inputs) == fresh, step
+
+
+def test_assemble_after_changes_equals_assemble_from_nothing() -> None:
+    """The memo (kept sorted trees) changes nothing in the result of a one-service add and remove."""
+    services = [svc(name=f"s{i}", cip=str(ip(int(ip("10.96.0.0")) + 7 * i + 1))) for i in range(600)]
+    rendered = [render_service(s, eps("10.1.0.1"), NodeInfo(), 4, CFG) for s in services]
+    memo = Memo()
+    assemble(4, [r for r in rendered if r is not None], CFG, memo=memo)
+    extra = render_service(svc(name="extra", cip="10.200.0.9"), eps("10.1.0.1"), NodeInfo(), 4, CFG)
+    for now in ([*rendered[:300], extra, *rendered[300:]], rendered[1:], rendered):
+        got = assemble(4, [r for r in now if r is not None], CFG, memo=memo)
+        want = assemble(4, [r for r in now if r is not None], CFG)
+        assert got.chains("nat") == want.chains("nat") and got.chains("filter") == want.chains("filter")
 
 
 def test_names_stable_distinct_and_short() -> None:
