@@ -25,7 +25,9 @@ detect) and run.py (run); netproxy/wiring.py builds the objects they use.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -89,8 +91,32 @@ def _read_config(args: argparse.Namespace) -> Optional[int]:
     return None
 
 
+ENDS_AT_ONCE = frozenset({"sync", "plan", "trace", "migrate", "cleanup", "status", "detect"})
+"""The commands that act once and end: run as the program, they leave without Python's teardown."""
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    code = _main(args)
+    if argv is None and args.command in ENDS_AT_ONCE:
+        _leave(code)
+    return code
+
+
+def _leave(code: int) -> None:
+    """End the process now, as a C tool would: the interpreter's teardown freed the half-million
+    objects of a 10k-service sync one by one (0.15-0.5 s of ``netproxy sync``'s 3-4 s, measured in
+    a throwaway namespace), for nothing.  Nothing these commands leave needs it: every file and
+    child process is closed by its ``with``; logging and the standard streams are flushed here.
+    Only as the program (``argv`` None): called from Python, :func:`main` returns."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe (| head): what was read is all
+            stream.flush()
+    os._exit(code)
+
+
+def _main(args: argparse.Namespace) -> int:
     logs.setup(args.log_level, getattr(args, "log_format", "text"))
     if getattr(args, "config", None):
         status = _read_config(args)

@@ -143,6 +143,29 @@ def test_sync_auto_backend_with_no_usable_dataplane_exits_1(
 
 # -- plan, detect, cleanup ---------------------------------------------------------------------------
 
+@pytest.mark.parametrize("command, code", [("plan", 0), ("trace", 2)])
+def test_as_the_program_a_one_shot_command_leaves_with_its_code_and_every_byte(
+        command: str, code: int, with_rejects: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Run as the program, a one-shot command ends without the interpreter's teardown (cli._leave):
+    what it printed to a pipe (block-buffered: a plan's 8 KB and more, a trace's few lines) and to
+    stderr must all arrive, with its exit code."""
+    import os
+    import subprocess
+    import sys
+
+    source = EXAMPLE if code == 0 else with_rejects
+    argv = [command, "--source", str(source), "--backend", "nftables", "--hostname-override", "node-a",
+            "--log-level", "warning", *(["--to", "10.96.0.1:80"] if command == "trace" else [])]
+    assert cli.main(argv) == code  # in-process: returns
+    want = capsys.readouterr()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as on a node
+    proc = subprocess.run([sys.executable, "-m", "netproxy", *argv], capture_output=True, text=True, check=False,
+                          env=env)
+    assert proc.returncode == code
+    assert proc.stdout == want.out and want.out.strip()
+    assert proc.stderr == want.err and ("default/bad" in proc.stderr) == (code == 2)
+
+
 def test_plan_prints_and_touches_nothing(made: Made, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["plan", "--source", str(EXAMPLE), *FAKE]) == 0
     out = capsys.readouterr().out
