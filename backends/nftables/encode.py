@@ -181,6 +181,25 @@ class Packer:
         self.single = len(fields) == 1
         self.truncate = _TYPES[self.fields[0]][1] if self.single and self.fields[0] in ("inet_proto",
                                                                                       "inet_service") else 0
+        self.pack: Callable[[str], bytes] = self._pair() if len(self.converters) == 2 else self.__call__
+        """What the hot loops call: :meth:`__call__`, or for two-field keys (``address . port``, the
+        100k endpoint values of a 10k-service sync) a path without the general one's split, zip and
+        list (a third of the element encoding); anything it cannot take goes the general way."""
+
+    def _pair(self) -> Callable[[str], bytes]:
+        first, second = self.converters
+        general = self.__call__
+
+        def pack(text: str) -> bytes:
+            a, sep, b = text.partition(" . ")
+            if sep and " . " not in b:
+                try:
+                    return first(a) + second(b)
+                except (OSError, ValueError, KeyError, OverflowError):
+                    pass
+            return general(text)  # the general path's answer, or its error naming the value
+
+        return pack
 
     def __call__(self, text: str) -> bytes:
         parts = text.split(" . ")
@@ -188,7 +207,7 @@ class Packer:
             raise EncodeError(f"value {text!r} does not fit {' . '.join(self.fields)}")
         try:
             got = b"".join([c(p) for c, p in zip(self.converters, parts)])
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, OverflowError) as exc:
             raise EncodeError(f"value {text!r} is not a {' . '.join(self.fields)}: {exc}") from None
         return got[:self.truncate] if self.truncate else got
 
@@ -345,8 +364,8 @@ class Encoder:
             head = elem_hdr + key_hdr + prefix
             if value_pack is None:
                 return [head + indexes[i] for i in range(len(run.values))]
-            mid = value_hdr
-            return [b"".join((head, indexes[i], mid, value_pack(v))) for i, v in enumerate(run.values)]
+            mid, pack = value_hdr, value_pack.pack
+            return [b"".join((head, indexes[i], mid, pack(v))) for i, v in enumerate(run.values)]
 
         return encode
 
@@ -371,9 +390,9 @@ class Encoder:
         def encode(e: Element) -> List[bytes]:
             if plain is not None and e.comment is None and e.expires is None and e.timeout is None:
                 if value_pack is None:
-                    return [plain + key_pack(e.key)]
+                    return [plain + key_pack.pack(e.key)]
                 if e.value is not None:
-                    return [b"".join((plain, key_pack(e.key), value_hdr, value_pack(e.value)))]
+                    return [b"".join((plain, key_pack.pack(e.key), value_hdr, value_pack.pack(e.value)))]
             if interval:
                 note = wire.attr(wire.ELEM_USERDATA, wire.udata((0, wire.udata_strz(names.comment(e.comment))))) \
                     if e.comment is not None and with_value else b""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import errno
 import struct
-from typing import List
+from typing import List, Tuple
 
 import pytest
 
@@ -227,3 +227,27 @@ def test_lost_answers_are_reported_not_fatal() -> None:
     assert s.send_batch([(wire.NEWTABLE, 0, 2, b""), (wire.NEWCHAIN, 0, 2, b"")]) is False
     s = _socket([_answer(102, 0), _answer(103, 0)])
     assert s.send_batch([(wire.NEWTABLE, 0, 2, b""), (wire.NEWCHAIN, 0, 2, b"")]) is True
+
+
+@pytest.mark.parametrize("fields, good", [
+    (("ipv4_addr", "inet_service"), ["10.1.2.3 . 8080", "0.0.0.0 . 1", "255.255.255.255 . 65535"]),
+    (("ipv4_addr", "ipv4_addr"), ["10.0.0.1 . 10.0.0.1"]),
+    (("inet_proto", "inet_service"), ["tcp . 80", "udp . 53", "sctp . 9"]),
+    (("ipv6_addr", "inet_service"), ["fd00::1 . 80", "::ffff:10.0.0.1 . 443"]),
+])
+def test_the_two_field_fast_path_packs_as_the_general_one(fields: Tuple[str, str], good: List[str]) -> None:
+    p = encode.Packer(fields)
+    for text in good:
+        assert p.pack(text) == p(text) and len(p.pack(text)) == p.length
+    for wrong_count in ["10.1.2.3", "10.1.2.3 . 80 . 9"]:
+        for fn in (p, p.pack):
+            with pytest.raises(encode.EncodeError):
+                fn(wrong_count)
+    for odd in ["x . 80", "10.1.2.3 . 99999999", " . ", "fd00::1 . tcp", "80 . 80"]:
+        try:
+            want = p(odd)  # (inet_aton takes "80" as an address: the general path decides)
+        except encode.EncodeError:
+            with pytest.raises(encode.EncodeError):
+                p.pack(odd)
+        else:
+            assert p.pack(odd) == want
