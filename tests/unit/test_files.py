@@ -348,3 +348,28 @@ def test_a_file_that_never_holds_still_is_still_loaded(tmp_path: Path) -> None:
         stop.set()
         writer.join()
         source.stop()
+
+
+def test_the_address_cache_is_filled_from_the_second_read_on(tmp_path: Path) -> None:
+    """A one-shot load and run's first read parse addresses without the cache (it would only cost);
+    a changed file read again goes through it."""
+    from netproxy.core import model
+
+    path = tmp_path / "c.yaml"
+    addresses = [f"10.77.{i // 250}.{i % 250 + 1}" for i in range(300)]
+
+    def write(generation: int) -> None:
+        path.write_text(yaml.safe_dump_all([service("web", "10.96.0.1"),
+                                            endpoint_slice("web", addresses, name=f"web-{generation}")]))
+
+    write(0)
+    model.forget_parsed_addresses()
+    load(str(path), "", remember_addresses=False)
+    assert model._parse_ip.cache_info().currsize <= 1  # the cluster IP (services always go through it)
+    source = FileSource(str(path))
+    source.load_into(ChangeTracker())
+    assert model._parse_ip.cache_info().currsize <= 1, "run's first read fills no cache"
+    write(1)
+    source.load_into(ChangeTracker())
+    assert model._parse_ip.cache_info().currsize >= len(addresses)
+    model.forget_parsed_addresses()
