@@ -1,0 +1,127 @@
+"""``python -m bench.versions REV [REV ...]``: ``netproxy sync`` as a new process, one commit against another.
+
+A figure of one bench run against a figure of another compares two machines as much as two
+versions (this 2-vCPU machine's speed moves by a quarter from one day to the next).  This runs
+each revision's ``netproxy/`` and ``backends/`` (from ``git archive``, laid out as the install lays
+them out) in turn, alternating, in one throwaway ``np-bench-…-versions`` namespace, on the uniform
+N × 10 cluster: a first sync into an empty kernel and a restart with one endpoint changed, for
+nftables and iptables-legacy.  Every run is ``python -S`` with the venv's site-packages on the path
+(so that the editable install's finder does not hand every run this checkout's code), timed whole
+from outside, with its peak RSS.  Prints the median per revision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import site
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from typing import Dict, List, Tuple
+
+from bench import gen
+from bench.rss import measure_sync
+from netproxy_lab import netns
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKENDS = {"nftables": ["--backend", "nftables"],
+            "iptables-legacy": ["--backend", "iptables", "--iptables-flavour", "legacy"]}
+
+
+def unpack(rev: str, into: str) -> str:
+    """``rev``'s product code under ``into``/<rev>, ``backends/`` inside ``netproxy/`` as installed."""
+    dest = os.path.join(into, rev)
+    os.makedirs(dest)
+    archive = subprocess.run(["git", "-C", ROOT, "archive", "--format=tar", rev, "netproxy", "backends"],
+                             capture_output=True, check=True).stdout
+    path = os.path.join(into, f"{rev}.tar")
+    with open(path, "wb") as fh:
+        fh.write(archive)
+    with tarfile.open(path) as tar:
+        tar.extractall(dest, filter="data")
+    shutil.move(os.path.join(dest, "backends"), os.path.join(dest, "netproxy", "backends"))
+    return dest
+
+
+class _Node:
+    """What :func:`bench.rss.measure_sync` needs of a sandbox: the node namespace and a PATH entry."""
+
+    def __init__(self, ns: str) -> None:
+        self.node = ns
+
+    def iptables_bindir(self, _flavour: str) -> str:
+        return "/usr/sbin"
+
+
+class _Combo:
+    def __init__(self, flags: List[str]) -> None:
+        self.flags = flags
+        self.flavour = "legacy"
+
+
+def _empty(ns: str) -> None:
+    for args in (["nft", "flush", "ruleset"], *(["iptables-legacy", "-t", t, verb]
+                                                 for t in ("nat", "filter") for verb in ("-F", "-X"))):
+        netns.run_in_timeout(ns, args, timeout=60)
+
+
+Figures = Dict[Tuple[str, str, str], List[Tuple[float, float]]]
+"""(backend, step, revision) → (seconds, peak RSS MiB) of each run."""
+
+
+def compare(revs: List[str], n: int, runs: int, backends: List[str]) -> Figures:
+    out: Figures = {}
+    with tempfile.TemporaryDirectory(prefix="np-versions-") as work:
+        trees = {rev: unpack(rev, work) for rev in revs}
+        source, changed = os.path.join(work, "c.json"), os.path.join(work, "c-changed.json")
+        objects = gen.cluster(n, "uniform")
+        gen.write_json(source, objects)
+        objects[2 * (n // 2) + 1] = gen.replaced_endpoint(objects, n // 2, 7)
+        gen.write_json(changed, objects)
+        sp = site.getsitepackages()[0]
+        log = os.path.join(work, "sync.log")
+        with netns.namespace("versions") as ns:
+            node = _Node(ns)
+            for backend in backends:
+                for _ in range(runs):
+                    for rev in revs:
+                        os.environ["NETPROXY_CMD"] = f"{sys.executable} -S -m netproxy"
+                        os.environ["PYTHONPATH"] = f"{trees[rev]}:{sp}"
+                        _empty(ns)
+                        for step, path in (("sync", source), ("restart", changed)):
+                            got = measure_sync(node, _Combo(BACKENDS[backend]), path, 300, log)
+                            if "seconds" not in got:
+                                raise SystemExit(f"bench.versions: {rev} {backend} {step}: {got} (log {log})")
+                            out.setdefault((backend, step, rev), []).append((got["seconds"], got["maxrss_mib"]))
+                _empty(ns)
+    return out
+
+
+def main(argv: List[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.versions", description=__doc__.splitlines()[0])
+    p.add_argument("revs", nargs="+", help="commits to compare (e.g. a72e1db HEAD)")
+    p.add_argument("--services", type=int, default=10000)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--backends", default="nftables,iptables-legacy")
+    args = p.parse_args(argv)
+    revs = [subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", r], capture_output=True, text=True,
+                           check=True).stdout.strip() for r in args.revs]
+    os.chdir(tempfile.gettempdir())  # `-m netproxy` must not find this checkout through the current directory
+    got = compare(revs, args.services, args.runs, args.backends.split(","))
+    print(f"`netproxy sync` as a new process, N = {args.services:,} × 10, median of {args.runs} alternating runs "
+          f"({time.strftime('%Y-%m-%d %H:%M')}):")
+    for (backend, step, rev), runs in got.items():
+        secs = statistics.median(r[0] for r in runs)
+        rss = statistics.median(r[1] for r in runs)
+        print(f"  {backend:16} {step:8} {rev}: {secs:.2f} s, peak RSS {rss:.0f} MiB "
+              f"(runs {', '.join(f'{r[0]:.2f}' for r in runs)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
