@@ -147,7 +147,7 @@ def _v4(number: int) -> ipaddress.IPv4Address:
     """``IPv4Address(number)`` for a number known to be in range: the class's Python-level
     ``__init__`` (type checks, range check) cost a third of parsing 100k endpoint addresses."""
     ip = _NEW_V4(ipaddress.IPv4Address)
-    ip._ip = number  # the only field (__slots__ = ('_ip', '__weakref__')), as __init__ sets it
+    ip._ip = number  # type: ignore[attr-defined]  # its one field (__slots__ _ip, __weakref__), as __init__ sets it
     return ip
 
 
