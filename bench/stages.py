@@ -112,7 +112,8 @@ BACKENDS = {"nftables": ["--backend", "nftables"],
             "iptables-legacy": ["--backend", "iptables", "--iptables-flavour", "legacy"]}
 
 
-def _empty(ns: str) -> None:
+def empty_node(ns: str) -> None:
+    """netfilter of ``ns`` as a new node's: no ruleset, no legacy chains."""
     from netproxy_lab import netns
 
     for args in (["nft", "flush", "ruleset"], *(["iptables-legacy", "-t", t, verb]
@@ -139,10 +140,10 @@ def measure(n: int, runs: int, backends: List[str], workdir: str) -> Dict[str, A
         for name in backends:
             first, again = [], []
             for _ in range(runs):
-                _empty(ns)
+                empty_node(ns)
                 first.append(_one(ns, source, BACKENDS[name]))
                 again.append(_one(ns, changed, BACKENDS[name]))
-            _empty(ns)
+            empty_node(ns)
             out[name] = {"sync": first, "restart": again}
     return out
 

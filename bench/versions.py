@@ -26,13 +26,10 @@ from typing import Dict, List, Tuple
 
 from bench import gen
 from bench.rss import measure_sync
+from bench.stages import BACKENDS, empty_node
 from netproxy_lab import netns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BACKENDS = {"nftables": ["--backend", "nftables"],
-            "iptables-legacy": ["--backend", "iptables", "--iptables-flavour", "legacy"]}
-
-
 def unpack(rev: str, into: str) -> str:
     """``rev``'s product code under ``into``/<rev>, ``backends/`` inside ``netproxy/`` as installed."""
     dest = os.path.join(into, rev)
@@ -64,12 +61,6 @@ class _Combo:
         self.flavour = "legacy"
 
 
-def _empty(ns: str) -> None:
-    for args in (["nft", "flush", "ruleset"], *(["iptables-legacy", "-t", t, verb]
-                                                 for t in ("nat", "filter") for verb in ("-F", "-X"))):
-        netns.run_in_timeout(ns, args, timeout=60)
-
-
 Figures = Dict[Tuple[str, str, str], List[Tuple[float, float]]]
 """(backend, step, revision) → (seconds, peak RSS MiB) of each run."""
 
@@ -92,13 +83,13 @@ def compare(revs: List[str], n: int, runs: int, backends: List[str]) -> Figures:
                     for rev in revs:
                         os.environ["NETPROXY_CMD"] = f"{sys.executable} -S -m netproxy"
                         os.environ["PYTHONPATH"] = f"{trees[rev]}:{sp}"
-                        _empty(ns)
+                        empty_node(ns)
                         for step, path in (("sync", source), ("restart", changed)):
                             got = measure_sync(node, _Combo(BACKENDS[backend]), path, 300, log)
                             if "seconds" not in got:
                                 raise SystemExit(f"bench.versions: {rev} {backend} {step}: {got} (log {log})")
                             out.setdefault((backend, step, rev), []).append((got["seconds"], got["maxrss_mib"]))
-                _empty(ns)
+                empty_node(ns)
     return out
 
 

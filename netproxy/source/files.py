@@ -335,9 +335,9 @@ class FileSource:
     def node(self) -> Optional[NodeInfo]:
         """This node's Node in the files now (for what is configured from it at start); the files
         parsed here stay in the cache, so the first :meth:`load_into` does not parse them again."""
-        return self._load().node
+        return self._read().node
 
-    def _load(self) -> Loaded:
+    def _read(self) -> Loaded:
         # The address cache pays when a changed file is read again; filling it on the first read
         # cost start-up 0.4 s and 18 MB at 10k x 10 for nothing yet: it is used from the second.
         loaded = load(self.path, self.node_name, self._cache, remember_addresses=self._loads > 0)
@@ -348,7 +348,7 @@ class FileSource:
         """One load; on a parse error keep the tracker's last good state and remember the error."""
         self._signature = self._current_signature()
         try:
-            loaded = self._load()
+            loaded = self._read()
         except SourceError as err:
             self.last_error = str(err)
             log.error("source not reloaded, keeping the last good state: %s", err)
