@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import logging
 import os
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 from netproxy.backends.base import BackendError
 from netproxy.cli.args import EXIT_FAILED, EXIT_OK, EXIT_REJECTED, build_parser
@@ -47,20 +46,28 @@ log = logging.getLogger("netproxy")
 
 
 
-def _imported_when_called(module: str, name: str) -> Callable[[argparse.Namespace], int]:
-    """A command whose module is imported only when it runs: run, status and detect bring servers
-    and clients (http.server, wsgiref, email...: 50 ms) that a one-shot sync has no use for."""
+def cmd_run(args: argparse.Namespace) -> int:
+    # run, status and detect import their servers and clients (http.server, wsgiref, email...:
+    # 50 ms) only when asked: a one-shot sync pays none of it.
+    from netproxy.cli.run import cmd_run as run
 
-    def command(args: argparse.Namespace) -> int:
-        code: int = getattr(importlib.import_module(module), name)(args)
-        return code
-
-    return command
+    return run(args)
 
 
-COMMANDS = {"sync": cmd_sync, "run": _imported_when_called("netproxy.cli.run", "cmd_run"), "plan": cmd_plan,
-            "trace": cmd_trace, "status": _imported_when_called("netproxy.cli.observe", "cmd_status"),
-            "detect": _imported_when_called("netproxy.cli.observe", "cmd_detect"), "migrate": cmd_migrate,
+def cmd_status(args: argparse.Namespace) -> int:
+    from netproxy.cli.observe import cmd_status as status
+
+    return status(args)
+
+
+def cmd_detect(args: argparse.Namespace) -> int:
+    from netproxy.cli.observe import cmd_detect as detect
+
+    return detect(args)
+
+
+COMMANDS = {"sync": cmd_sync, "run": cmd_run, "plan": cmd_plan, "trace": cmd_trace, "status": cmd_status,
+            "detect": cmd_detect, "migrate": cmd_migrate,
             "cleanup": cmd_cleanup}
 
 
