@@ -13,7 +13,7 @@ import shutil
 import sys
 from typing import List, Optional, Sequence
 
-from bench import report, targets
+from bench import installed, report, targets
 from bench.run import Bench, combo_record, new_workdir
 from netproxy_lab import combos as combos_mod
 from netproxy_lab import netns
@@ -77,6 +77,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"bench: {err}", file=sys.stderr)
         return 2
     netns.install_handlers()
+    installed.precompile()
     sizes = sizes_for(args.max_services, args.smoke)
     budget = args.budget or (1140.0 * max(1.0, args.max_services / 10000) if not args.smoke else 300.0)
     workdir = new_workdir()

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from bench import apipath
+from bench import apipath, installed
 from bench import client as client_mod
 from netproxy_lab import combos, netns
 
@@ -94,6 +94,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from netproxy_lab.topology import Sandbox
 
     netns.remove_stale()
+    installed.precompile()
     workdir = tempfile.mkdtemp(prefix="netproxy-bench-api-")
     client = client_mod.build(workdir)
     results: Dict[str, Any] = {"commit": commit(), "services": args.services, "workdir": workdir, "cells": {}}

@@ -178,6 +178,9 @@ def main(argv: List[str]) -> int:
     args = p.parse_args(argv)
     import tempfile
 
+    from bench import installed
+
+    installed.precompile()
     commit = subprocess.run(["git", "-C", _root(), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             check=False).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="np-stages-") as workdir:

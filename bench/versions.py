@@ -24,7 +24,7 @@ import tempfile
 import time
 from typing import Dict, List, Tuple
 
-from bench import gen
+from bench import gen, installed
 from bench.rss import measure_sync
 from bench.stages import BACKENDS, empty_node
 from netproxy_lab import netns
@@ -69,6 +69,8 @@ def compare(revs: List[str], n: int, runs: int, backends: List[str]) -> Figures:
     out: Figures = {}
     with tempfile.TemporaryDirectory(prefix="np-versions-") as work:
         trees = {rev: unpack(rev, work) for rev in revs}
+        for tree in trees.values():
+            installed.precompile(tree)
         source, changed = os.path.join(work, "c.json"), os.path.join(work, "c-changed.json")
         objects = gen.cluster(n, "uniform")
         gen.write_json(source, objects)

@@ -16,6 +16,7 @@ _.resourceVersion
 _.deletionTimestamp
 _.nodeName
 _.addressType
+_.apiVersion  # netproxy/source/jsonstream.py: a List's frame
 # The kubernetes client's Configuration reads this hook; python-iptables' Rule takes this attribute.
 _.refresh_api_key_hook
 _.in_interface

@@ -143,7 +143,7 @@ def forget_parsed_addresses() -> None:
     _parse_ip.cache_clear()
 
 
-def _v4(number: int) -> ipaddress.IPv4Address:
+def new_v4(number: int) -> ipaddress.IPv4Address:
     """``IPv4Address(number)`` for a number known to be in range: the class's Python-level
     ``__init__`` (type checks, range check) cost a third of parsing 100k endpoint addresses."""
     ip = _NEW_V4(ipaddress.IPv4Address)
@@ -163,7 +163,7 @@ def _parse_ip(value: str) -> Optional[IPAddress]:
         # other spelling goes to ipaddress, which stays the authority on what is valid.
         packed = socket.inet_pton(socket.AF_INET, value)
         if socket.inet_ntop(socket.AF_INET, packed) == value:
-            return _v4(int.from_bytes(packed, "big"))
+            return new_v4(int.from_bytes(packed, "big"))
     except (OSError, ValueError):  # ValueError: an embedded NUL ("10.0.0.1\0..."), found by the fault suite
         pass
     try:

@@ -179,14 +179,16 @@ def parse_part(objects: Iterator[Union[Mapping[str, Any], ValidationError]], nod
                           kind, loose_ref(obj), label)
                 continue
             if kind == "Service":
-                _, ns, name = object_ref(obj)
+                ref = object_ref(obj)
+                _, ns, name = ref
                 if (ns, name) in seen:
                     raise ValidationError(kind, f"{ns}/{name}", "metadata.name", "is defined twice")
                 seen.add((ns, name))
-                out.services[(ns, name)] = parse_service(obj)
+                out.services[(ns, name)] = parse_service(obj, ref)
             elif kind == "EndpointSlice":
-                _, ns, name = object_ref(obj)
-                eps = parse_endpoint_slice(obj, cache=remember_addresses)
+                ref = object_ref(obj)
+                _, ns, name = ref
+                eps = parse_endpoint_slice(obj, cache=remember_addresses, checked_ref=ref)
                 if eps is not None:
                     out.endpoints[(ns, name)] = eps
             elif kind == "Endpoints":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Dict, List
 
 import pytest
@@ -138,3 +139,20 @@ def test_the_floor_group_reads_the_44k_run_and_an_api_section_when_the_results_h
     assert got["met"] is True and got["figure"] == "nftables 1.10× (3.30 s ÷ 3.00 s)"
     assert ("nftables: `run --source` ÷ `sync` of the same file", "1.10×", "≤ 1.1", "met") in \
         api.rows("nftables", r["api"]["cells"]["nftables"])
+
+
+def test_the_bench_times_netproxy_from_bytecode_as_installed(tmp_path: Any) -> None:
+    """bench/installed.py compiles each package as pip would (so no timed process compiles), and a
+    tree that does not compile stops the bench rather than being timed from its sources."""
+    import importlib.util
+
+    from bench import installed
+
+    (tmp_path / "netproxy").mkdir()
+    (tmp_path / "netproxy" / "m.py").write_text("X = 1\n")
+    installed.precompile(str(tmp_path))
+    assert os.path.exists(importlib.util.cache_from_source(str(tmp_path / "netproxy" / "m.py")))
+    (tmp_path / "backends").mkdir()
+    (tmp_path / "backends" / "bad.py").write_text("def (:\n")
+    with pytest.raises(SystemExit, match="compiling"):
+        installed.precompile(str(tmp_path))

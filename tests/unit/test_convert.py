@@ -407,3 +407,75 @@ def test_odd_values_anywhere_give_a_result_or_a_validation_error(fn: Any, obj: D
                 pass
             except Exception as err:  # pragma: no cover - the assertion below reports it
                 pytest.fail(f"{'.'.join(map(str, path))} = {value!r}: {type(err).__name__}: {err}")
+
+
+# -- the IPv4 endpoints' shortcut -----------------------------------------------------------------
+
+def _converted(obj: Dict[str, Any], cache: bool) -> Any:
+    """The slice's endpoints with their field types (True == 1, so types are compared too), or the
+    refusal's field and message."""
+    try:
+        eps = parse_endpoint_slice(copy.deepcopy(obj), cache=cache)
+    except ValidationError as err:
+        return ("refused", err.field_path, err.message)
+    assert eps is not None
+    return [(e, [type(v) for v in e]) for e in eps.endpoints]
+
+
+_ENDPOINT_VARIANTS: List[Any] = [
+    {"addresses": ["10.244.1.1"]},
+    {"addresses": ["10.244.1.2"], "conditions": {"ready": False, "serving": True, "terminating": True}},
+    {"addresses": ["10.244.1.3"], "conditions": {"ready": None}},
+    {"addresses": ["10.244.1.4"], "conditions": {"ready": 1}},
+    {"addresses": ["10.244.1.5"], "conditions": "ready"},
+    {"addresses": ["10.244.1.6"], "conditions": None, "nodeName": "node-a", "zone": "zone-1"},
+    {"addresses": ["10.244.1.7"], "nodeName": "Node_A"},
+    {"addresses": ["10.244.1.8"], "zone": "a zone"},
+    {"addresses": ["10.244.1.9"], "nodeName": 7},
+    {"addresses": ["10.244.1.10", "10.244.1.11"]},
+    {"addresses": []},
+    {"addresses": "10.244.1.12"},
+    {"addresses": ["10.244.01.13"]},
+    {"addresses": ["10.244.1.256"]},
+    {"addresses": ["fd00::1"]},
+    {"addresses": ["10.244.1.14\x00"]},
+    {"addresses": [1234]},
+    {"addresses": ["10.244.1.15"], "hints": {"forZones": [{"name": "zone-1"}]}},
+    {"addresses": ["10.244.1.16"], "hints": None},
+    {"addresses": ["10.244.1.17"], "nodeName": None, "zone": None},
+    "an endpoint",
+]
+
+
+def test_ipv4_shortcut_agrees_with_the_general_conversion() -> None:
+    """The one-shot load's shortcut for plain IPv4 endpoints (cache=False) against the general
+    path (cache=True never takes it): the same endpoints, field types and refusals for slices
+    mixing every variant, valid or not, in random orders and positions."""
+    import random
+
+    from netproxy.source import convert
+
+    rng = random.Random(31)
+    taken = 0
+    for _ in range(400):
+        picked = [rng.choice(_ENDPOINT_VARIANTS) for _ in range(rng.randint(1, 6))]
+        obj = endpoint_slice(endpoints=picked)
+        assert _converted(obj, cache=False) == _converted(obj, cache=True), picked
+        out: List[Any] = []
+        taken += convert._plain_v4_endpoints(copy.deepcopy(picked), 8080, out)
+    assert taken > 50  # the shortcut did take endpoints, so the comparison above compared it
+
+
+def test_ipv4_shortcut_takes_a_plain_slice_whole_and_stops_at_the_first_odd_endpoint() -> None:
+    from netproxy.source import convert
+
+    plain = [{"addresses": [f"10.244.2.{i}"], "conditions": {"ready": True}, "nodeName": "node-a"}
+             for i in range(1, 6)]
+    parse_endpoint_slice(endpoint_slice(endpoints=plain[:1]), cache=True)  # node-a checked once, remembered
+    out: List[Any] = []
+    assert convert._plain_v4_endpoints(plain, 8080, out) == 5
+    assert [str(e) for e in out] == [f"10.244.2.{i}:8080" for i in range(1, 6)]
+    odd = plain[:2] + [{"addresses": ["10.244.2.9"], "conditions": {"ready": "yes"}}] + plain[2:]
+    assert convert._plain_v4_endpoints(odd, 8080, []) == 2
+    assert rejected(lambda o: parse_endpoint_slice(o, cache=False), endpoint_slice(endpoints=odd)).field_path == \
+        "endpoints[2].conditions.ready"
