@@ -251,3 +251,23 @@ def test_the_two_field_fast_path_packs_as_the_general_one(fields: Tuple[str, str
                 p.pack(odd)
         else:
             assert p.pack(odd) == want
+
+
+def test_verdict_elements_with_comments_encode_as_the_general_path() -> None:
+    """A dispatch map's elements (key → goto chain, with the service's comment) take a path with the
+    key's headers and each verdict encoded once; bytes as the general construction's, timeouts aside."""
+    from netproxy.backends.nftables import names
+
+    m = Set("service-ips", "ipv4_addr . inet_proto . inet_service", "verdict")
+    elements = [Element("service-ips", f"10.96.0.{i} . tcp . 80", f"goto pick-{i % 3}", f"ns/svc-{i}")
+                for i in range(40)] + [Element("service-ips", "10.96.1.1 . udp . 53", "drop")]
+    (_, (_, _, _, body)), = [(None, msg) for msg, _ in encode.Encoder().messages(
+        [("add", "ip", m)] + [("add", "ip", e) for e in elements])][1:]
+    packer = encode.Packer(("ipv4_addr", "inet_proto", "inet_service"))
+    want = []
+    for e in elements:
+        inner = wire.data_value(wire.ELEM_KEY, packer(e.key)) + encode._verdict(str(e.value))
+        if e.comment is not None:
+            inner += wire.attr(wire.ELEM_USERDATA, wire.udata((0, wire.udata_strz(names.comment(e.comment)))))
+        want.append(wire.nest(wire.LIST_ELEM, inner))
+    assert body.endswith(wire.nest(wire.SET_ELEM_LIST_ELEMENTS, *want))
