@@ -81,7 +81,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
         # flows an earlier process's rules left stale (no previous snapshot needed).
         from netproxy.node.conntrack import Reconciler, desired_state
 
-        Reconciler().reconcile(desired_state(snapshot))
+        Reconciler(metrics=False).reconcile(desired_state(snapshot))
     if backend.name in ("iptables", "nftables"):
         from netproxy.migration import migrate
 

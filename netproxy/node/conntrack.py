@@ -183,8 +183,11 @@ class Reconciler:
     were written)."""
 
     def __init__(self, period: float = 30.0, clock: Callable[[], float] = time.monotonic,
-                 opener: Optional[Callable[[], Table]] = None) -> None:
+                 opener: Optional[Callable[[], Table]] = None, metrics: bool = True) -> None:
         self.period = period
+        self.metrics = metrics
+        """Record each pass in the Prometheus metrics (``run``); a one-shot ``sync`` serves none, and
+        importing prometheus_client (and http.server with it) cost 34 ms of its start."""
         self.clock = clock
         self._opener = opener
         self._last: Optional[State] = None
@@ -213,7 +216,6 @@ class Reconciler:
 
     def reconcile(self, state: State) -> Pass:
         """One pass: per (family, protocol) with service ports, one dump, then batched deletes."""
-        from netproxy import metrics
         from netproxy.node.ctnetlink import Ctnetlink
 
         done = Pass()
@@ -246,9 +248,12 @@ class Reconciler:
                 done.seen[label] = done.seen.get(label, 0) + seen
                 done.deleted[label] = done.deleted.get(label, 0) + deleted
                 done.seconds[label] = done.seconds.get(label, 0.0) + elapsed
-            for label, seconds in done.seconds.items():
-                metrics.CONNTRACK_RECONCILE_DURATION.labels(label).observe(seconds)
-                metrics.CONNTRACK_RECONCILE_DELETED.labels(label).inc(done.deleted[label])
+            if self.metrics:
+                from netproxy import metrics
+
+                for label, seconds in done.seconds.items():
+                    metrics.CONNTRACK_RECONCILE_DURATION.labels(label).observe(seconds)
+                    metrics.CONNTRACK_RECONCILE_DELETED.labels(label).inc(done.deleted[label])
         finally:
             ct.close()
         if done.total_deleted:

@@ -19,10 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
-import yaml
-
 from netproxy.core.model import EndpointSet, IPNetwork, NodeInfo, ServicePort, ValidationError, shown
-from netproxy.source import jsonstream, yamldocs
+from netproxy.source import jsonstream
 from netproxy.source.convert import (
     is_mapping,
     loose_ref,
@@ -74,6 +72,12 @@ def manifest_files(path: str) -> List[str]:
 
 def read_documents(path: str) -> List[Any]:
     """Parse one file into its documents; raises :class:`SourceError` naming the file and position."""
+    # Imported here: a JSON source (what kubectl -o json and the bench write) never needs libyaml's
+    # binding, whose import was 17 ms of every one-shot command's start.
+    import yaml
+
+    from netproxy.source import yamldocs
+
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()

@@ -246,6 +246,20 @@ def test_a_pass_dumps_once_per_table_and_deletes_only_stale_flows() -> None:
     assert metric("kubeproxy_conntrack_reconciler_sync_duration_seconds_count") == count + 1
 
 
+def test_a_one_shot_pass_deletes_the_same_and_records_no_metric() -> None:
+    """``netproxy sync`` serves no metrics: its reconciler (metrics=False) deletes what run's would
+    and leaves the metrics, and the module that holds them, alone."""
+    gone, kept = flow(1, DNS_IP, 53, "10.244.1.2"), flow(2, DNS_IP, 53, "10.244.1.1")
+    table = FakeTable({(V4, UDP): [gone, kept]})
+    before = metric("kubeproxy_conntrack_reconciler_deleted_entries_total")
+    count = metric("kubeproxy_conntrack_reconciler_sync_duration_seconds_count")
+    done = Reconciler(opener=lambda: table, metrics=False).reconcile(
+        desired_state(snap((service(), [ep("10.244.1.1")]))))
+    assert table.deleted == [gone] and done.deleted == {"IPv4": 1}
+    assert metric("kubeproxy_conntrack_reconciler_deleted_entries_total") == before
+    assert metric("kubeproxy_conntrack_reconciler_sync_duration_seconds_count") == count
+
+
 def test_no_udp_or_sctp_service_means_no_dump() -> None:
     table = FakeTable({})
     Reconciler(opener=lambda: table).reconcile(desired_state(snap((service("web", "TCP"), [ep("10.244.1.1")]))))
