@@ -76,8 +76,8 @@ class FamilyState:
     shared: Dict[render.Shared, int] = field(default_factory=dict)
     """Users of each shared chain (pick chains, affinity record chains)."""
     owners: Dict[str, ServicePortName] = field(default_factory=dict)
-    refs: Dict[Tuple[str, str], int] = field(default_factory=dict)
-    """Users of each shared element ((set, key): cluster IPs, hairpin pairs).  Both counts come from
+    refs: Dict[Element, int] = field(default_factory=dict)
+    """Users of each shared element (cluster IPs, hairpin pairs).  Both counts come from
     what each service port's rendered objects declare they use (:func:`count_users`), never from
     chain or element names parsed back."""
     node: FrozenSet[Element] = frozenset()
@@ -161,7 +161,7 @@ class Before:
     """One family's user counts, before this sync, of the shared chains and elements it touched."""
 
     shared: Dict[render.Shared, int] = field(default_factory=dict)
-    refs: Dict[Tuple[str, str], int] = field(default_factory=dict)
+    refs: Dict[Element, int] = field(default_factory=dict)
 
     def first_used(self, fstate: FamilyState) -> PySet[render.Shared]:
         """The shared chains that gained their first user (to create with it)."""
@@ -191,9 +191,9 @@ def user_changes(tx: Transaction, fam: str, fstate: FamilyState, before: Before)
     for ref, was in sorted(before.refs.items()):
         now = fstate.refs.get(ref, 0)
         if was <= 0 < now:
-            tx.put("elements", "add", fam, Element(*ref))
+            tx.put("elements", "add", fam, ref)
         elif now <= 0 < was:
-            tx.put("delete-elements", "delete", fam, Element(*ref))
+            tx.put("delete-elements", "delete", fam, ref)
         if now <= 0:
             fstate.refs.pop(ref, None)
     unused = [s for s in before.shared if fstate.shared.get(s, 0) <= 0]
@@ -301,7 +301,7 @@ def _create_family(tx: Transaction, fam: str, objs: Sequence[render.ServiceObjec
             bucket.append(("add", fam, item))
     for ref, count in sorted(fstate.refs.items()):
         if count > 0:
-            buckets.setdefault(ref[0], []).append(("add", fam, Element(*ref)))
+            buckets.setdefault(ref.set, []).append(("add", fam, ref))
     for e in sorted(fstate.node):
         buckets.setdefault(e.set, []).append(("add", fam, e))
     for e in config_elements(fam, config):
