@@ -300,8 +300,13 @@ def parse_endpoint_slice(obj: Mapping[str, Any], families: Tuple[str, ...] = ("I
         port0 = ports[0].port if len(ports) == 1 else 0
         eps: List[Endpoint] = []
         raw_eps = _list(obj.get("endpoints"), "endpoints")
-        start = _plain_v4_endpoints(raw_eps, port0, eps) if addr_type == "IPv4" and not cache else 0
-        for i in range(start, len(raw_eps)):
+        plain = addr_type == "IPv4" and not cache
+        i, n = 0, len(raw_eps)
+        while i < n:
+            if plain:
+                i = _plain_v4_endpoints(raw_eps, port0, eps, i)  # as far as the endpoints are plain
+                if i == n:
+                    break
             try:
                 _slice_endpoint(raw_eps[i], addr_type, port0, eps, cache)
             except FieldError as err:
@@ -309,6 +314,7 @@ def parse_endpoint_slice(obj: Mapping[str, Any], families: Tuple[str, ...] = ("I
                 # "endpoints[i]..." for every field of 100k endpoints cost more than parsing them.
                 sub = f".{err.field_path}" if err.field_path else ""
                 raise FieldError(f"endpoints[{i}]{sub}", err.message) from None
+            i += 1
         return EndpointSet(ns, service, ports, tuple(eps), trigger_time(obj))
 
     return _guard(kind, ref, build)
@@ -342,9 +348,9 @@ def _known(value: Any, kind: str, check: Callable[[Any, str], Optional[str]]) ->
 _NEW = tuple.__new__
 
 
-def _plain_v4_endpoints(raw_eps: List[Any], port: int, out: List[Endpoint]) -> int:
-    """The leading endpoints of an IPv4 slice that need no more than the common checks, appended
-    to ``out``; returns the index of the first one that does (``len(raw_eps)`` when none does).
+def _plain_v4_endpoints(raw_eps: List[Any], port: int, out: List[Endpoint], start: int = 0) -> int:
+    """The endpoints of an IPv4 slice from ``start`` on that need no more than the common checks,
+    appended to ``out``; returns the index of the first one that does (``len(raw_eps)`` when none).
 
     The accept-only shortcut of :func:`_slice_endpoint`, which stays the one place that decides
     and words a refusal: an endpoint is taken here only when every check it would make passes at
@@ -355,7 +361,8 @@ def _plain_v4_endpoints(raw_eps: List[Any], port: int, out: List[Endpoint]) -> i
     nodes, zones = _NAMES["nodeName"], _NAMES["zone"]
     pton, ntop, inet = socket.inet_pton, socket.inet_ntop, socket.AF_INET
     from_bytes, v4 = int.from_bytes, new_v4
-    for i, e in enumerate(raw_eps):
+    for i in range(start, len(raw_eps)):
+        e = raw_eps[i]
         if type(e) is not dict:
             return i
         cond, addrs = e.get("conditions"), e.get("addresses")

@@ -477,5 +477,10 @@ def test_ipv4_shortcut_takes_a_plain_slice_whole_and_stops_at_the_first_odd_endp
     assert [str(e) for e in out] == [f"10.244.2.{i}:8080" for i in range(1, 6)]
     odd = plain[:2] + [{"addresses": ["10.244.2.9"], "conditions": {"ready": "yes"}}] + plain[2:]
     assert convert._plain_v4_endpoints(odd, 8080, []) == 2
+    assert convert._plain_v4_endpoints(odd, 8080, [], 3) == 6  # and takes up again after the odd one
+    two = plain[:2] + [{"addresses": ["10.244.2.9", "10.244.2.8"]}] + plain[2:]  # valid, not plain
+    got = parse_endpoint_slice(endpoint_slice(endpoints=two), cache=False)
+    assert got is not None and [str(e) for e in got.endpoints] == [
+        f"10.244.2.{i}:8080" for i in (1, 2, 9, 8, 3, 4, 5)]
     assert rejected(lambda o: parse_endpoint_slice(o, cache=False), endpoint_slice(endpoints=odd)).field_path == \
         "endpoints[2].conditions.ready"
