@@ -8,11 +8,17 @@ N × 10 cluster: a first sync into an empty kernel and a restart with one endpoi
 nftables and iptables-legacy.  Every run is ``python -S`` with the venv's site-packages on the path
 (so that the editable install's finder does not hand every run this checkout's code), timed whole
 from outside, with its peak RSS.  Prints the median per revision.
+
+``--worker``: the bench's control-plane worker (``bench.worker``, this checkout's, over each
+revision's code) instead: the cold full sync, one endpoint changed, one service added and removed,
+each the worker's own median, per revision; backends nftables, iptables-legacy, iptables-nft.  For a
+change figure of one bench run that moved against another's: was it the code or the machine?
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import site
@@ -95,16 +101,63 @@ def compare(revs: List[str], n: int, runs: int, backends: List[str]) -> Figures:
     return out
 
 
+WORKER_BACKENDS = {"nftables": ["--backend", "nftables"],
+                   "iptables-legacy": ["--backend", "iptables", "--flavour", "legacy"],
+                   "iptables-nft": ["--backend", "iptables", "--flavour", "nft"]}
+WORKER_STEPS = ("cold", "endpoint", "add", "remove")
+
+
+def compare_worker(revs: List[str], n: int, runs: int, backends: List[str]) -> Figures:
+    """(backend, step, revision) → (the worker's median seconds, 0.0) of each run, alternating."""
+    out: Figures = {}
+    with tempfile.TemporaryDirectory(prefix="np-versions-") as work:
+        trees = {rev: unpack(rev, work) for rev in revs}
+        for tree in trees.values():
+            installed.precompile(tree)
+        sp = site.getsitepackages()[0]
+        with netns.namespace("versions") as ns:
+            for backend in backends:
+                for _ in range(runs):
+                    for rev in revs:
+                        empty_node(ns)
+                        # The revision's netproxy first; `bench` (the harness) from this checkout.
+                        env = {**os.environ, "PYTHONPATH": f"{trees[rev]}:{ROOT}:{sp}"}
+                        args = [sys.executable, "-S", "-m", "bench.worker", *WORKER_BACKENDS[backend], "--n", str(n),
+                                "--steps", "source,cold,endpoint,add"]
+                        done = netns.run_in_timeout(ns, args, timeout=600, env=env)
+                        steps = {}
+                        for line in done.stdout.decode().splitlines():
+                            record = json.loads(line)
+                            steps[record["step"]] = record
+                        for step in WORKER_STEPS:
+                            if "seconds" not in steps.get(step, {}):
+                                raise SystemExit(f"bench.versions: {rev} {backend} {step}: {steps.get(step)} "
+                                                 f"{done.stderr.decode()[-800:]}")
+                            out.setdefault((backend, step, rev), []).append((steps[step]["seconds"], 0.0))
+                empty_node(ns)
+    return out
+
+
 def main(argv: List[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.versions", description=__doc__.splitlines()[0])
     p.add_argument("revs", nargs="+", help="commits to compare (e.g. a72e1db HEAD)")
     p.add_argument("--services", type=int, default=10000)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--backends", default="nftables,iptables-legacy")
+    p.add_argument("--worker", action="store_true", help="the bench worker's cold, endpoint, add and remove steps "
+                   "instead of `netproxy sync` processes (backends: " + ", ".join(WORKER_BACKENDS) + ")")
     args = p.parse_args(argv)
     revs = [subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", r], capture_output=True, text=True,
                            check=True).stdout.strip() for r in args.revs]
     os.chdir(tempfile.gettempdir())  # `-m netproxy` must not find this checkout through the current directory
+    if args.worker:
+        got = compare_worker(revs, args.services, args.runs, args.backends.split(","))
+        print(f"bench.worker steps (each the worker's median), N = {args.services:,} × 10, median of {args.runs} "
+              f"alternating runs ({time.strftime('%Y-%m-%d %H:%M')}):")
+        for (backend, step, rev), runs in got.items():
+            print(f"  {backend:16} {step:8} {rev}: {statistics.median(r[0] for r in runs):.3f} s "
+                  f"(runs {', '.join(f'{r[0]:.3f}' for r in runs)})")
+        return 0
     got = compare(revs, args.services, args.runs, args.backends.split(","))
     print(f"`netproxy sync` as a new process, N = {args.services:,} × 10, median of {args.runs} alternating runs "
           f"({time.strftime('%Y-%m-%d %H:%M')}):")
