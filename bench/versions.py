@@ -101,7 +101,7 @@ def compare(revs: List[str], n: int, runs: int, backends: List[str]) -> Figures:
     return out
 
 
-WORKER_BACKENDS = {"nftables": ["--backend", "nftables"],
+WORKER_BACKENDS = {"nftables": ["--backend", "nftables", "--writer", "netlink"],
                    "iptables-legacy": ["--backend", "iptables", "--flavour", "legacy"],
                    "iptables-nft": ["--backend", "iptables", "--flavour", "nft"]}
 WORKER_STEPS = ("cold", "endpoint", "add", "remove")
