@@ -138,6 +138,10 @@ def compare_worker(revs: List[str], n: int, runs: int, backends: List[str]) -> F
     return out
 
 
+def _seconds(value: float) -> str:
+    return f"{value:.3f} s" if value >= 0.1 else f"{value * 1000:.2f} ms"  # nftables' changes are ms
+
+
 def main(argv: List[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.versions", description=__doc__.splitlines()[0])
     p.add_argument("revs", nargs="+", help="commits to compare (e.g. a72e1db HEAD)")
@@ -155,8 +159,8 @@ def main(argv: List[str]) -> int:
         print(f"bench.worker steps (each the worker's median), N = {args.services:,} × 10, median of {args.runs} "
               f"alternating runs ({time.strftime('%Y-%m-%d %H:%M')}):")
         for (backend, step, rev), runs in got.items():
-            print(f"  {backend:16} {step:8} {rev}: {statistics.median(r[0] for r in runs):.3f} s "
-                  f"(runs {', '.join(f'{r[0]:.3f}' for r in runs)})")
+            print(f"  {backend:16} {step:8} {rev}: {_seconds(statistics.median(r[0] for r in runs))} "
+                  f"(runs {', '.join(_seconds(r[0]) for r in runs)})")
         return 0
     got = compare(revs, args.services, args.runs, args.backends.split(","))
     print(f"`netproxy sync` as a new process, N = {args.services:,} × 10, median of {args.runs} alternating runs "
