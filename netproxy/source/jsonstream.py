@@ -2,9 +2,11 @@
 
 ``json.loads`` of ``kubectl get svc,endpointslices -A -o json`` at 10k services builds ~90 MB of
 dicts before the first one is converted (the process peaked at 124 MB after the parse alone,
-measured in docs/performance.md).  This walks the top-level object with the standard library's own
-decoder, value by value, and hands out each element of ``items`` as soon as it is decoded: the peak
-is the text plus one object.  Anything that is not a top-level object is decoded whole.
+measured in docs/performance.md).  This hands out each element of ``items`` as soon as it is
+decoded: the peak is the text plus one object.  A ``List`` is read by msgspec (its frame first, the
+items left as raw slices of the text, then decoded one by one); anything else, and anything msgspec
+refuses, by the standard library's own decoder, value by value, whose answers and errors are the
+reference.  Anything that is not a top-level object is decoded whole.
 """
 
 from __future__ import annotations
@@ -59,10 +61,11 @@ def _raw_items(text: str) -> Optional[Iterator[Tuple[str, Any]]]:
     """The same answers for a well-formed ``List`` document, decoded by msgspec: the list's frame
     first, each item kept as an undecoded slice of the text (``msgspec.Raw``), then decoded one at a
     time — the stream's memory (the text and one item), in C: 0.14 s against 0.22 s for the bench's
-    10k-service file.  None for anything else (not a List, bad JSON, a value msgspec refuses where
-    the standard library does not, such as 1e400): the standard library's stream then reads it
-    all, so its answers and its error messages stay the only ones.  An item msgspec refuses is
-    decoded by the standard library alone, for the same reason."""
+    10k-service file.  None for anything else — not a List, or a text msgspec's first read refuses
+    (bad JSON, or what only the standard library takes: ``NaN``, a lone surrogate escape): the
+    standard library's stream then reads it all, so its answers and its error messages stay the
+    only ones.  An item msgspec refuses (a number past a double's range, ``1e400``; an integer past
+    its own) is decoded by the standard library alone, for the same reason."""
     try:
         top = _LIST.decode(text)
     except (msgspec.MsgspecError, RecursionError):
