@@ -18,6 +18,7 @@ change figure of one bench run that moved against another's: was it the code or 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -28,7 +29,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 from bench import gen, installed
 from bench.rss import measure_sync
@@ -71,33 +72,45 @@ Figures = Dict[Tuple[str, str, str], List[Tuple[float, float]]]
 """(backend, step, revision) → (seconds, peak RSS MiB) of each run."""
 
 
-def compare(revs: List[str], n: int, runs: int, backends: List[str]) -> Figures:
-    out: Figures = {}
+@contextlib.contextmanager
+def _unpacked(revs: List[str]) -> Iterator[Tuple[str, Dict[str, str], str]]:
+    """(a work directory, each revision's tree compiled to bytecode, the venv's site-packages)."""
     with tempfile.TemporaryDirectory(prefix="np-versions-") as work:
         trees = {rev: unpack(rev, work) for rev in revs}
         for tree in trees.values():
             installed.precompile(tree)
+        yield work, trees, site.getsitepackages()[0]
+
+
+def _turns(ns: str, revs: List[str], runs: int, backends: List[str]) -> Iterator[Tuple[str, str]]:
+    """(backend, revision) in turn, ``runs`` times each, every one on a node emptied first."""
+    for backend in backends:
+        for _ in range(runs):
+            for rev in revs:
+                empty_node(ns)
+                yield backend, rev
+    empty_node(ns)
+
+
+def compare(revs: List[str], n: int, runs: int, backends: List[str]) -> Figures:
+    out: Figures = {}
+    with _unpacked(revs) as (work, trees, sp):
         source, changed = os.path.join(work, "c.json"), os.path.join(work, "c-changed.json")
         objects = gen.cluster(n, "uniform")
         gen.write_json(source, objects)
         objects[2 * (n // 2) + 1] = gen.replaced_endpoint(objects, n // 2, 7)
         gen.write_json(changed, objects)
-        sp = site.getsitepackages()[0]
         log = os.path.join(work, "sync.log")
         with netns.namespace("versions") as ns:
             node = _Node(ns)
-            for backend in backends:
-                for _ in range(runs):
-                    for rev in revs:
-                        os.environ["NETPROXY_CMD"] = f"{sys.executable} -S -m netproxy"
-                        os.environ["PYTHONPATH"] = f"{trees[rev]}:{sp}"
-                        empty_node(ns)
-                        for step, path in (("sync", source), ("restart", changed)):
-                            got = measure_sync(node, _Combo(BACKENDS[backend]), path, 300, log)
-                            if "seconds" not in got:
-                                raise SystemExit(f"bench.versions: {rev} {backend} {step}: {got} (log {log})")
-                            out.setdefault((backend, step, rev), []).append((got["seconds"], got["maxrss_mib"]))
-                empty_node(ns)
+            for backend, rev in _turns(ns, revs, runs, backends):
+                os.environ["NETPROXY_CMD"] = f"{sys.executable} -S -m netproxy"
+                os.environ["PYTHONPATH"] = f"{trees[rev]}:{sp}"
+                for step, path in (("sync", source), ("restart", changed)):
+                    got = measure_sync(node, _Combo(BACKENDS[backend]), path, 300, log)
+                    if "seconds" not in got:
+                        raise SystemExit(f"bench.versions: {rev} {backend} {step}: {got} (log {log})")
+                    out.setdefault((backend, step, rev), []).append((got["seconds"], got["maxrss_mib"]))
     return out
 
 
@@ -110,31 +123,22 @@ WORKER_STEPS = ("cold", "endpoint", "add", "remove")
 def compare_worker(revs: List[str], n: int, runs: int, backends: List[str]) -> Figures:
     """(backend, step, revision) → (the worker's median seconds, 0.0) of each run, alternating."""
     out: Figures = {}
-    with tempfile.TemporaryDirectory(prefix="np-versions-") as work:
-        trees = {rev: unpack(rev, work) for rev in revs}
-        for tree in trees.values():
-            installed.precompile(tree)
-        sp = site.getsitepackages()[0]
-        with netns.namespace("versions") as ns:
-            for backend in backends:
-                for _ in range(runs):
-                    for rev in revs:
-                        empty_node(ns)
-                        # The revision's netproxy first; `bench` (the harness) from this checkout.
-                        env = {**os.environ, "PYTHONPATH": f"{trees[rev]}:{ROOT}:{sp}"}
-                        args = [sys.executable, "-S", "-m", "bench.worker", *WORKER_BACKENDS[backend], "--n", str(n),
-                                "--steps", "source,cold,endpoint,add"]
-                        done = netns.run_in_timeout(ns, args, timeout=600, env=env)
-                        steps = {}
-                        for line in done.stdout.decode().splitlines():
-                            record = json.loads(line)
-                            steps[record["step"]] = record
-                        for step in WORKER_STEPS:
-                            if "seconds" not in steps.get(step, {}):
-                                raise SystemExit(f"bench.versions: {rev} {backend} {step}: {steps.get(step)} "
-                                                 f"{done.stderr.decode()[-800:]}")
-                            out.setdefault((backend, step, rev), []).append((steps[step]["seconds"], 0.0))
-                empty_node(ns)
+    with _unpacked(revs) as (_work, trees, sp), netns.namespace("versions") as ns:
+        for backend, rev in _turns(ns, revs, runs, backends):
+            # The revision's netproxy first; `bench` (the harness) from this checkout.
+            env = {**os.environ, "PYTHONPATH": f"{trees[rev]}:{ROOT}:{sp}"}
+            args = [sys.executable, "-S", "-m", "bench.worker", *WORKER_BACKENDS[backend], "--n", str(n),
+                    "--steps", "source,cold,endpoint,add"]
+            done = netns.run_in_timeout(ns, args, timeout=600, env=env)
+            steps = {}
+            for line in done.stdout.decode().splitlines():
+                record = json.loads(line)
+                steps[record["step"]] = record
+            for step in WORKER_STEPS:
+                if "seconds" not in steps.get(step, {}):
+                    raise SystemExit(f"bench.versions: {rev} {backend} {step}: {steps.get(step)} "
+                                     f"{done.stderr.decode()[-800:]}")
+                out.setdefault((backend, step, rev), []).append((steps[step]["seconds"], 0.0))
     return out
 
 

@@ -156,3 +156,16 @@ def test_the_bench_times_netproxy_from_bytecode_as_installed(tmp_path: Any) -> N
     (tmp_path / "backends" / "bad.py").write_text("def (:\n")
     with pytest.raises(SystemExit, match="compiling"):
         installed.precompile(str(tmp_path))
+
+
+def test_versions_alternate_the_revisions_on_an_emptied_node(monkeypatch: Any) -> None:
+    """bench.versions compares code by turns: every run of a backend takes each revision in turn, and
+    each turn (and the end) starts from an emptied node, so no revision inherits the other's rules."""
+    from bench import versions
+
+    emptied: List[str] = []
+    monkeypatch.setattr(versions, "empty_node", lambda ns: emptied.append(ns))
+    turns = list(versions._turns("ns", ["a", "b"], 2, ["nft", "legacy"]))
+    assert turns == [("nft", "a"), ("nft", "b")] * 2 + [("legacy", "a"), ("legacy", "b")] * 2
+    assert emptied == ["ns"] * (len(turns) + 1)
+    assert versions._seconds(0.0025) == "2.50 ms" and versions._seconds(1.5) == "1.500 s"
