@@ -410,11 +410,10 @@ class Encoder:
                     verdict = encoded_verdicts[e.value] = _verdict(e.value)
                 body = verdict_key + key_pack.pack(e.key) + verdict
                 if e.comment is not None:
-                    body += wire.attr(wire.ELEM_USERDATA, wire.udata((0, wire.udata_strz(names.comment(e.comment)))))
+                    body += _comment(e.comment)
                 return [wire.ATTR_HEADER.pack(4 + len(body), wire.LIST_ELEM | wire.NLA_F_NESTED) + body]
             if interval:
-                note = wire.attr(wire.ELEM_USERDATA, wire.udata((0, wire.udata_strz(names.comment(e.comment))))) \
-                    if e.comment is not None and with_value else b""
+                note = _comment(e.comment) if e.comment is not None and with_value else b""
                 return _interval_elements(e, key_pack, concat, note)
             body = wire.data_value(wire.ELEM_KEY, key_pack(e.key))
             if with_value and e.value is not None:
@@ -427,10 +426,16 @@ class Encoder:
                     body += wire.u64(wire.ELEM_TIMEOUT, e.expires * 1000)
                 body += wire.u64(wire.ELEM_EXPIRATION, e.expires * 1000)
             if e.comment is not None and with_value:
-                body += wire.attr(wire.ELEM_USERDATA, wire.udata((0, wire.udata_strz(names.comment(e.comment)))))
+                body += _comment(e.comment)
             return [wire.nest(wire.LIST_ELEM, body)]
 
         return encode
+
+
+def _comment(text: str) -> bytes:
+    """An element's comment as nft stores it: user data item 0, NUL-terminated, made safe."""
+    out: bytes = wire.attr(wire.ELEM_USERDATA, wire.udata((0, wire.udata_strz(names.comment(text)))))
+    return out
 
 
 def _value_header(kind: int, length: int) -> bytes:

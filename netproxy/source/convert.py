@@ -389,6 +389,9 @@ def _plain_v4_endpoints(raw_eps: List[Any], port: int, out: List[Endpoint], star
         addr = addrs[0]
         if type(addr) is not str or len(addr) > 15:
             return i
+        # The canonical-dotted-quad check of model._parse_ip, inlined on purpose: calling a shared
+        # function per endpoint cost 0.05 s of the 0.6 s conversion (by hand); the randomized test
+        # holds both to the same answers (leading zeros, 256, an embedded NUL).
         try:
             packed = pton(inet, addr)
         except (OSError, ValueError):

@@ -188,7 +188,7 @@ def parse_part(objects: Iterator[Union[Mapping[str, Any], ValidationError]], nod
                 if (ns, name) in seen:
                     raise ValidationError(kind, f"{ns}/{name}", "metadata.name", "is defined twice")
                 seen.add((ns, name))
-                out.services[(ns, name)] = parse_service(obj, ref)
+                out.services[(ns, name)] = parse_service(obj, checked_ref=ref)
             elif kind == "EndpointSlice":
                 ref = object_ref(obj)
                 _, ns, name = ref
