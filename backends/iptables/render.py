@@ -327,7 +327,7 @@ class _EndpointChains:
         return (eps.everyone if self.svc else ()) + (eps.local if self.svl else ())
 
 
-def _endpoint_chains(p: _Port, eps: _Eligible, masq: Rule, has_external: bool) -> _EndpointChains:
+def _endpoint_chains(p: _Port, eps: _Eligible, masq: Sequence[Rule], has_external: bool) -> _EndpointChains:
     svc = p.svc
     itp_local = svc.internal_traffic_policy == "Local"
     etp_local = svc.external_traffic_policy == "Local"

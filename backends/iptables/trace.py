@@ -119,7 +119,7 @@ class Tracer:
              ctstate: str) -> List[Tuple[_State, Optional[str]]]:
         # A chain the ruleset lacks is one netproxy has not written (a kernel read after cleanup, or a
         # family without services): nothing of ours takes the packet there.
-        rules = self.ruleset.chains(table).get(chain, [])
+        rules = self.ruleset.chains(table).get(chain, ())
         results: List[Tuple[_State, Optional[str]]] = []
         state = replace(state, chains=state.chains + (f"{table}/{chain}",))
         pending: List[Tuple[int, _State]] = [(0, state)]

@@ -3,13 +3,14 @@ libnftables in one transaction per sync, incrementally after the first full sync
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 from typing import Dict, FrozenSet, List, Optional, Tuple
 from typing import Set as PySet
 
 from netproxy.backends.base import Outcome, Packet, SyncError, SyncResult
-from netproxy.backends.nftables import kernel, render
+from netproxy.backends.nftables import kernel, layout, render
 from netproxy.backends.nftables.fake import FakeNft
 from netproxy.backends.nftables.kernel import Runner
 from netproxy.backends.nftables.objects import Element, Set
@@ -159,7 +160,7 @@ class NftablesBackend:
                 entry.objects[fam] = written = claim(state, fam, name, objs)
                 count_users(state.family(fam), written, 1)
             state.entries[name] = entry
-        for fam in render.FAMILIES:
+        for fam in layout.FAMILIES:
             state.family(fam).node = node_elements(snapshot.node, fam, self.config, snapshot.service_cidrs)
         return state
 
@@ -222,7 +223,7 @@ class NftablesBackend:
         """Clients held by affinity sets and maps that the new table has too, with the time they
         have left (and, in the shared maps, only for endpoints still eligible)."""
         keep = self._affinity_sets_to_keep(fam, state)
-        if fam not in render.affinity_families(self.config):
+        if fam not in layout.affinity_families(self.config):
             return keep
         index = affinity_index(e.objects[fam] for e in state.entries.values() if fam in e.objects)
         if not index:
@@ -332,18 +333,18 @@ class NftablesBackend:
                 node_changes(tx, fam, fstate, node_elements(snapshot.node, fam, self.config,
                                                             snapshot.service_cidrs))
         self.last_transaction = tx
-        written = self._apply_incremental(tx, state) if len(tx) else 0
-        for name, entry in new_entries.items():
-            if entry is None:
+        written_bytes = self._apply_incremental(tx, state) if len(tx) else 0
+        for name, new_entry in new_entries.items():
+            if new_entry is None:
                 state.entries.pop(name, None)
             else:
-                state.entries[name] = entry
-        return SyncResult(full=False, services_written=written_services, bytes_written=written)
+                state.entries[name] = new_entry
+        return SyncResult(full=False, services_written=written_services, bytes_written=written_bytes)
 
     def _forget_gone_endpoints(self, tx: Transaction, state: State,
                                new_entries: Dict[ServicePortName, Optional[Entry]]) -> None:
         """Delete the remembered clients of endpoints (or service addresses) that went away."""
-        for fam in render.affinity_families(self.config):
+        for fam in layout.affinity_families(self.config):
             if fam not in state.tables:
                 continue
             old = affinity_index(e.objects[fam] for name in new_entries
@@ -351,11 +352,11 @@ class NftablesBackend:
             if not old:
                 continue
             new = affinity_index(e.objects[fam] for e in new_entries.values() if e is not None and fam in e.objects)
-            for element in stale_affinity(lambda name, f=fam: self.kernel.read_elements(f, name), old, new):
+            for element in stale_affinity(functools.partial(self.kernel.read_elements, fam), old, new):
                 tx.put("delete-elements", "delete", fam, element)
 
     def _service_changes(self, tx: Transaction, state: State, new_entries: Dict[ServicePortName, Optional[Entry]],
-                         first: Dict[str, PySet[render.Shared]]) -> int:
+                         first: Dict[str, PySet[layout.Shared]]) -> int:
         """Add to ``tx`` what turns each changed service port's old objects into its new ones, and
         the shared chains they are the first to use (``first``: per family, those not created yet)."""
         written_services = 0

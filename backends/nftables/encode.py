@@ -327,11 +327,14 @@ class Encoder:
         run_encoder = self._run_encoder(s, family, verb == "add")
         for op in ops:
             obj = op[2]
-            if isinstance(obj, ElementRun) and run_encoder is not None:
-                blobs: Sequence[bytes] = run_encoder(obj)
+            if isinstance(obj, Element):
+                blobs: Sequence[bytes] = encode_one(obj)
+            elif not isinstance(obj, ElementRun):  # messages() groups elements only (_same_run)
+                raise EncodeError(f"not an element of {family} {set_name}: {obj!r}")
+            elif run_encoder is not None:
+                blobs = run_encoder(obj)
             else:
-                items = obj.elements() if isinstance(obj, ElementRun) else (obj,)
-                blobs = [b for e in items for b in encode_one(e)]
+                blobs = [b for e in obj.elements() for b in encode_one(e)]
             total = sum(map(len, blobs))
             if size + total <= _ELEMENTS_PER_MESSAGE_BYTES:
                 chunk.extend(blobs)  # all of them fit: what the loop below would do, blob by blob

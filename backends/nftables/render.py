@@ -30,26 +30,19 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from netproxy.backends.nftables import names
 from netproxy.backends.nftables import stmt as st
-from netproxy.backends.nftables.layout import (  # noqa: F401 - re-exported for transaction.py and tests
+from netproxy.backends.nftables.layout import (
     ADDR_TYPE,
     CLUSTER,
     EXEMPT,
     EXTERNAL,
-    FAMILIES,
     LOCAL,
     VERSIONS,
     Pick,
     Record,
     Shared,
     affinity_families,
-    base_chains,
-    base_sets,
-    endpoints_map,
     exemption_rules,
     masquerade_rule,
-    pick_chain,
-    shared_chain,
-    table,
 )
 from netproxy.backends.nftables.objects import Element, ElementRun, Rule, Set
 from netproxy.core.config import ProxyConfig

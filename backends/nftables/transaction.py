@@ -13,11 +13,10 @@ import ipaddress
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 from typing import Set as PySet
 
-from netproxy.backends.nftables import names, render
-from netproxy.backends.nftables.layout import PROTOCOLS
+from netproxy.backends.nftables import layout, names, render
 from netproxy.backends.nftables.objects import Chain, Element, ElementRun, Object, Rule
 from netproxy.backends.nftables.serialise import Op, ops_text
 from netproxy.core.config import ProxyConfig
@@ -73,7 +72,7 @@ class Entry:
 
 @dataclass
 class FamilyState:
-    shared: Dict[render.Shared, int] = field(default_factory=dict)
+    shared: Dict[layout.Shared, int] = field(default_factory=dict)
     """Users of each shared chain (pick chains, affinity record chains)."""
     owners: Dict[str, ServicePortName] = field(default_factory=dict)
     refs: Dict[Element, int] = field(default_factory=dict)
@@ -107,8 +106,8 @@ def render_entry(svc: ServicePort, eps: Tuple[Endpoint, ...], node: NodeInfo, co
     rendered = {}
     # type() rather than the Python-level .version property: this runs for every service port.
     versions = {4 if type(ip) is ipaddress.IPv4Address else 6 for ip in svc.addresses()}
-    for fam in render.FAMILIES:
-        if render.VERSIONS[fam] not in versions:
+    for fam in layout.FAMILIES:
+        if layout.VERSIONS[fam] not in versions:
             continue
         objs = render.render_service(svc, eps, node, fam, config)
         if not objs.is_empty():
@@ -160,10 +159,10 @@ _K = TypeVar("_K")
 class Before:
     """One family's user counts, before this sync, of the shared chains and elements it touched."""
 
-    shared: Dict[render.Shared, int] = field(default_factory=dict)
+    shared: Dict[layout.Shared, int] = field(default_factory=dict)
     refs: Dict[Element, int] = field(default_factory=dict)
 
-    def first_used(self, fstate: FamilyState) -> PySet[render.Shared]:
+    def first_used(self, fstate: FamilyState) -> PySet[layout.Shared]:
         """The shared chains that gained their first user (to create with it)."""
         return {s for s, was in self.shared.items() if was <= 0 < fstate.shared.get(s, 0)}
 
@@ -200,8 +199,8 @@ def user_changes(tx: Transaction, fam: str, fstate: FamilyState, before: Before)
     for shared in sorted(unused, key=_shared_key):
         tx.put("flush", "flush", fam, Chain(shared.chain))
         tx.put("delete", "delete", fam, Chain(shared.chain))
-        if isinstance(shared, render.Pick) and shared.size > 0:
-            tx.put("delete", "delete", fam, render.endpoints_map(shared, fam))
+        if isinstance(shared, layout.Pick) and shared.size > 0:
+            tx.put("delete", "delete", fam, layout.endpoints_map(shared, fam))
         fstate.shared.pop(shared, None)
 
 
@@ -213,7 +212,7 @@ def node_elements(node: NodeInfo, fam: str, config: ProxyConfig,
       fills ``node.addresses`` already filtered; filtered again here by family and CIDR);
     - ``service-cidrs``: the snapshot's service CIDRs of ``fam``, overlaps merged (an interval set
       refuses them)."""
-    version = render.VERSIONS[fam]
+    version = layout.VERSIONS[fam]
     out = {Element(names.SERVICE_CIDRS, str(n))
            for n in _collapse([c for c in service_cidrs if c.version == version])}
     if config.nodeport_addresses:
@@ -227,7 +226,7 @@ def node_elements(node: NodeInfo, fam: str, config: ProxyConfig,
 
 def config_elements(fam: str, config: ProxyConfig) -> List[Element]:
     """``cluster-cidrs``: ``--cluster-cidr`` of ``fam``, overlaps merged (an interval set refuses them)."""
-    version = render.VERSIONS[fam]
+    version = layout.VERSIONS[fam]
     nets = [c for c in config.local_cidrs if c.version == version]
     return [Element(names.CLUSTER_CIDRS, str(n)) for n in _collapse(nets)]
 
@@ -264,13 +263,13 @@ def full_transaction(state: State, existing: Iterable[str], config: ProxyConfig,
     """
     tx = Transaction()
     existing = set(existing)
-    for fam in render.FAMILIES:
+    for fam in layout.FAMILIES:
         # Entries are in the order the backend rendered them (sorted by name): no sort here.
         objs = [e.objects[fam] for e in state.entries.values() if fam in e.objects]
         if fam not in existing and not objs and fam != "ip":
             continue  # no IPv6 service and no ip6 table: do not create one
         if fam in existing:
-            tx.put("tables", "delete", fam, render.table(fam))
+            tx.put("tables", "delete", fam, layout.table(fam))
         _create_family(tx, fam, objs, state.family(fam), config)
         for e in (affinity or {}).get(fam, ()):
             tx.put("elements", "add", fam, e)
@@ -279,10 +278,10 @@ def full_transaction(state: State, existing: Iterable[str], config: ProxyConfig,
 
 def _create_family(tx: Transaction, fam: str, objs: Sequence[render.ServiceObjects], fstate: FamilyState,
                    config: ProxyConfig) -> None:
-    tx.put("tables", "add", fam, render.table(fam))
-    for s in render.base_sets(fam, config):
+    tx.put("tables", "add", fam, layout.table(fam))
+    for s in layout.base_sets(fam, config):
         tx.put("containers", "add", fam, s)
-    for chain, rules in render.base_chains(fam, config):
+    for chain, rules in layout.base_chains(fam, config):
         _add_chain(tx, fam, chain, rules)
     for shared in sorted(fstate.shared, key=_shared_key):
         _add_shared(tx, fam, shared, config)
@@ -294,7 +293,9 @@ def _create_family(tx: Transaction, fam: str, objs: Sequence[render.ServiceObjec
     # Grouped per map so that the serialiser writes one command per map.
     buckets: Dict[str, List[Op]] = {}
     for o in objs:
-        for item in itertools.chain(o.elements.values(), o.runs.values()):
+        # Annotated: two NamedTuples' join is their common base, a plain tuple with no .set.
+        contents: Iterable[Union[Element, ElementRun]] = itertools.chain(o.elements.values(), o.runs.values())
+        for item in contents:
             bucket = buckets.get(item.set)
             if bucket is None:
                 bucket = buckets[item.set] = []
@@ -310,13 +311,13 @@ def _create_family(tx: Transaction, fam: str, objs: Sequence[render.ServiceObjec
         tx.phases["elements"].extend(bucket)
 
 
-def _shared_key(shared: render.Shared) -> str:
+def _shared_key(shared: layout.Shared) -> str:
     name: str = shared.chain
     return name
 
 
-def _add_shared(tx: Transaction, fam: str, shared: render.Shared, config: ProxyConfig) -> None:
-    chain, rules, emap = render.shared_chain(shared, fam, config)
+def _add_shared(tx: Transaction, fam: str, shared: layout.Shared, config: ProxyConfig) -> None:
+    chain, rules, emap = layout.shared_chain(shared, fam, config)
     if emap is not None:
         tx.put("containers", "add", fam, emap)
     _add_chain(tx, fam, chain, rules)
@@ -371,16 +372,16 @@ def _diff_runs(tx: Transaction, fam: str, old: Dict[render.RunKey, ElementRun],
         # Same map, so the same count: replace the changed indexes only (a one-endpoint change).
         for i, (was, will) in enumerate(zip(run.values, now.values)):
             if was != will:
-                key = f"{run.prefix} . {i}" if run.indexed else run.prefix
-                tx.put("delete-elements", "delete", fam, Element(run.set, key, was))
-                tx.put("elements", "add", fam, Element(run.set, key, will))
+                element_key = f"{run.prefix} . {i}" if run.indexed else run.prefix
+                tx.put("delete-elements", "delete", fam, Element(run.set, element_key, was))
+                tx.put("elements", "add", fam, Element(run.set, element_key, will))
     for key, run in new.items():
         before = old.get(key)
         if before is None or (before.set, before.prefix) != (run.set, run.prefix):
             tx.put("elements", "add", fam, run)
 
 
-def add_first_used(tx: Transaction, fam: str, used: Iterable[render.Shared], pending: PySet[render.Shared],
+def add_first_used(tx: Transaction, fam: str, used: Iterable[layout.Shared], pending: PySet[layout.Shared],
                    config: ProxyConfig) -> None:
     """Create the shared chains (and maps) in ``used`` that are still ``pending`` (first used in this
     sync), where their first user's objects are added."""
@@ -403,7 +404,7 @@ def affinity_index(objects: Iterable[render.ServiceObjects]) -> Dict[AffinityKey
     found: Dict[AffinityKey, PySet[str]] = {}
     for objs in objects:
         for (_, key), run in objs.runs.items():
-            picks = [s for s in objs.uses.get(key, ()) if isinstance(s, render.Pick) and s.sticky]
+            picks = [s for s in objs.uses.get(key, ()) if isinstance(s, layout.Pick) and s.sticky]
             if picks:
                 found.setdefault((picks[0].proto, run.prefix), set()).update(run.values)
     return {k: frozenset(v) for k, v in found.items()}
@@ -425,7 +426,7 @@ def affinity_allowed(index: Mapping[AffinityKey, FrozenSet[str]], proto: str, el
 
 def affinity_maps() -> Iterable[Tuple[str, str]]:
     """(protocol, map name) of every shared affinity map."""
-    return ((p, names.affinity_map(p)) for p in PROTOCOLS)
+    return ((p, names.affinity_map(p)) for p in layout.PROTOCOLS)
 
 
 def stale_affinity(read: Callable[[str], Sequence[Element]], old: Mapping[AffinityKey, FrozenSet[str]],

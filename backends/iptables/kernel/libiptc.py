@@ -397,10 +397,14 @@ class LibiptcWriter:
     def read(self, family: int) -> Dict[str, KernelTable]:
         self._refuse_nft()
         # The table blob read (stamp.chains_and_jumps): one getsockopt per table, no libiptc handle.
+        tables: Dict[str, KernelTable] = {}
         try:
-            return {table: KernelTable(*map(frozenset, chains_and_jumps(family, table))) for table in TABLES}
+            for table in TABLES:
+                chains, jumps = chains_and_jumps(family, table)
+                tables[table] = KernelTable(frozenset(chains), frozenset(jumps))
         except (OSError, ValueError) as exc:
             raise BackendUnavailable(f"cannot read the IPv{family} legacy tables", detail=str(exc)) from exc
+        return tables
 
     def stamp(self, families: Sequence[int], expect: Optional[Expected] = None) -> Optional[Stamp]:
         return fingerprint(families, TABLES, expect)

@@ -16,7 +16,7 @@ from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.nftables import encode, names, serialise, wire
 from netproxy.backends.nftables.kernel.nlsocket import NetlinkError, NlSocket
 from netproxy.backends.nftables.monitor import Watched
-from netproxy.backends.nftables.objects import Element, Set, Table
+from netproxy.backends.nftables.objects import Element, ElementRun, Set, Table
 from netproxy.backends.nftables.serialise import Op
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class NetlinkRunner:
     def _known_sets(self, ops: Sequence[Op]) -> Dict[Tuple[str, str], Set]:
         """Sets whose elements ``ops`` add or delete without creating them: their types, from the kernel."""
         created = {(f, o.name) for v, f, o in ops if isinstance(o, Set) and v == "add"}
-        wanted = {(f, o.set) for _, f, o in ops if hasattr(o, "set") and not isinstance(o, Set)}
+        wanted = {(f, o.set) for _, f, o in ops if isinstance(o, (Element, ElementRun))}
         known: Dict[Tuple[str, str], Set] = {}
         for family, name in wanted - created:
             spec = self._sets.get((family, name)) or self._set_spec(family, name)

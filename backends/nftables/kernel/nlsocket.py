@@ -25,6 +25,8 @@ _RECV = 1 << 20
 class NetlinkError(OSError):
     """The kernel refused message ``seq`` of a batch (``errno``), or a request failed."""
 
+    errno: int  # always set, by __init__ (an OSError's may be None)
+
     def __init__(self, err: int, seq: int, what: str = "") -> None:
         super().__init__(err, os.strerror(err))
         self.seq = seq
