@@ -5,7 +5,8 @@ before the rules that name them and destroyed after."""
 from __future__ import annotations
 
 import ipaddress
-from typing import List
+import re
+from typing import List, Set
 
 from netproxy.backends.iptables import IptablesBackend, affinity, ipset
 from netproxy.backends.iptables.fake import FakeIptables
@@ -64,14 +65,45 @@ def test_a_leaving_endpoint_releases_its_clients_and_only_those() -> None:
     assert element("10.1.0.2", "tcp", 8080, "10.1.0.2") not in sets.elements(ipset.hairpin_set(4))
 
 
+class WriteRecorder(FakeIptables):
+    """The iptables fake that marks each write in the ipset fake's call list and notes, at that
+    moment, which sets the written rules name and which sets exist: the kernel refuses a rule naming
+    a set that does not exist, and a set still named by a rule cannot be destroyed."""
+
+    def __init__(self, sets: FakeIpsets) -> None:
+        super().__init__()
+        self.sets = sets
+        self.named_at_write: List[Set[str]] = []
+        self.existing_at_write: List[Set[str]] = []
+
+    def apply(self, family, changes, before_commit=None):  # type: ignore[no-untyped-def]
+        size = super().apply(family, changes, before_commit)
+        text = "\n".join(" ".join(r) for t in self.tables.values() for rules in t.values() for r in rules)
+        self.named_at_write.append(set(re.findall(r"--(?:match|add)-set (\S+)", text)))
+        self.existing_at_write.append(set(self.sets.sets()))
+        self.sets.calls.append(("write", str(family)))
+        return size
+
+
 def test_sets_are_made_before_the_write_and_destroyed_after_it() -> None:
     b = backend()
     sets = b.ipsets
     assert isinstance(sets, FakeIpsets)
+    kernel = WriteRecorder(sets)
+    b._kernel = kernel
     b.sync(snap(["10.1.0.1", "10.1.0.2"]), Changes(full=True))
-    (writes,) = [i for i, c in enumerate(sets.calls) if c[0] == "create"][:1] or [None]
-    assert writes is not None
+    first_write = sets.calls.index(("write", "4"))
+    created = [i for i, (op, name) in enumerate(sets.calls) if op == "create" and "AFFINITY" in name]
+    assert created and max(created) < first_write, sets.calls  # made before the rules that name them
+    named = {n for n in kernel.named_at_write[0] if "AFFINITY" in n}
+    assert named and named <= kernel.existing_at_write[0]
+    del sets.calls[:]
     b.sync(snap(["10.1.0.1", "10.1.0.2"], affinity_on=False), Changes(full=False))
+    write = sets.calls.index(("write", "4"))
+    destroyed = [i for i, (op, name) in enumerate(sets.calls) if op == "destroy" and "AFFINITY" in name]
+    # Destroyed, and only once the rules that named them were gone from the kernel.
+    assert destroyed and min(destroyed) > write, sets.calls
+    assert named <= kernel.existing_at_write[-1] and not any("AFFINITY" in n for n in kernel.named_at_write[-1])
     assert not [n for n in sets.sets() if "AFFINITY" in n]  # no rule names them any more
 
 

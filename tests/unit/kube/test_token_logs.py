@@ -35,6 +35,11 @@ def kubeconfig(path: Path, url: str, inline: bool) -> str:
     return str(path)
 
 
+def watch_requests(api: ApiServer) -> int:
+    with api.cond:
+        return sum(q.get("watch") in ("true", "1") for _m, _p, q in api.requests)
+
+
 @pytest.mark.parametrize("inline", [True, False], ids=["inline-token", "token-file"])
 def test_the_token_never_reaches_the_logs(api: ApiServer, tmp_path: Path, inline: bool) -> None:
     api.create("services", service("web", "10.96.0.10"))
@@ -53,8 +58,15 @@ def test_the_token_never_reaches_the_logs(api: ApiServer, tmp_path: Path, inline
         deadline = time.monotonic() + 40
         while time.monotonic() < deadline and "synced" not in log.read_text():
             time.sleep(0.2)
-        api.drop_watches()  # and dropped watches, logged as they reconnect
-        time.sleep(1.5)
+        # Dropped watches, logged as they reconnect: wait until every one was opened again (a fixed
+        # sleep could end before the reconnects and their log lines, leaving nothing to look at).
+        opened = watch_requests(api)
+        dropped = api.drop_watches()
+        assert dropped >= 3, "netproxy had not opened its watches"
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and watch_requests(api) < opened + dropped:
+            time.sleep(0.1)
+        assert watch_requests(api) >= opened + dropped, "the dropped watches were not opened again"
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=20)
@@ -62,6 +74,7 @@ def test_the_token_never_reaches_the_logs(api: ApiServer, tmp_path: Path, inline
     assert api.authorizations == [f"Bearer {TOKEN}"], api.authorizations  # the token was used...
     assert "synced" in out, out[-3000:]
     assert "401" in out or "Unauthorized" in out, out[-3000:]  # ...failures were logged...
+    assert out.count("watch failed") >= dropped, out[-3000:]  # ...so were the dropped watches...
     assert TOKEN not in out and TOKEN[:16] not in out, "the API token is in netproxy's log"  # ...not the token
     assert "Bearer" not in out
 
