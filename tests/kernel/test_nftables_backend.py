@@ -14,7 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
-import time
+import threading
 from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
@@ -115,20 +115,86 @@ def canonical(ns: str, *what: str) -> List[str]:
     return sorted(out)
 
 
+class Monitor:
+    """``nft monitor`` in ``ns``, with proof that it was listening for exactly the window asked for.
+
+    A fixed sleep for the monitor to subscribe proves nothing: a late monitor sees no event and a
+    "nothing was written" check then passes whatever was written.  So the window is opened by a
+    change the monitor must report (adding a marker table) and closed by another (adding a second
+    one): netlink delivers a namespace's events in commit order, so once the closing event is read,
+    every commit between the two markers has been read too.  :meth:`events` are the lines in
+    between; the markers are deleted after the window closed."""
+
+    def __init__(self, ns: str) -> None:
+        self.ns = ns
+        self.marks: List[str] = []
+        self.lines: List[str] = []
+        self.cond = threading.Condition()
+        self.proc = subprocess.Popen(["ip", "netns", "exec", ns, "nft", "monitor"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self.cond:
+                self.lines.append(line.rstrip("\n"))
+                self.cond.notify_all()
+
+    def _marker(self, timeout: float) -> Optional[int]:
+        """Add a new marker table; the index of its event, or None if not reported in ``timeout``."""
+        name = f"np-monitor-mark-{next(_counter)}"
+        self.marks.append(name)
+        nft(self.ns, "add", "table", "inet", name)
+        want = f"add table inet {name}"
+        with self.cond:
+            if not self.cond.wait_for(lambda: want in self.lines, timeout):
+                return None
+            return self.lines.index(want)
+
+    def __enter__(self) -> Monitor:
+        # A marker committed before the monitor subscribed is never reported: try new ones, waiting
+        # longer each time, until one is.
+        for timeout in (0.5, 1, 2, 4, 8, 16, 32):
+            start = self._marker(timeout)
+            if start is not None:
+                self.start = start
+                return self
+        self.__exit__(None, None, None)
+        raise AssertionError(f"nft monitor never reported a marker table; it printed:\n{self.text()}")
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if exc[0] is None and hasattr(self, "start"):
+                end = self._marker(60)
+                assert end is not None, f"nft monitor never reported the closing marker:\n{self.text()}"
+                self.end = end
+        finally:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            for name in self.marks:
+                nft(self.ns, "delete", "table", "inet", name, check=False)
+
+    def events(self) -> List[str]:
+        """What the kernel reported between the two markers, without nft's ``#`` comments (nor an
+        earlier marker that was reported late)."""
+        with self.cond:
+            window = self.lines[self.start + 1:self.end]
+        return [ln for ln in window
+                if ln.strip() and not ln.startswith("#") and not any(m in ln for m in self.marks)]
+
+    def text(self) -> str:
+        with self.cond:
+            return "\n".join(self.lines)
+
+
 def test_one_endpoint_change_touches_only_that_service(ns: str, driver: Driver) -> None:
     assert driver.sync([A, B, C, S])["ok"]
-    monitor = subprocess.Popen(["ip", "netns", "exec", ns, "nft", "monitor"], stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True)
-    try:
-        time.sleep(0.5)  # let the monitor subscribe before the change
+    with Monitor(ns) as monitor:
         b2 = dict(B, eps=["10.1.1.1", "10.1.1.9", "10.1.1.3"])
         reply = driver.sync([A, b2, C, S], full=False, changed=["bravo"])
         assert reply["ok"] and reply["result"]["full"] is False, reply
-        time.sleep(0.5)
-    finally:
-        monitor.terminate()
-        events, _ = monitor.communicate(timeout=10)
-    lines = [ln for ln in events.splitlines() if ln.strip() and not ln.startswith("#")]
+    lines, events = monitor.events(), monitor.text()
     assert any("10.1.1.9" in ln for ln in lines), f"the new endpoint was not written:\n{events}"
     # The driver's endpoints have no node, so they may hairpin here: the removed and the added
     # endpoint's `ep . ep` pairs in `hairpin` change too, and nothing else.
@@ -237,29 +303,18 @@ def test_plan_is_what_sync_writes(ns: str, driver: Driver) -> None:
 
 def test_periodic_full_sync_rewrites_only_after_someone_else_wrote(ns: str, driver: Driver) -> None:
     assert driver.sync([A, B, S])["ok"]
-    monitor = subprocess.Popen(["ip", "netns", "exec", ns, "nft", "monitor"], stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True)
-    try:
-        time.sleep(0.5)
-        assert driver.sync([A, B, S], full=True)["ok"]  # nobody wrote since: the generation proves it
-        time.sleep(0.5)
-    finally:
-        monitor.terminate()
-        quiet, _ = monitor.communicate(timeout=10)
-    assert not [ln for ln in quiet.splitlines() if ln.strip() and not ln.startswith("#")], quiet
-    # Another program writes its own table: the generation moves, but the change notifications
-    # show that netproxy's tables were not touched, so the full sync writes nothing.
-    nft(ns, "add", "table", "inet", "someone-else")
-    monitor = subprocess.Popen(["ip", "netns", "exec", ns, "nft", "monitor"], stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True)
-    try:
-        time.sleep(0.5)
+    with Monitor(ns) as monitor:
+        # The monitor's opening marker is another program's table: the generation moved, but the
+        # change notifications show that netproxy's tables were not touched, so this full sync
+        # writes nothing (and takes the marker's generation as its own)...
         assert driver.sync([A, B, S], full=True)["ok"]
-        time.sleep(0.5)
-    finally:
-        monitor.terminate()
-        quiet, _ = monitor.communicate(timeout=10)
-    assert not [ln for ln in quiet.splitlines() if ln.strip() and not ln.startswith("#")], quiet
+        # ...and nobody wrote since: the generation alone proves it.
+        assert driver.sync([A, B, S], full=True)["ok"]
+    assert not monitor.events(), monitor.text()
+    nft(ns, "add", "table", "inet", "someone-else")
+    with Monitor(ns) as monitor:
+        assert driver.sync([A, B, S], full=True)["ok"]
+    assert not monitor.events(), monitor.text()
     # Someone touches netproxy's table: the next full sync rebuilds it.
     nft(ns, "delete", "element", "ip", "netproxy", "service-ips", "{ 10.96.0.11 . tcp . 80 }")
     assert driver.sync([A, B, S], full=True)["ok"]
