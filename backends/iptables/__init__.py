@@ -288,7 +288,11 @@ class IptablesBackend:
         # the old rules alone needed goes after them (sets.py).
         filled = self._sets.before_write(self.ipsets, ruleset, full)
         try:
+            # The two debug lines bracket the kernel write: the fault suite's kill -9 test reads them
+            # to prove that its kill landed while the kernel was being written (tests/faults/test_kill.py).
+            log.debug("writing the kernel: IPv%d, %d tables", family, len(changed))
             size = self.kernel.apply(family, changed, before_commit=filled) if changed else 0
+            log.debug("written the kernel: IPv%d, %d bytes", family, size)
         except BaseException:
             with contextlib.suppress(Exception):
                 filled()  # the write's own error is the one to report

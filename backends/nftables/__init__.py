@@ -211,7 +211,11 @@ class NftablesBackend:
         # Our own rewrite notifies every element (100k at 10k services): stop listening while it
         # commits, listen again after, and trust the record only if no one committed in between.
         self.kernel.watch(False)
+        # The two debug lines bracket the kernel write: the fault suite's kill -9 test reads them to
+        # prove that its kill landed while the kernel was being written (tests/faults/test_kill.py).
+        log.debug("writing the kernel: the full rewrite")
         written = self.kernel.apply(tx.ops)
+        log.debug("written the kernel: %d bytes", written)
         self.kernel.watch(True)
         state.tables = frozenset(op[1] for op in tx.phases["tables"] if op[0] == "add")
         after = self.kernel.generation()
@@ -272,7 +276,9 @@ class NftablesBackend:
         state.own.clear()
         if before is None or (before != state.generation and touched is not False):
             state.generation = None  # someone else may have touched our tables: next full sync rebuilds
+        log.debug("writing the kernel: %d changed objects", len(tx))
         written: int = self.kernel.apply(tx.ops)
+        log.debug("written the kernel: %d bytes", written)
         after = self.kernel.generation()
         if before is not None and after == before + 1:
             state.own.add(after)

@@ -1,7 +1,8 @@
 """Fault 1 of the fault suite: ``kill -9`` at any moment of a sync.
 
 - A 5,000-service ``netproxy sync`` (2,000 in the quick tier) is killed at eight moments (four in the
-  quick tier) spread over its own duration: every table the kernel holds afterwards is the old
+  quick tier) spread over its kernel write, each proven by the sync's log to have landed after the
+  write began and before it returned: every table the kernel holds afterwards is the old
   ruleset or the new one, never a mix (iptables: per family and table, since iptables commits table
   by table; nftables: one transaction per sync), and the next ``sync`` converges to exactly the new
   ruleset.
@@ -99,7 +100,63 @@ def _complete_sync(proxy: Proxy, source: str) -> float:
     return time.monotonic() - t0
 
 
+# The backends log these at debug level right before and right after each kernel write (one per
+# family for iptables, one transaction for nftables): a killed sync's log says whether the kill landed
+# after a write had begun and before the last one returned.
+WRITING, WRITTEN = "writing the kernel:", "written the kernel:"
+
+
+class Sync:
+    """A ``netproxy sync --log-level debug`` in the node, its log read as it is written."""
+
+    def __init__(self, proxy: Proxy, source: str, log_path: str) -> None:
+        sb, combo = proxy.sandbox, proxy.combo
+        self.log_path = log_path
+        self.proc = sb.start_netproxy(["sync", "--source", source, "--log-level", "debug", *proxy.base_flags,
+                                       *combo.flags], flavour=combo.path_flavour, log_path=log_path)
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def wait_for_line(self, text: str, count: int = 1, timeout: float = 300.0) -> bool:
+        """Poll the log (every millisecond: the write lasts tens of milliseconds) until ``text`` is
+        in it ``count`` times; False if the process exited first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.log().count(text) >= count:
+                return True
+            if self.proc.poll() is not None:
+                return self.log().count(text) >= count
+            time.sleep(0.001)
+        raise AssertionError(f"no {text!r} in the sync's log after {timeout}s:\n{self.log()[-3000:]}")
+
+
+def _write_window(proxy: Proxy, source: str, log_path: str) -> Tuple[float, int]:
+    """A whole sync to ``source``: (seconds from its first kernel write's start to its last write's
+    return, as this test's polling sees them; how many writes it made)."""
+    sync = Sync(proxy, source, log_path)
+    assert sync.wait_for_line(WRITING), sync.log()[-3000:]
+    t0 = end = time.monotonic()
+    seen = 0
+    while sync.proc.poll() is None:
+        returned = sync.log().count(WRITTEN)
+        if returned > seen:
+            seen, end = returned, time.monotonic()
+        time.sleep(0.001)
+    if sync.log().count(WRITTEN) > seen:
+        end = time.monotonic()
+    window = end - t0
+    assert sync.proc.wait() == 0, sync.log()[-3000:]
+    writes = sync.log().count(WRITTEN)
+    assert writes >= 1 and writes == sync.log().count(WRITING), sync.log()[-3000:]
+    return window, writes
+
+
 def test_kill_9_during_a_sync_leaves_each_table_old_or_new(proxy: Proxy, sandbox: Sandbox, combo: Combo) -> None:
+    """Every kill is timed from the sync's first kernel write (its log says when that began) and must
+    land before the last write returned (its log says that too): a kill during start-up or after the
+    write would make "0 mixed tables" trivially true.  A kill that came too late is repeated earlier."""
     pods = sandbox.pods[:3]
     old_path, new_path = (os.path.join(sandbox.workdir, f"{v}.json") for v in ("old", "new"))
     _write_list(old_path, _cluster(SERVICES, pods, new=False))
@@ -110,37 +167,49 @@ def test_kill_9_during_a_sync_leaves_each_table_old_or_new(proxy: Proxy, sandbox
     old = _listing(proxy)
     changed = [k for k in old if old[k] != new[k]]
     assert changed, "the two versions must differ in the kernel"
-    took = _complete_sync(proxy, new_path)  # how long a whole old → new sync takes, process start included
+    logs = iter(os.path.join(sandbox.workdir, f"sync-{i}.log") for i in range(10_000))
+    # How long the kernel writes of a whole old → new sync take, and how many there are.
+    window, writes = _write_window(proxy, new_path, next(logs))
     _complete_sync(proxy, old_path)
 
     states = {"old": 0, "new": 0}
     mixed: List[str] = []
+    landed: List[str] = []
     current, target = old, new
     paths = {id(old): old_path, id(new): new_path}
     for k in range(1, KILL_POINTS + 1):
-        at = took * k / (KILL_POINTS + 1)
-        proc = sandbox.start_netproxy(["sync", "--source", paths[id(target)], *proxy.base_flags, *combo.flags],
-                                      flavour=combo.path_flavour)
-        time.sleep(at)
-        proc.kill()  # SIGKILL: no handler, no cleanup
-        proc.wait()
-        _settle(sandbox)
-        now = _listing(proxy)
-        for key, text in now.items():
-            if text == target[key]:
-                states["new" if target is new else "old"] += 1
-            elif text == current[key]:
-                states["old" if target is new else "new"] += 1
-            else:
-                mixed.append(f"kill at {at:.2f}s: {key} is neither the old nor the new ruleset")
-        # The next start converges: a whole sync leaves exactly the target ruleset.
-        _complete_sync(proxy, paths[id(target)])
-        assert _listing(proxy) == target, f"kill at {at:.2f}s: the next sync did not converge"
-        current, target = target, current
+        at = window * k / (KILL_POINTS + 1)
+        for _attempt in range(8):
+            sync = Sync(proxy, paths[id(target)], next(logs))
+            began = sync.wait_for_line(WRITING)
+            assert began, f"the sync exited before writing:\n{sync.log()[-3000:]}"
+            time.sleep(at)
+            sync.proc.kill()  # SIGKILL: no handler, no cleanup
+            code = sync.proc.wait()
+            text = sync.log()
+            _settle(sandbox)
+            now = _listing(proxy)
+            for key, listed in now.items():
+                if listed == target[key]:
+                    states["new" if target is new else "old"] += 1
+                elif listed == current[key]:
+                    states["old" if target is new else "new"] += 1
+                else:
+                    mixed.append(f"kill {at * 1000:.0f} ms into the write: {key} is neither the old nor the new")
+            # The next start converges: a whole sync leaves exactly the target ruleset.
+            _complete_sync(proxy, paths[id(target)])
+            assert _listing(proxy) == target, f"kill {at * 1000:.0f} ms into the write: the next sync did not converge"
+            current, target = target, current
+            if code == -9 and text.count(WRITTEN) < writes:
+                landed.append(f"{at * 1000:.0f} ms")
+                break
+            at /= 2  # the write was over (a faster run than the measured one): again, earlier
     figure(f"kill -9 during a {SERVICES}-service sync [{combo.name}]",
-           f"{KILL_POINTS} kills over {took:.2f}s: {len(mixed)} mixed tables; tables old {states['old']}, "
-           f"new {states['new']}; every restart converged", "0 mixed states, restart converges")
+           f"{len(landed)}/{KILL_POINTS} kills inside a {window * 1000:.0f} ms write ({', '.join(landed)} after it "
+           f"began): {len(mixed)} mixed tables; tables old {states['old']}, new {states['new']}; every restart "
+           "converged", "0 mixed states, restart converges")
     assert not mixed, mixed
+    assert len(landed) == KILL_POINTS, f"only {landed} of {KILL_POINTS} kills landed while the kernel was written"
 
 
 UDP_IP = "10.96.2.53"
