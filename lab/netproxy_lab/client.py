@@ -11,7 +11,14 @@ Output (one JSON object on stdout)::
      "sources": {"pod-0": {"10.244.1.2": 201}}, # the source address each pod saw
      "errors": {"timeout": 3, "refused": 1},   # failed attempts by kind
      "sequence": ["pod-0", "!timeout", ...],    # every attempt in start order
-     "elapsed": 0.21}
+     "elapsed": 0.21,
+     "first_start": 1796000000.1, "last_start": 1796000000.3}  # wall clock (time.time()) of the
+                                                # first and the last attempt's start
+
+SIGUSR1 stops a batch early: no attempt starts after it, those in flight finish, and the result
+covers the attempts started (a loop kept running until a test saw what it waited for).
+``--announce`` writes ``started`` on stderr once the first attempt has finished, so that a test
+can wait for a loop to be under way before it changes what the loop goes through.
 
 ``--proto sctp`` opens one-to-one SCTP associations (``SOCK_STREAM``, ``IPPROTO_SCTP``) and reads
 them as TCP connections: the pod's line, then its SHUTDOWN as the end.
@@ -30,6 +37,7 @@ import argparse
 import errno
 import json
 import selectors
+import signal
 import socket
 import struct
 import sys
@@ -71,6 +79,8 @@ class Result:
     errors: Dict[str, int] = field(default_factory=dict)
     sequence: List[str] = field(default_factory=list)
     elapsed: float = 0.0
+    first_start: float = 0.0
+    last_start: float = 0.0
 
     def record(self, index: int, outcome: str, answer: bytes = b"") -> None:
         if outcome == "ok":
@@ -87,7 +97,8 @@ class Result:
 
     def as_dict(self) -> Dict[str, object]:
         return {"counts": self.counts, "sources": self.sources, "errors": self.errors,
-                "sequence": self.sequence, "elapsed": round(self.elapsed, 4)}
+                "sequence": self.sequence, "elapsed": round(self.elapsed, 4),
+                "first_start": self.first_start, "last_start": self.last_start}
 
 
 def _family(address: str) -> int:
@@ -140,8 +151,10 @@ class Batch:
 
     def __init__(self, proto: str, address: str, port: int, *, count: int, timeout: float, concurrency: int,
                  interval: float = 0.0, bind: Optional[Tuple[str, int]] = None,
-                 sources: Sequence[str] = ()) -> None:
+                 sources: Sequence[str] = (), announce: bool = False) -> None:
         self.proto, self.address, self.port = proto, address, port
+        self.announce = announce
+        self.stopping = False  # set by SIGUSR1 (main): start no more attempts
         self.count, self.timeout, self.interval, self.bind = count, timeout, interval, bind
         # Attempt i leaves from sources[i % len(sources)]: many "clients" in one batch (affinity tests).
         self.sources = list(sources)
@@ -155,9 +168,10 @@ class Batch:
     def run(self) -> Result:
         t0 = time.monotonic()
         next_start = t0
-        while self.started < self.count or self.live:
+        while (self.started < self.count and not self.stopping) or self.live:
             now = time.monotonic()
-            while self.started < self.count and len(self.live) < self.concurrency and now >= next_start:
+            while (self.started < self.count and not self.stopping and len(self.live) < self.concurrency
+                   and now >= next_start):
                 self._start(now)
                 next_start = now + self.interval
             wait = min([a.deadline for a in self.live.values()] + [now + 0.5]) - now
@@ -167,11 +181,15 @@ class Batch:
                 self._progress(key.data)
             self._expire(time.monotonic())
         self.result.elapsed = time.monotonic() - t0
+        del self.result.sequence[self.started:]  # stopped early: only the attempts made
         return self.result
 
     def _start(self, now: float) -> None:
         index = self.started
         self.started += 1
+        self.result.last_start = time.time()
+        if index == 0:
+            self.result.first_start = self.result.last_start
         bind = self.bind
         if self.sources:
             bind = (self.sources[index % len(self.sources)], 0)
@@ -233,6 +251,10 @@ class Batch:
         attempt.sock.close()
         self.live.pop(attempt.index, None)
         self.result.record(attempt.index, outcome, attempt.data)
+        if self.announce:
+            self.announce = False
+            sys.stderr.write("started\n")
+            sys.stderr.flush()
 
 
 def session(proto: str, address: str, port: int, timeout: float, bind: Optional[Tuple[str, int]]) -> int:
@@ -287,6 +309,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--interval", type=float, default=0.0, help="seconds between attempt starts (serialises)")
     parser.add_argument("--bind", default=None, help="source ADDRESS:PORT (or :PORT) for every attempt")
     parser.add_argument("--sources", default="", help="comma-separated source addresses, used round-robin")
+    parser.add_argument("--announce", action="store_true", help="'started' on stderr after the first attempt")
     parser.add_argument("--session", action="store_true", help="one connection kept open: stdin lines out, "
                         "answers in (see the module)")
     args = parser.parse_args(argv)
@@ -299,7 +322,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return session(args.proto, args.address, args.port, args.timeout, bind)
     batch = Batch(args.proto, args.address, args.port, count=args.count, timeout=args.timeout,
                   concurrency=args.concurrency, interval=args.interval, bind=bind,
-                  sources=[a for a in args.sources.split(",") if a])
+                  sources=[a for a in args.sources.split(",") if a], announce=args.announce)
+    signal.signal(signal.SIGUSR1, lambda _sig, _frame: setattr(batch, "stopping", True))
     json.dump(batch.run().as_dict(), sys.stdout)
     sys.stdout.write("\n")
     return 0

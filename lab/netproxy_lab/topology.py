@@ -357,10 +357,13 @@ class Sandbox:
     def start_connect(self, address: str, port: int, *, proto: str = "tcp", count: int = 1,
                       source: Optional[str] = None, timeout: float = 1.0, concurrency: int = 32,
                       interval: float = 0.0, bind: Optional[str] = None,
-                      sources: Sequence[str] = ()) -> PendingConnect:
-        """:meth:`connect` in the background (e.g. a paced UDP flow while a test changes endpoints)."""
+                      sources: Sequence[str] = (), announce: bool = False) -> PendingConnect:
+        """:meth:`connect` in the background (e.g. a paced UDP flow while a test changes endpoints);
+        ``announce``: :meth:`PendingConnect.wait_started` can wait for its first attempt."""
         argv = [sys.executable, CLIENT, address, str(port), "--proto", proto, "--count", str(count),
                 "--timeout", str(timeout), "--concurrency", str(concurrency), "--interval", str(interval)]
+        if announce:
+            argv.append("--announce")
         if bind:
             argv += ["--bind", bind]
         if sources:

@@ -6,6 +6,8 @@ a subprocess inside a namespace (:meth:`netproxy_lab.topology.Sandbox.connect`).
 from __future__ import annotations
 
 import json
+import select
+import signal
 import subprocess
 from dataclasses import dataclass
 from typing import Callable, Dict
@@ -48,6 +50,21 @@ class PendingConnect:
         self.budget = budget
         self._on_done = on_done
 
+    def wait_started(self, timeout: float = 60.0) -> None:
+        """Until the batch (started with ``announce=True``) has finished its first attempt."""
+        assert self.proc.stderr is not None
+        ready, _, _ = select.select([self.proc.stderr], [], [], timeout)
+        line = self.proc.stderr.readline() if ready else b""
+        if line.strip() != b"started":
+            raise SandboxError(f"the client did not start within {timeout:.0f}s: {line!r}")
+
+    def stop(self) -> bool:
+        """Start no more attempts (those in flight finish); False if the batch had already ended."""
+        if self.proc.poll() is not None:
+            return False
+        self.proc.send_signal(signal.SIGUSR1)
+        return True
+
     def result(self) -> ConnectResult:
         try:
             out, err = self.proc.communicate(timeout=self.budget)
@@ -62,7 +79,8 @@ class PendingConnect:
             raise SandboxError(f"client failed ({self.proc.returncode}): {err.decode(errors='replace').strip()}")
         data = json.loads(out)
         return ConnectResult(counts=data["counts"], sources=data["sources"], errors=data["errors"],
-                             sequence=data["sequence"], elapsed=data["elapsed"])
+                             sequence=data["sequence"], elapsed=data["elapsed"],
+                             first_start=data.get("first_start", 0.0), last_start=data.get("last_start", 0.0))
 
 
 class Session:
