@@ -34,6 +34,7 @@ from netproxy.backends.iptables import affinity, ipset, names
 from netproxy.backends.iptables.tree import Chains, DispatchEntry, Rule, port_key
 from netproxy.core.config import ProxyConfig
 from netproxy.core.endpoints import cluster_endpoints, external_endpoints, local_endpoints
+from netproxy.core.firewall import firewall_sources
 from netproxy.core.model import Endpoint, IPAddress, NodeInfo, ServicePort
 
 __all__ = ["Chains", "DispatchEntry", "Rule", "ServiceRules", "FamilyRuleset", "render_service"]
@@ -270,11 +271,12 @@ def _external_chain(p: _Port, svc_chain: Optional[str], svl_chain: Optional[str]
     return ext
 
 
-def _firewall_chain(p: _Port, ext: str) -> str:
-    """KUBE-FW-: allowed source ranges continue to KUBE-EXT-; the rest is dropped in filter."""
+def _firewall_chain(p: _Port, ext: str, node: NodeInfo) -> str:
+    """KUBE-FW-: allowed sources (netproxy/core/firewall.py: the ranges, and the LB IPs when a range
+    covers the node) continue to KUBE-EXT-; the rest is dropped in filter."""
     fw: str = names.service_chain(p.svc.name, p.svc.protocol, names.FW_PREFIX)
     p.nat[fw] = tuple(("-s", str(r)) + p.comment + ("-j", ext)
-                      for r in p.svc.source_ranges if r.version == p.family)
+                      for r in firewall_sources(p.svc, node, p.family))
     return fw
 
 
@@ -352,11 +354,11 @@ class _NodePortRules:
 
 
 def _external(p: _Port, eps: _Eligible, chains: _EndpointChains, ext_addrs: Sequence[IPAddress],
-              lb_addrs: Sequence[IPAddress]) -> _NodePortRules:
+              lb_addrs: Sequence[IPAddress], node: NodeInfo) -> _NodePortRules:
     """External IPs, load-balancer IPs (behind KUBE-FW- with source ranges) and the NodePort."""
     svc = p.svc
     ext = _external_chain(p, chains.svc or None, chains.svl or None) if eps.any else None
-    fw = _firewall_chain(p, ext) if ext and lb_addrs and svc.source_ranges else None
+    fw = _firewall_chain(p, ext, node) if ext and lb_addrs and svc.source_ranges else None
     for addr in list(ext_addrs) + list(lb_addrs):
         target = fw if fw and addr in lb_addrs else ext
         if target:
@@ -424,7 +426,7 @@ def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeIn
             p.refuse(addr, drop=eps.any)
         # Any other port of a cluster IP is refused: by one rule for all of them, an element of the
         # cluster-IP set each (assemble.py), as kube-proxy's nftables mode does with its set.
-    nodeports = _external(p, eps, chains, ext_addrs, lb_addrs) if has_external else _NodePortRules()
+    nodeports = _external(p, eps, chains, ext_addrs, lb_addrs, node) if has_external else _NodePortRules()
     proto_num = ipset.PROTOS[proto]
     slots, keys = _affinity(p, chains.endpoints(eps), cluster_addrs + ext_addrs + lb_addrs, proto_num)
     hairpin = _hairpin_candidates(node, proto_num, eps.everyone if chains.svc else (), eps.local if chains.svl else ())

@@ -47,6 +47,7 @@ from netproxy.backends.nftables.layout import (
 from netproxy.backends.nftables.objects import Element, ElementRun, Rule, Set
 from netproxy.core.config import ProxyConfig
 from netproxy.core.endpoints import cluster_endpoints, external_endpoints
+from netproxy.core.firewall import firewall_sources
 from netproxy.core.model import Endpoint, IPAddress, NodeInfo, ServicePort
 
 RunKey = Tuple[str, str]
@@ -270,7 +271,7 @@ def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeIn
         p.dispatch(f"{addr} . {proto} . {port}", f"{addr} . {port}", ext_kind, nodeport=False)
     if svc.node_port:
         p.dispatch(f"{proto} . {svc.node_port}", str(svc.node_port), ext_kind, nodeport=True)
-    _firewall(p, [ip for ip in svc.load_balancer_ips if ip.version == version])
+    _firewall(p, [ip for ip in svc.load_balancer_ips if ip.version == version], node)
     if p.has_endpoints:
         refs.extend(_hairpin_refs(node, list(choices.values())))
     out = p.out
@@ -283,13 +284,14 @@ def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeIn
     return out
 
 
-def _firewall(p: _Port, lb_addrs: Sequence[IPAddress]) -> None:
+def _firewall(p: _Port, lb_addrs: Sequence[IPAddress], node: NodeInfo) -> None:
     """loadBalancerSourceRanges: traffic to the LB IPs from outside the ranges is dropped (nat
-    prerouting/output, before DNAT); the ClusterIP and NodePort are not restricted."""
+    prerouting/output, before DNAT); the ClusterIP and NodePort are not restricted.  Who is allowed
+    is decided in netproxy/core/firewall.py (the ranges, and the LB IPs when a range covers the node)."""
     svc = p.svc
     if not svc.source_ranges or not lb_addrs:
         return
-    ranges = [str(r) for r in svc.source_ranges if r.version == VERSIONS[p.family]]
+    ranges = [str(r) for r in firewall_sources(svc, node, VERSIONS[p.family])]
     for ip in lb_addrs:
         key = f"{ip_text(ip)} . {p.proto} . {svc.port}"
         p.put(names.FIREWALL_IPS, key)

@@ -26,6 +26,10 @@ _PROTOS = {"tcp": 6, "udp": 17, "sctp": 132}
 _NAT_CHAINS = {"prerouting": names.NAT_PREROUTING, "output": names.NAT_OUTPUT}
 _FILTER_CHAINS = {"input": names.FILTER_INPUT, "forward": names.FILTER_FORWARD, "output": names.FILTER_OUTPUT}
 _MAX_STEPS = 10_000
+_IPS_DST_NAT = 0x20
+"""``ct status``'s dnat bit (the kernel's IPS_DST_NAT)."""
+_MASQUERADED = "masquerade"
+"""The outcome of a ``masquerade`` statement (nat postrouting): a verdict of its own."""
 
 
 @dataclass
@@ -34,9 +38,11 @@ class _State:
     mark: int = 0
     chains: Tuple[str, ...] = ()
     share: float = 1.0
+    dnat: bool = False
+    """Whether nat has DNAT-ed the connection (``ct status dnat``): true in postrouting after a DNAT."""
 
     def copy(self) -> _State:
-        return _State(bytearray(self.regs), self.mark, self.chains, self.share)
+        return _State(bytearray(self.regs), self.mark, self.chains, self.share, self.dnat)
 
 
 _CONTINUE = "continue"
@@ -228,8 +234,8 @@ class Tracer:
         if isinstance(e, ex.Ct):
             if e.key == ex.CT_STATE:
                 _store(regs, e.dreg, struct.pack("=I", 0x8))  # a first packet: new
-            elif e.key == ex.CT_STATUS:
-                _store(regs, e.dreg, struct.pack("=I", 0))  # nat has not run for it yet
+            elif e.key == ex.CT_STATUS:  # before the DNAT nat has not run for it; after it, dnat is set
+                _store(regs, e.dreg, struct.pack("=I", _IPS_DST_NAT if st.dnat else 0))
             elif e.key in (ex.CT_DST_IP, ex.CT_DST_IP6):
                 _store(regs, e.dreg, ipaddress.ip_address(p.daddr).packed)
             elif e.key == ex.CT_PROTO_DST:
@@ -267,12 +273,29 @@ class Tracer:
             addr = str(ipaddress.ip_address(_load(regs, e.addr_reg, 16 if e.family == "ip6" else 4)))
             port = struct.unpack(">H", _load(regs, e.proto_reg, 2))[0]
             target = f"[{addr}]:{port}" if e.family == "ip6" else f"{addr}:{port}"
-            return Outcome("dnat", target, masquerade=bool(st.mark), chains=st.chains, share=st.share)
+            masquerade, chains = self._postrouting(p, st, addr, port)
+            return Outcome("dnat", target, masquerade=masquerade, chains=chains, share=st.share)
         if isinstance(e, ex.Reject):
             return Outcome("reject", chains=st.chains, share=st.share)
-        if isinstance(e, (ex.Masquerade, ex.Dynset)):
+        if isinstance(e, ex.Masquerade):  # a nat verdict: the packet leaves with the node's address
+            return Outcome(_MASQUERADED, chains=st.chains, share=st.share)
+        if isinstance(e, ex.Dynset):
             return None
         raise ValueError(f"the tracer does not know {e!r}")
+
+    def _postrouting(self, p: Packet, st: _State, addr: str, port: int) -> Tuple[bool, Tuple[str, ...]]:
+        """Whether the DNAT-ed packet leaves masqueraded, and the chains on its way: the nat
+        postrouting hook run on the packet as DNAT left it (its destination the endpoint), with the
+        mark the chains before set and ``ct status dnat``.  A mark alone is not the answer: postrouting
+        also marks hairpin traffic (a pod reaching itself through its service), which the mark set
+        before the DNAT never saw."""
+        if names.NAT_POSTROUTING not in self.table.chains:
+            return bool(st.mark), st.chains
+        after = replace(st.copy(), dnat=True)
+        outs = self._chain(p, names.NAT_POSTROUTING, after, addr, port)
+        # No random choice in postrouting: every way through it is one answer.
+        masq = [o for o in outs if o.verdict == _MASQUERADED]
+        return (True, masq[0].chains) if masq else (False, st.chains)
 
     def _lookup(self, e: ex.Lookup, st: _State) -> _Step:
         s = self._set(e.set)

@@ -277,8 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, metavar="ADDRESS:PORT",
                    help="destination, e.g. 10.96.0.10:53 or [fd00::10]:80")
     p.add_argument("--protocol", default="tcp", choices=["tcp", "udp", "sctp"])
-    p.add_argument("--from", dest="source_address", default="203.0.113.1", metavar="ADDRESS",
-                   help="the client's address (default: outside the cluster)")
+    p.add_argument("--from", dest="source_address", default=None, metavar="ADDRESS",
+                   help="the client's address (default: 203.0.113.1, outside the cluster; with --from-node "
+                   "the first --node-address of the destination's family): with --from-node, the address "
+                   "the node sends from, e.g. a load-balancer IP the node holds")
     p.add_argument("--from-node", action="store_true", help="the connection starts on the node itself")
     p.add_argument("--from-interface", default="", type=interface_name, metavar="IFNAME",
                    help="the interface the connection comes in on (--detect-local-mode BridgeInterface, "

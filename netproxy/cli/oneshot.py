@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import ipaddress
 import logging
 import sys
-from typing import List, Sequence, Tuple
+from typing import FrozenSet, List, Sequence, Tuple
 
 from netproxy.backends.base import Backend, BackendError, Packet
 from netproxy.cli.args import EXIT_FAILED, EXIT_OK, EXIT_REJECTED
@@ -126,6 +127,24 @@ def _plan_diff(backend: Backend, config: ProxyConfig, snapshot: Snapshot, errors
     return EXIT_FAILED if changes else EXIT_OK
 
 
+OUTSIDE_CLIENT = "203.0.113.1"
+"""``trace``'s client when ``--from`` is not given: an address outside the cluster (TEST-NET-3)."""
+
+
+def _trace_source(args: argparse.Namespace, destination: str, local: FrozenSet[str]) -> str:
+    """The traced packet's source: ``--from``; else, from the node, a node address of the destination's
+    family (the first ``--node-address``, or the lowest of the node's own); else an outside client."""
+    if args.source_address:
+        return str(args.source_address)
+    if not args.from_node:
+        return OUTSIDE_CLIENT
+    family = ":" in destination
+    named = [a for a in args.node_address if (":" in a) == family]
+    own = sorted((a for a in local if (":" in a) == family and not ipaddress.ip_address(a).is_loopback),
+                 key=ipaddress.ip_address)
+    return (named or own or [OUTSIDE_CLIENT])[0]
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     from netproxy.cli.trace import parse_destination, report
 
@@ -148,13 +167,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     local = frozenset(args.node_address)
     if args.kernel and not local:
         # The kernel's rules are this node's: so are its addresses, unless the caller names others.
-        import ipaddress
-
         from netproxy.node.nodeaddr import local_addresses
 
         local = frozenset(str(a) for a in local_addresses((ipaddress.ip_network("0.0.0.0/0"),
                                                            ipaddress.ip_network("::/0"))))
-    packet = Packet(args.node_address[0] if args.from_node and local else args.source_address, address, port,
+    packet = Packet(_trace_source(args, address, local), address, port,
                     args.protocol, hook="output" if args.from_node else "prerouting", local=local,
                     iif="" if args.from_node else args.from_interface)
     if args.kernel:

@@ -551,6 +551,33 @@ def test_load_balancer_source_ranges(proxy: Proxy, sandbox: Sandbox) -> None:
     assert_only_and_all(node_port, pods, total=90)
 
 
+def test_load_balancer_source_ranges_admit_the_node_holding_the_lb_ip(proxy: Proxy, sandbox: Sandbox) -> None:
+    """A node that holds its load balancer's IP (MetalLB L2, keepalived) connects to it *from* it: with a
+    source range covering the node's IP, kube-proxy lets the LB IP in as a source too ("same node to LB,
+    implicitly allowed"); a client outside the ranges is still dropped, and without a range covering
+    the node the LB IP as a source is dropped as any other."""
+    pods = local(sandbox)
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE_NAME},
+            "status": {"addresses": [{"type": "InternalIP", "address": NODE_EXT4}]}}
+    sandbox.exec(sandbox.node, ["ip", "addr", "add", f"{LB_IP}/32", "dev", "lo"], check=True)
+    try:
+        proxy.sync([node, *web(pods, load_balancer_ips=[LB_IP], loadBalancerSourceRanges=[f"{NODE_EXT4}/32"])])
+        from_lb, outside = connect_all(
+            sandbox,
+            (LB_IP, 80, {"count": 30, "source": sandbox.node, "sources": [LB_IP]}),
+            (LB_IP, 80, {"count": 2, "timeout": DROP_TIMEOUT}),  # the in-cluster client: outside the ranges
+        )
+        assert_only_and_all(from_lb, pods, total=30)
+        assert_masqueraded(from_lb, LB_IP)
+        assert_dropped(outside, 2)
+        # A range that does not cover the node: the LB IP is a source like any other, outside it.
+        proxy.sync([node, *web(pods, load_balancer_ips=[LB_IP], loadBalancerSourceRanges=[f"{EXT4}/32"])])
+        assert_dropped(sandbox.connect(LB_IP, 80, count=2, source=sandbox.node, sources=[LB_IP],
+                                       timeout=DROP_TIMEOUT), 2)
+    finally:
+        sandbox.exec(sandbox.node, ["ip", "addr", "del", f"{LB_IP}/32", "dev", "lo"])
+
+
 # ---- refusals ----------------------------------------------------------------------------------
 
 

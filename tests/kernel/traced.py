@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Any, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from netproxy_lab.checks import SETTLING, TIME_SCALE
 from netproxy_lab.proxy import Proxy
@@ -28,7 +28,7 @@ from netproxy_lab.topology import CLIENT4, CLIENT6, EXT4, EXT6, GATEWAY4, GATEWA
 from netproxy_lab.traffic import ConnectResult, PendingConnect
 
 _state = {"traced": 0, "this_test": 0}
-_DNAT = re.compile(r"DNAT to \[?([0-9a-f.:]+?)\]?:\d+,")
+_DNAT = re.compile(r"DNAT to \[?([0-9a-f.:]+?)\]?:\d+, (masqueraded|source kept)")
 
 
 def traced_count() -> int:
@@ -51,8 +51,8 @@ def _trace_args(sb: Sandbox, address: str, kw: Any) -> Optional[List[str]]:
     flags = [a for n in node_addresses for a in ("--node-address", n)]
     source = kw.get("source") or sb.client
     sources = kw.get("sources") or ()
-    if source == sb.node:
-        return ["--from-node", *flags]
+    if source == sb.node:  # from the node: its own address, or the one it binds (e.g. an LB IP it holds)
+        return ["--from-node", *(("--from", sources[0]) if sources else ()), *flags]
     # The node-side interface the packet comes in on (the sandbox names them; detect-local-mode
     # BridgeInterface / InterfaceNamePrefix decide by it).
     if source == sb.client:
@@ -68,7 +68,11 @@ def _trace_args(sb: Sandbox, address: str, kw: Any) -> Optional[List[str]]:
     return None
 
 
-def _predicted(proxy: Proxy, sb: Sandbox, address: str, port: int, kw: Any) -> Optional[Tuple[Set[str], Set[str]]]:
+Prediction = Tuple[Set[str], Set[str], Dict[str, Set[bool]]]
+"""DNAT targets, the other outcomes, and per target whether the trace masquerades it."""
+
+
+def _predicted(proxy: Proxy, sb: Sandbox, address: str, port: int, kw: Any) -> Optional[Prediction]:
     origin = _trace_args(sb, address, kw)
     if origin is None:
         return None
@@ -78,13 +82,34 @@ def _predicted(proxy: Proxy, sb: Sandbox, address: str, port: int, kw: Any) -> O
     assert proc.returncode in (0, 2), f"netproxy trace --kernel {to} failed:\n{proc.stderr[-3000:]}"
     targets: Set[str] = set()
     others: Set[str] = set()
+    masq: Dict[str, Set[bool]] = {}
     for line in proc.stdout.splitlines()[1:]:
         m = _DNAT.search(line)
         if m:
-            targets.add(str(ipaddress.ip_address(m.group(1))))
+            target = str(ipaddress.ip_address(m.group(1)))
+            targets.add(target)
+            masq.setdefault(target, set()).add(m.group(2) == "masqueraded")
         else:
             others.add(line.split("%", 1)[1].split("via")[0].strip().split(" ")[0])
-    return targets, others
+    return targets, others, masq
+
+
+def _client_address(sb: Sandbox, address: str, kw: Any) -> Optional[str]:
+    """The address the batch's connections leave from, where the test knows it: the pods then see
+    it when the source is kept and a node address when it is masqueraded.  None from the node
+    itself (both look alike there)."""
+    v6 = ipaddress.ip_address(address).version == 6
+    source, sources = kw.get("source") or sb.client, kw.get("sources") or ()
+    if source == sb.node or len(set(sources)) > 1:
+        return None
+    if sources:
+        return str(sources[0])
+    if source == sb.client:
+        return CLIENT6 if v6 else CLIENT4
+    if source == sb.ext:
+        return EXT6 if v6 else EXT4
+    pod = next((p for p in sb.pods if p.netns == source), None)
+    return None if pod is None else str(pod.ip6 if v6 else pod.ip)
 
 
 def check(proxy: Proxy, sb: Sandbox, address: str, port: int, kw: Any, res: ConnectResult) -> None:
@@ -96,7 +121,7 @@ def check(proxy: Proxy, sb: Sandbox, address: str, port: int, kw: Any, res: Conn
     _state["this_test"] += 1
     sources = list(kw.get("sources") or ())
     if not sources:
-        _check_group(proxy, sb, address, port, kw, res.sequence)
+        _check_group(proxy, sb, address, port, kw, res.sequence, res)
         return
     distinct = list(dict.fromkeys(sources))
     for src in {distinct[0], distinct[len(distinct) // 2], distinct[-1]}:
@@ -104,12 +129,14 @@ def check(proxy: Proxy, sb: Sandbox, address: str, port: int, kw: Any, res: Conn
         _check_group(proxy, sb, address, port, dict(kw, sources=[src]), seen)
 
 
-def _check_group(proxy: Proxy, sb: Sandbox, address: str, port: int, kw: Any, seen: List[str]) -> None:
-    """``seen``: each attempt's outcome, a pod's name or ``!<error>``."""
+def _check_group(proxy: Proxy, sb: Sandbox, address: str, port: int, kw: Any, seen: List[str],
+                 res: Optional[ConnectResult] = None) -> None:
+    """``seen``: each attempt's outcome, a pod's name or ``!<error>``; ``res``: the whole batch, when
+    ``seen`` is all of it (the sources each pod saw are then checked against the trace's masquerade)."""
     got = _predicted(proxy, sb, address, port, kw)
     if got is None:
         return
-    targets, others = got
+    targets, others, masq = got
     _state["traced"] += 1
     by_name = {p.name: p for p in sb.pods}
     answered = {o for o in seen if o and not o.startswith("!")}
@@ -120,11 +147,29 @@ def _check_group(proxy: Proxy, sb: Sandbox, address: str, port: int, kw: Any, se
         missing = sorted(n for n in answered if n in by_name
                          and not ({by_name[n].ip, by_name[n].ip6} & (targets | {address})))
         assert not missing, f"{where}: answered by {missing}, which the trace does not predict ({sorted(targets)})"
+        client = _client_address(sb, address, kw)
+        if res is not None and client is not None:
+            _check_masquerade(where, client, masq, res, by_name)
     elif errors and errors <= {"refused", "reset"}:
         assert "refused" in others or "not" in others, \
             f"{where}: refused at once, but the trace predicts {sorted(targets)} / {others}"
     elif errors == {"timeout"}:
         assert others & {"dropped", "not"}, f"{where}: dropped, but the trace predicts {sorted(targets)} / {others}"
+
+
+def _check_masquerade(where: str, client: str, masq: Dict[str, Set[bool]], res: ConnectResult,
+                      by_name: Dict[str, Any]) -> None:
+    """Each answering pod saw the client's own address exactly when the trace keeps the source for it
+    (a pod reaching itself through its service is masqueraded: hairpin)."""
+    for name, seen in res.sources.items():
+        pod = by_name.get(name)
+        predicted = set().union(*(masq.get(a, set()) for a in (pod.ip, pod.ip6) if a)) if pod else set()
+        if len(predicted) != 1:
+            continue  # not a DNAT target the trace names, or both answers (checked above)
+        masqueraded = predicted.pop()
+        assert (client in seen) != masqueraded, (
+            f"{where}: pod {name} saw sources {sorted(seen)} (the client is {client}), but the trace "
+            f"predicts {'masqueraded' if masqueraded else 'source kept'}")
 
 
 class TracedSandbox:

@@ -96,6 +96,24 @@ ROWS: List[Row] = [
     Row("load-balancer source range admits its own",
         svc(load_balancer_ips=(ip(LB_IP),), service_type="LoadBalancer", source_ranges=(net("172.16.0.0/16"),)),
         BOTH, Packet(OUTSIDE, LB_IP, 80), half(LOCAL, REMOTE, True)),
+    # kube-proxy's "same node to LB, SNATted to LB (implicitly allowed)": a range covering the node's
+    # IP lets the LB IP itself in as a source (the node that holds the LB IP connects from it).
+    Row("load-balancer source range covering the node admits the node holding the LB IP",
+        svc(load_balancer_ips=(ip(LB_IP),), service_type="LoadBalancer", source_ranges=(net("192.168.1.0/24"),)),
+        BOTH, Packet(LB_IP, LB_IP, 80, hook="output", local=frozenset({NODE_IP, LB_IP})), half(LOCAL, REMOTE, True),
+        NodeInfo(name=NODE, addresses=(ip(NODE_IP),), ips=(ip(NODE_IP),))),
+    Row("load-balancer source range covering the node still refuses others",
+        svc(load_balancer_ips=(ip(LB_IP),), service_type="LoadBalancer", source_ranges=(net("192.168.1.0/24"),)),
+        BOTH, Packet(OUTSIDE, LB_IP, 80), DROP, NodeInfo(name=NODE, addresses=(ip(NODE_IP),), ips=(ip(NODE_IP),))),
+    Row("load-balancer source range not covering the node refuses the LB IP as a source",
+        svc(load_balancer_ips=(ip(LB_IP),), service_type="LoadBalancer", source_ranges=(net("172.16.0.0/16"),)),
+        BOTH, Packet(LB_IP, LB_IP, 80, hook="output", local=frozenset({NODE_IP, LB_IP})), DROP,
+        NodeInfo(name=NODE, addresses=(ip(NODE_IP),), ips=(ip(NODE_IP),))),
+    # A pod reaching itself through its ClusterIP leaves masqueraded (the nftables tracer follows nat
+    # postrouting, where hairpin is marked; the iptables one KUBE-POSTROUTING), and reaching the other
+    # endpoint keeps its source.
+    Row("hairpin: a pod reaching itself through its ClusterIP is masqueraded", svc(), BOTH,
+        Packet(LOCAL, CLUSTER_IP, 80), {f"{LOCAL}:8080": (0.5, True), f"{REMOTE}:8080": (0.5, False)}),
     Row("nodeport from outside", NODEPORT, BOTH,
         Packet(OUTSIDE, NODE_IP, NODE_PORT, local=frozenset({NODE_IP})), half(LOCAL, REMOTE, True)),
     Row("nodeport from the node itself", NODEPORT, BOTH,
