@@ -26,9 +26,12 @@ demo: setup
 	$(PY) -m netproxy_lab.demo --backend $(BACKEND)
 
 lint: setup
-	$(VENV)/bin/ruff check netproxy backends lab tests bench vagrant scripts/run-tests scripts/lint-structure
-	$(VENV)/bin/mypy netproxy backends lab/netproxy_lab vagrant scripts/run-tests
-	$(VENV)/bin/mypy scripts/lint-structure  # apart: mypy names every extension-less script __main__
+	$(VENV)/bin/ruff check netproxy backends lab tests bench vagrant scripts/run-tests scripts/lint-structure \
+		scripts/lint-types scripts/installed_layout.py scripts/types_probe.py
+	@# mypy over the layout the wheel installs (backends/ as netproxy.backends), with a probe: scripts/lint-types.
+	$(PY) scripts/lint-types
+	@# The lint scripts themselves; --scripts-are-modules, else mypy names both extension-less scripts __main__.
+	$(VENV)/bin/mypy --scripts-are-modules scripts/lint-structure scripts/lint-types scripts/installed_layout.py
 	@# The import layers (pyproject's [tool.importlinter]) and dead code (vulture): scripts/lint-structure.
 	$(PY) scripts/lint-structure
 

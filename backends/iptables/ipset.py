@@ -65,7 +65,7 @@ Element = Tuple[int, int, int, int]
 """(first address as an integer, IP protocol number, port, second address as an integer)."""
 
 
-class IpsetError(BackendError):  # type: ignore[misc]  # mypy sees netproxy.backends.* as Any
+class IpsetError(BackendError):
     """The kernel refused an ipset request."""
 
 
