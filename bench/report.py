@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from bench import conntrack, latency, objects, sample
+from bench import conntrack, latency, objects, sample, top
 
 Results = Dict[str, Any]
 Cell = Optional[Dict[str, Any]]
@@ -293,6 +293,7 @@ def floor_table(results: Results) -> List[str]:
 TARGET_GROUPS = {"bench.targets_nft": "nftables at scale", "bench.targets_ipt": "iptables at scale, features on",
                  "bench.targets_floor": "close to the kernel's floor (start-up, restart, memory, full syncs)",
                  "bench.targets": "Earlier targets", "bench.conntrack": "The conntrack reconciler",
+                 "bench.top": "netproxy top",
                  "bench.migratestep": "Live migration"}
 
 
@@ -331,6 +332,7 @@ def markdown(results: Results) -> str:
             + dataplane_table(results)
             + latency_table(results) + rss_table(results) + objects.markdown(results.get("objects") or {})
             + conntrack.markdown(results.get("conntrack") or {})
+            + top.markdown(results.get("top") or {})
             + target_lines(results))
     failed = results.get("dataplane_failures", [])
     if failed:

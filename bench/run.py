@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from bench import client as client_mod
-from bench import conntrack, control, dataplane, gen, latency, objects, report, rss
+from bench import conntrack, control, dataplane, gen, latency, objects, report, rss, top
 from netproxy_lab import netns
 from netproxy_lab.combos import Combo
 
@@ -346,6 +346,7 @@ class Bench:
                 self.phase_references(only=big, refs=("kube-proxy nft", "kube-proxy iptables-nft"))
             sb.reset_netfilter()
         self.phase_conntrack()
+        self.phase_top()
         return self.results
 
     def phase_objects(self) -> None:
@@ -378,6 +379,23 @@ class Bench:
             self.results["conntrack"] = {"error": repr(err)}
         if "error" in self.results["conntrack"]:
             self.results["errors"].append(f"conntrack reconciler: {self.results['conntrack']['error']}")
+
+    def phase_top(self) -> None:
+        """``netproxy top``'s refresh at 100,000 entries: the aggregation alone, and a whole refresh in a
+        namespace of its own (bench/top.py); not in a smoke run (filling the table takes seconds)."""
+        if self.smoke:
+            return
+        timeout = self.budget.timeout(180.0)
+        if timeout < 60:
+            self.results["top"] = self._skip("out of time budget")
+            return
+        self.progress("netproxy top: one refresh over 100,000 entries")
+        try:
+            self.results["top"] = top.measure(timeout=timeout)
+        except Exception as err:  # noqa: BLE001 - one measure failing must not lose the others
+            self.results["top"] = {"error": repr(err)}
+        if "error" in self.results["top"]:
+            self.results["errors"].append(f"netproxy top: {self.results['top']['error']}")
 
     def phase_migrate(self, n: int) -> None:
         """Live migration: ``netproxy migrate`` both ways at the largest N (bench/migratestep.py)."""

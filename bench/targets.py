@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
-from bench import conntrack, latency, migratestep, targets_floor, targets_ipt, targets_nft
+from bench import conntrack, latency, migratestep, targets_floor, targets_ipt, targets_nft, top
 from bench.report import MB, MIXED_SUFFIX, control_cell, ref_cell, seconds
 
 Results = Dict[str, Any]
@@ -189,7 +189,7 @@ CHECKS: List[Callable[[Results], Any]] = [
     event_to_kernel,
     lambda r: _connect_ratio(r, NFT, "nftables connect p50, N=10k vs N=1", 1.2),
     lambda r: _connect_ratio(r, LEGACY, "iptables connect p50, N=10k vs N=1", 3.0),
-    rss, mixed, conntrack.target, migratestep.figures,
+    rss, mixed, conntrack.target, top.target, migratestep.figures,
 ]
 
 

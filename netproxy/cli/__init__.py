@@ -6,6 +6,7 @@
     netproxy trace   --source PATH --to ADDRESS:PORT [--kernel]          where a packet to a service would go, and why
     netproxy status  [--metrics-address A] [-o json]                    what a running `run` has programmed
     netproxy detect                                                      the version check's choice, what the node holds
+    netproxy top     [--source PATH] [--once -o table|json] [--service NS/NAME]   where each service's connections go
     netproxy migrate --to nftables|iptables [--from-kube-proxy] --source PATH   switch the live dataplane
     netproxy cleanup [--backend B|all]                                   remove what netproxy created
 
@@ -19,7 +20,7 @@ ProxyConfig's default (netproxy/core/config.py), the one place defaults are writ
 
 This module parses and dispatches, and turns errors into exit codes; the flags are in args.py,
 the commands in oneshot.py (sync, plan, trace, migrate, cleanup), observe.py (status,
-detect) and run.py (run); netproxy/wiring.py builds the objects they use.
+detect), top.py (top, its live view in toptui.py) and run.py (run); netproxy/wiring.py builds the objects they use.
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     return status(args)
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    from netproxy.cli.top import cmd_top as top
+
+    return top(args)
+
+
 def cmd_detect(args: argparse.Namespace) -> int:
     from netproxy.cli.observe import cmd_detect as detect
 
@@ -67,7 +74,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"sync": cmd_sync, "run": cmd_run, "plan": cmd_plan, "trace": cmd_trace, "status": cmd_status,
-            "detect": cmd_detect, "migrate": cmd_migrate,
+            "detect": cmd_detect, "migrate": cmd_migrate, "top": cmd_top,
             "cleanup": cmd_cleanup}
 
 
@@ -91,7 +98,7 @@ def _read_config(args: argparse.Namespace) -> Optional[int]:
     return None
 
 
-ENDS_AT_ONCE = frozenset({"sync", "plan", "trace", "migrate", "cleanup", "status", "detect"})
+ENDS_AT_ONCE = frozenset({"sync", "plan", "trace", "migrate", "cleanup", "status", "detect", "top"})
 """The commands that act once and end: run as the program, they leave without Python's teardown."""
 
 

@@ -226,6 +226,35 @@ def _add_source(p: argparse.ArgumentParser, file_help: str = "manifest file or d
     p.add_argument("--use-endpoints", action="store_true", help="read v1 Endpoints instead of EndpointSlices")
 
 
+def interval(text: str) -> float:
+    value = duration(text)
+    if value < 0.1:
+        raise argparse.ArgumentTypeError(f"{text!r} is shorter than 100ms")
+    return value
+
+
+def service_name(text: str) -> str:
+    """``--service NS/NAME``: a namespace and a name (checked as the source checks them, loosely)."""
+    if text and not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-.a-z0-9]*[a-z0-9])?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAMESPACE/NAME")
+    return text
+
+
+def _add_top(sub: Any) -> None:
+    p = sub.add_parser("top", help="where each service port's connections go, live, from conntrack")
+    _add_source(p, "manifest file or directory (neither this nor --kubeconfig: names from the kernel's rules)")
+    p.add_argument("--interval", type=interval, default=1.0, metavar="DURATION", help="refresh period (default 1s)")
+    p.add_argument("--once", action="store_true", help="print the figures of one interval and exit")
+    p.add_argument("-o", "--output", default="table", choices=["table", "json"], help="with --once")
+    p.add_argument("--service", type=service_name, default="", metavar="NS/NAME", help="this service's ports only")
+    p.add_argument("--sort", default="connections", choices=["connections", "imbalance", "name"])
+    p.add_argument("--filter", default="", metavar="TEXT", help="ports whose namespace/name:port contains TEXT")
+    p.add_argument("--clients", type=_count, nargs="?", const=5, default=0, metavar="N",
+                   help="the N (default 5) client addresses with the most connections to each endpoint")
+    p.add_argument("--hostname-override", default="", help="this node's name (topology, Local traffic policies)")
+    _add_common(p, ("auto", "iptables", "nftables"))
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse exits 2 on a usage error; 2 means "some objects rejected, the rest applied" here,
     which would be a lie: nothing was applied, so a usage error exits 1."""
@@ -299,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel", action="store_true", help="also list the service ports -> endpoints the kernel "
                    "holds now (read with iptables-save / nft list; the backend from --backend or the version check)")
     _add_common(p, ("auto", "iptables", "nftables"))
+    _add_top(sub)
     p = sub.add_parser("detect", help="print the backend the version check picks and the evidence")
     _add_logging(p)
     p = sub.add_parser("migrate", help="switch this node's dataplane live: program the new one in full, check it, "

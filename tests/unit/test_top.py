@@ -1,0 +1,373 @@
+"""``netproxy top`` without a kernel: the conntrack reader on dump replies built as the kernel writes
+them (netproxy/node/ctflows.py), the aggregation (netproxy/observe/traffic.py), its text and JSON
+(toptable.py), the live view's keys and screen (netproxy/cli/toptui.py) and the command's flags."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+import struct
+from typing import Any, List, Optional, Sequence, Set, Tuple
+
+import pytest
+from rich.console import Console
+
+from netproxy.cli import main
+from netproxy.cli.args import build_parser
+from netproxy.cli.toptui import View, screen
+from netproxy.core.model import Endpoint, NodeInfo, Snapshot
+from netproxy.node import ctflows, ctnetlink
+from netproxy.observe import toptable, traffic
+from netproxy_lab.manifests import service_port
+
+IP = ipaddress.ip_address
+TCP, UDP, SCTP = 6, 17, 132
+V4, V6 = socket.AF_INET, socket.AF_INET6
+SVC, SVC6 = "10.96.0.10", "fd00:10:96::10"
+PODS = ("10.244.1.1", "10.244.1.2", "10.244.1.3")
+
+
+# ---- the reader ---------------------------------------------------------------------------------
+
+
+def reply(family: int, proto: int, orig: Tuple[str, str, int, int], rep: Tuple[str, str, int, int], *,
+          entry_id: int = 7, state: Optional[int] = None, counters: Optional[Tuple[int, int]] = None,
+          zone_in_tuple: bool = False, id_first: bool = False) -> bytes:
+    """A dump reply laid out as ctnetlink_fill_info writes it: tuples, status, counters (acct on),
+    timeout, protoinfo, id, use (``id_first``: the id before the timeout, as another kernel might)."""
+    a = ctnetlink._attr
+    o = ctnetlink.tuple_attr(ctnetlink.CTA_TUPLE_ORIG, family, proto, *orig)
+    if zone_in_tuple:
+        o = a(ctnetlink.CTA_TUPLE_ORIG | ctnetlink.NLA_F_NESTED, o[4:] + a(3, struct.pack("!H", 1)))
+    r = ctnetlink.tuple_attr(ctnetlink.CTA_TUPLE_REPLY, family, proto, *rep)
+    rest = a(ctnetlink.CTA_STATUS, struct.pack("!I", 0x188))
+    if counters is not None:
+        for kind in (ctflows.CTA_COUNTERS_ORIG, ctflows.CTA_COUNTERS_REPLY):
+            rest += ctnetlink._nest(kind, a(1, struct.pack("!Q", counters[0])), a(2, struct.pack("!Q", counters[1])))
+    ident = a(ctnetlink.CTA_ID, struct.pack("!I", entry_id))
+    rest += (ident if id_first else b"") + a(ctnetlink.CTA_TIMEOUT, struct.pack("!I", 30))
+    if state is not None:
+        inner = 1 if proto == TCP else 3  # CTA_PROTOINFO_TCP / _SCTP
+        rest += ctnetlink._nest(ctflows.CTA_PROTOINFO, ctnetlink._nest(inner, a(1, bytes([state])), a(2, b"\7")))
+    rest += (b"" if id_first else ident) + a(11, struct.pack("!I", 1))
+    return ctnetlink._message(ctnetlink.IPCTNL_MSG_CT_NEW, 2, family, o + r + rest, seq=1)
+
+
+class FakeSocket:
+    """The dump's answer as the kernel sends it: the replies in a few buffers, then NLMSG_DONE."""
+
+    def __init__(self, messages: Sequence[bytes]) -> None:
+        done = struct.pack("=IHHII", 20, ctnetlink.NLMSG_DONE, 2, 1, 0) + b"\0" * 4
+        self.buffers = [b"".join(messages[i:i + 3]) for i in range(0, len(messages), 3)] + [done]
+        self.sent: List[bytes] = []
+
+    def send(self, data: bytes) -> int:
+        self.sent.append(data)
+        return len(data)
+
+    def recv(self, size: int) -> bytes:
+        return self.buffers.pop(0)
+
+
+class FakeCt:
+    def __init__(self, messages: Sequence[bytes]) -> None:
+        self._sock = FakeSocket(messages)
+        self._seq = 0
+
+
+def read(messages: Sequence[bytes]) -> List[ctflows.Flow]:
+    ct = FakeCt(messages)
+    got = list(ctflows.flows(ct))  # type: ignore[arg-type]  # a fake Ctnetlink: its socket and sequence only
+    (request,) = ct._sock.sent
+    assert request[16] == socket.AF_UNSPEC and len(request) == 20  # one dump: every family, no filter
+    return got
+
+
+def k(address: str, port: int) -> bytes:
+    return IP(address).packed + struct.pack("!H", port)
+
+
+@pytest.mark.parametrize("family,client,svc,pod", [(V4, "10.244.9.9", SVC, PODS[0]),
+                                                   (V6, "fd00:10:244:9::9", SVC6, "fd00:10:244:1::1")])
+@pytest.mark.parametrize("zone_in_tuple", [False, True])
+def test_the_reader_reads_client_service_endpoint_state_id_and_counters(family: int, client: str, svc: str, pod: str,
+                                                                       zone_in_tuple: bool) -> None:
+    c = IP(client).packed
+    msgs = [reply(family, TCP, (client, svc, 40000 + i, 80), (pod, client, 8080, 40000 + i), entry_id=41 + i,
+                  state=3 + i % 2, counters=(5 + i, 700), zone_in_tuple=zone_in_tuple) for i in range(4)]
+    msgs += [reply(family, UDP, (client, svc, 40009, 53), (pod, client, 5353, 40009), entry_id=49),
+             reply(family, SCTP, (client, svc, 40010, 9), (pod, client, 9999, 40010), entry_id=50, state=4)]
+    # The same length as the TCP entries, the id elsewhere: the kept plan's headers differ, it is walked.
+    msgs.append(reply(family, TCP, (client, svc, 40011, 80), (pod, client, 8080, 40011), entry_id=51, state=7,
+                      counters=(1, 2), zone_in_tuple=zone_in_tuple, id_first=True))
+    assert len(msgs[-1]) == len(msgs[0])
+    assert read(msgs) == [(TCP, c, k(svc, 80), k(pod, 8080), 3 + i % 2, 41 + i, 10 + 2 * i, 1400) for i in range(4)] + [
+        (UDP, c, k(svc, 53), k(pod, 5353), 0, 49, 0, 0), (SCTP, c, k(svc, 9), k(pod, 9999), 4, 50, 0, 0),
+        (TCP, c, k(svc, 80), k(pod, 8080), 7, 51, 2, 4)]
+
+
+def test_the_reader_skips_entries_without_ports_and_reads_both_families_of_one_dump() -> None:
+    icmp = ctnetlink._message(ctnetlink.IPCTNL_MSG_CT_NEW, 2, V4, ctnetlink._nest(
+        ctnetlink.CTA_TUPLE_ORIG, ctnetlink._nest(ctnetlink.CTA_TUPLE_IP, ctnetlink._attr(1, IP("10.0.0.1").packed),
+                                                  ctnetlink._attr(2, IP("10.0.0.2").packed)),
+        ctnetlink._nest(ctnetlink.CTA_TUPLE_PROTO, ctnetlink._attr(1, b"\1"))), seq=1)
+    msgs = [icmp, reply(V6, UDP, ("fd00::9", SVC6, 1, 53), ("fd00::1", "fd00::9", 53, 1), entry_id=3),
+            reply(V4, UDP, ("10.0.0.9", SVC, 1, 53), (PODS[0], "10.0.0.9", 53, 1), entry_id=4)]
+    assert [(f[0], f[5]) for f in read(msgs)] == [(UDP, 3), (UDP, 4)]
+
+
+def test_a_refused_dump_raises() -> None:
+    err = struct.pack("=IHHII", 36, ctnetlink.NLMSG_ERROR, 0, 1, 0) + struct.pack("=i", -1) + b"\0" * 16
+    ct = FakeCt([])
+    ct._sock.buffers = [err]
+    with pytest.raises(ctnetlink.CtnetlinkError, match="EPERM"):
+        list(ctflows.flows(ct))  # type: ignore[arg-type]  # the fake
+
+
+def test_accounting_is_read_from_the_sysctl_and_never_written(tmp_path: Any) -> None:
+    path = tmp_path / "acct"
+    path.write_text("0\n")
+    assert not ctflows.accounting(str(path))
+    path.write_text("1\n")
+    assert ctflows.accounting(str(path))
+    assert not ctflows.accounting(str(tmp_path / "missing"))
+    assert path.read_text() == "1\n"
+
+
+# ---- the aggregation ----------------------------------------------------------------------------
+
+
+def ep(addr: str, **kw: Any) -> Endpoint:
+    return Endpoint(IP(addr), 8080, **kw)
+
+
+NODE = NodeInfo(name="node-a", zone="z1")
+
+
+def web(eps: Sequence[Endpoint], node: NodeInfo = NODE, **kw: Any) -> traffic.ServiceMap:
+    svc = service_port(**kw)
+    return traffic.from_snapshot(Snapshot.build([svc], {svc.name: tuple(eps)}, node=node))
+
+
+def flow(i: int, pod: str, *, client: str = "10.0.0.1", state: int = 3, dst: str = SVC, port: int = 80,
+         proto: int = TCP) -> traffic.Flow:
+    return (proto, IP(client).packed, k(dst, port), k(pod, 8080), state, i, 2, 100)
+
+
+def run(smap: traffic.ServiceMap, flows: List[traffic.Flow], previous: Optional[Set[int]] = None,
+        interval: Optional[float] = None, **kw: Any) -> Tuple[traffic.Report, Set[int]]:
+    return traffic.aggregate(flows, smap, previous, interval, **kw)
+
+
+def test_counts_establishment_shares_and_the_equal_split() -> None:
+    smap = web([ep(p) for p in PODS])
+    flows = [flow(i, PODS[i % 3]) for i in range(60)] + [flow(100 + i, PODS[0], state=7) for i in range(30)]
+    report, ids = run(smap, flows)
+    assert report.entries == 90 and ids == {f[5] for f in flows}
+    (port,) = report.ports
+    assert (port.name, port.protocol, port.connections, port.established) == ("default/web:http", "TCP", 90, 60)
+    first, second, third = port.endpoints
+    assert (first.address, first.state, first.connections, first.established) == ("10.244.1.1:8080", "ready", 50, 20)
+    assert second.connections == third.connections == 20
+    assert first.share == pytest.approx(50 / 90) and first.expected == pytest.approx(1 / 3)
+    assert port.imbalance == pytest.approx(50 / 90 - 1 / 3)
+    assert first.new is None and first.rate is None and port.rate is None  # one refresh: no rate
+
+
+def test_new_connections_are_ids_the_previous_refresh_did_not_have_and_rates_divide_by_the_interval() -> None:
+    smap = web([ep(p) for p in PODS])
+    old = [flow(i, PODS[i % 3]) for i in range(30)]
+    _, ids = run(smap, old)
+    report, _ = run(smap, old[10:] + [flow(1000 + i, PODS[0]) for i in range(8)], ids, interval=2.0)
+    (port,) = report.ports
+    assert [e.new for e in port.endpoints] == [8, 0, 0]
+    assert port.endpoints[0].rate == pytest.approx(4.0) and port.rate == pytest.approx(4.0)
+
+
+def test_udp_entries_are_established_by_being_there() -> None:
+    smap = web([ep(PODS[0])], protocol="UDP", port=53)
+    report, _ = run(smap, [flow(1, PODS[0], state=0, port=53, proto=UDP)])
+    assert report.ports[0].established == 1
+
+
+def test_a_terminating_endpoint_with_flows_is_draining_and_one_gone_from_the_state_is_gone() -> None:
+    smap = web([ep(PODS[0]), ep(PODS[1], ready=False, serving=True, terminating=True),
+                ep(PODS[2], ready=False, serving=True, terminating=True)])
+    report, _ = run(smap, [flow(1, PODS[0]), flow(2, PODS[1]), flow(3, "10.244.7.7")])
+    states = {e.address: (e.state, e.expected) for e in report.ports[0].endpoints}
+    assert states == {"10.244.1.1:8080": ("ready", 1.0), "10.244.1.2:8080": ("draining", 0.0),
+                      "10.244.1.3:8080": ("terminating", 0.0), "10.244.7.7:8080": ("gone", 0.0)}
+
+
+def test_the_expected_share_follows_the_topology_subset_of_this_node() -> None:
+    eps = [ep(PODS[0], zone="z1"), ep(PODS[1], zone="z1"), ep(PODS[2], zone="z2")]
+    smap = web(eps, traffic_distribution="PreferClose")
+    report, _ = run(smap, [flow(i, PODS[i % 2]) for i in range(10)])
+    assert [round(e.expected, 3) for e in report.ports[0].endpoints] == [0.5, 0.5, 0.0]
+    assert report.ports[0].imbalance == pytest.approx(0.0)
+
+
+def test_node_port_flows_use_the_external_policy_and_weigh_the_expectation() -> None:
+    eps = [ep(PODS[0], node_name="node-a"), ep(PODS[1], node_name="node-b")]
+    smap = web(eps, node_port=30080, external_traffic_policy="Local")
+    # 4 through the cluster IP (equal split), 4 to the NodePort on any node address (local endpoint only).
+    flows = [flow(i, PODS[i % 2]) for i in range(4)] + [flow(10 + i, PODS[0], dst="192.0.2.1", port=30080)
+                                                      for i in range(4)]
+    report, _ = run(smap, flows)
+    first, second = report.ports[0].endpoints
+    assert (first.connections, second.connections) == (6, 2)
+    assert (first.expected, second.expected) == (pytest.approx(0.75), pytest.approx(0.25))
+
+
+def test_flows_that_are_no_service_are_skipped_and_undnated_ones_counted_apart() -> None:
+    smap = web([ep(PODS[0])])
+    undnated = (TCP, IP("10.0.0.1").packed, k(SVC, 80), k(SVC, 80), 2, 5, 0, 0)
+    report, _ = run(smap, [flow(1, PODS[0], dst="10.96.9.9"), undnated])
+    (port,) = report.ports
+    assert report.entries == 2 and port.connections == 0 and port.unanswered == 1
+
+
+def test_clients_are_counted_per_endpoint_most_first() -> None:
+    smap = web([ep(PODS[0])])
+    flows = [flow(i, PODS[0], client="10.0.0.1") for i in range(3)] + [flow(9, PODS[0], client="10.0.0.2")]
+    report, _ = run(smap, flows, clients=1)
+    assert report.ports[0].endpoints[0].clients == [("10.0.0.1", 3)]
+
+
+def test_bytes_and_packets_only_with_accounting() -> None:
+    smap = web([ep(PODS[0])])
+    off, _ = run(smap, [flow(1, PODS[0])])
+    on, _ = run(smap, [flow(1, PODS[0])], accounting=True)
+    assert off.ports[0].endpoints[0].bytes is None
+    assert (on.ports[0].endpoints[0].packets, on.ports[0].endpoints[0].bytes) == (2, 100)
+
+
+def test_ipv6_flows_meet_ipv6_front_ends() -> None:
+    svc = service_port(cluster_ips=(IP(SVC6),))
+    smap = traffic.from_snapshot(Snapshot.build([svc], {svc.name: (Endpoint(IP("fd00::1"), 8080),)}))
+    report, _ = run(smap, [(TCP, IP("fd00::9").packed, k(SVC6, 80), k("fd00::1", 8080), 3, 1, 0, 0)])
+    assert report.ports[0].endpoints[0].address == "[fd00::1]:8080"
+    assert report.ports[0].endpoints[0].connections == 1
+
+
+def test_the_kernel_listing_names_the_ports_and_routed_endpoints() -> None:
+    rows = [("default/web:http", "10.96.0.10:80/tcp", ("10.244.1.1:8080", "10.244.1.2:8080")),
+            ("default/web:http", "*:30080/tcp", ("10.244.1.1:8080",)),
+            ("default/web6:http", "[fd00::10]:80/tcp", ("[fd00::1]:8080",)),
+            ("default/none:dns", "10.96.0.53:53/udp", ("reject",))]
+    smap = traffic.from_programmed(rows)
+    assert [(p.name, p.protocol) for p in smap.ports] == [("default/web:http", "TCP"), ("default/web6:http", "TCP"),
+                                                          ("default/none:dns", "UDP")]
+    flows = [flow(1, PODS[0]), flow(2, PODS[1]), flow(3, PODS[0], dst="192.0.2.1", port=30080), flow(4, PODS[2])]
+    report, _ = run(smap, flows)
+    got = {e.address: (e.state, e.connections, round(e.expected, 3)) for e in report.ports[0].endpoints}
+    # 3 flows through the cluster IP (1.5 expected on each routed endpoint), 1 to the NodePort (pod 0 only).
+    assert got == {"10.244.1.1:8080": ("routed", 2, 0.625), "10.244.1.2:8080": ("routed", 1, 0.375),
+                   "10.244.1.3:8080": ("gone", 1, 0.0)}
+    report, _ = run(smap, [(TCP, IP("fd00::9").packed, k("fd00::10", 80), k("fd00::1", 8080), 3, 1, 0, 0)])
+    assert report.ports[0].endpoints[0].connections == 1
+
+
+def test_ports_are_sorted_and_filtered() -> None:
+    ports = [traffic.PortFigures("b/x:p", "TCP", 5, imbalance=0.1),
+             traffic.PortFigures("a/y:p", "TCP", 1, imbalance=0.5),
+             traffic.PortFigures("c/web:p", "UDP", 9, imbalance=0.0)]
+    assert [p.name for p in traffic.arrange(ports)] == ["a/y:p", "b/x:p", "c/web:p"]
+    assert [p.name for p in traffic.arrange(ports, "connections")] == ["c/web:p", "b/x:p", "a/y:p"]
+    assert [p.name for p in traffic.arrange(ports, "imbalance")] == ["a/y:p", "b/x:p", "c/web:p"]
+    assert [p.name for p in traffic.arrange(ports, "name", "WEB")] == ["c/web:p"]
+
+
+# ---- the outputs --------------------------------------------------------------------------------
+
+
+def _report(accounting: bool = False) -> traffic.Report:
+    smap = web([ep(PODS[0]), ep(PODS[1], ready=False, serving=True, terminating=True), ep(PODS[2])])
+    _, ids = run(smap, [flow(1, PODS[0])])
+    report, _ = run(smap, [flow(1, PODS[0]), flow(2, PODS[1]), flow(3, PODS[0], client="10.0.0.2")], ids,
+                    interval=1.0, accounting=accounting, clients=2)
+    return report
+
+
+def test_the_table_fits_80_columns_and_says_how_to_count_bytes() -> None:
+    report = _report()
+    text = toptable.table(report, report.ports)
+    lines = text.splitlines()
+    assert lines[1].split()[:3] == ["SERVICE", "PORT", "/"]
+    assert any(line.startswith("  10.244.1.2:8080") and "draining" in line for line in lines)
+    assert any("client 10.0.0.2" in line for line in lines)
+    assert "sysctl -w net.netfilter.nf_conntrack_acct=1" in text
+    assert all(len(line) <= 79 for line in lines if "nf_conntrack_acct" not in line), text
+    assert "nf_conntrack_acct" not in toptable.table(_report(True), report.ports)
+
+
+def test_the_json_carries_every_figure() -> None:
+    report = _report(True)
+    doc = json.loads(toptable.as_json(report, report.ports))
+    (port,) = doc["ports"]
+    assert port["name"] == "default/web:http" and port["connections"] == 3 and port["new"] == 2
+    assert [e["state"] for e in port["endpoints"]] == ["ready", "draining", "ready"]
+    assert port["endpoints"][0]["bytes"] == 200 and "accounting_off" not in doc
+
+
+def test_human_figures() -> None:
+    assert [toptable.human(v) for v in (None, 12, 1234, 5_600_000)] == ["-", "12", "1.2K", "5.6M"]
+
+
+# ---- the live view ------------------------------------------------------------------------------
+
+
+def test_keys_sort_filter_and_quit() -> None:
+    view = View()
+    view.key("s")
+    assert view.sort == "imbalance"
+    view.key("s")
+    assert view.sort == "name"
+    view.key("c")
+    assert view.sort == "connections"
+    for ch in "/webx\x7f\r":
+        view.key(ch)
+    assert (view.text, view.typing, view.done) == ("web", False, False)
+    view.key("q")  # typed into no filter now: quits
+    assert view.done
+    view = View()
+    for ch in "/q":
+        view.key(ch)
+    assert not view.done and view.text == "q"  # while typing, q is a letter
+    view.key("\x1b")
+    assert view.text == "" and not view.typing
+
+
+def test_the_screen_shows_the_rows_in_80_columns() -> None:
+    console = Console(width=80, record=True, force_terminal=False, color_system=None)
+    console.print(screen(_report(), View(sort="name"), 1.0))
+    text = console.export_text()
+    assert "default/web:http" in text and "draining" in text and "sort: name" in text
+    assert all(len(line) <= 80 for line in text.splitlines())
+    console = Console(width=80, record=True, color_system=None)
+    console.print(screen(_report(), View(text="nothing"), 1.0))
+    assert "matching the filter" in console.export_text()
+
+
+# ---- the command --------------------------------------------------------------------------------
+
+
+def test_the_flags_parse() -> None:
+    args = build_parser().parse_args(["top", "--once", "-o", "json", "--service", "default/web", "--clients",
+                                      "--interval", "500ms", "--sort", "imbalance"])
+    assert (args.once, args.output, args.service, args.clients, args.interval, args.sort) == \
+        (True, "json", "default/web", 5, 0.5, "imbalance")
+
+
+@pytest.mark.parametrize("argv", [["top", "--service", "web"], ["top", "--interval", "0s"],
+                                  ["top", "--sort", "bytes"]])
+def test_bad_flags_exit_1(argv: List[str], capsys: Any) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 1
+
+
+def test_the_live_view_without_a_terminal_exits_1(capsys: Any) -> None:
+    assert main(["top", "--source", "examples/cluster.yaml"]) == 1
+    assert "needs a terminal" in capsys.readouterr().err
