@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import sys
 import time
 from typing import List, Optional, Set, Tuple
@@ -19,6 +20,8 @@ from netproxy.cli.args import EXIT_FAILED, EXIT_OK, EXIT_REJECTED
 from netproxy.node import ctflows
 from netproxy.node.ctnetlink import Ctnetlink
 from netproxy.observe import toptable, traffic
+
+log = logging.getLogger("netproxy")
 
 
 class Sampler:
@@ -104,7 +107,9 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 def _once(sampler: Sampler, args: argparse.Namespace) -> None:
     """Two refreshes ``--interval`` apart (the rates need both), the second printed."""
-    sampler.refresh()
+    first = sampler.refresh()
+    # On stderr: a script (or a test) that starts traffic after it knows the window has begun.
+    log.info("first refresh: %d conntrack entries; the figures in %gs", first.entries, args.interval)
     time.sleep(args.interval)
     report = sampler.refresh()
     ports = traffic.arrange(report.ports, args.sort, args.filter)

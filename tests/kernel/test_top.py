@@ -1,0 +1,168 @@
+"""``netproxy top`` against real traffic: a client in its own namespace connects to services that the
+node's rules (nftables, iptables-legacy) DNAT to pod namespaces, and ``top --once -o json`` in the
+node's namespace must see what the client sent, per endpoint, from the node's conntrack table.
+
+- rates: a client opens connections one at a time at a known rate inside ``top``'s window (it starts
+  when top logs its first refresh and ends before the second); each endpoint's new connections and
+  rate must be within 10 % of what the client's answers say it sent there (the pods answer with
+  their names), and its connection count likewise; the same over IPv6, and with the names read from
+  the kernel's rules (no --source);
+- affinity: a ClientIP service's connections from one client all on one endpoint, the client
+  listed as that endpoint's top client;
+- draining: a long-lived connection to an endpoint that turns terminating shows it ``draining`` (one
+  established connection), and ``gone`` once the endpoint has left the state.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import subprocess
+import time
+from typing import Any, Dict, Iterator, List, Sequence
+
+import pytest
+
+from netproxy_lab.checks import TIME_SCALE, wait_for
+from netproxy_lab.manifests import Manifest, endpoint_slice, port, service
+from netproxy_lab.proxy import Proxy
+from netproxy_lab.topology import NODE_NAME, Pod, Sandbox, netproxy_command
+
+pytestmark = [pytest.mark.kernel, pytest.mark.quick_combos("nftables", "iptables-legacy/restore")]
+
+WEB_IP, WEB_IP6, STICKY_IP, DRAIN_IP = "10.96.4.80", "fd00:10:96::4:80", "10.96.4.81", "10.96.4.82"
+HOLD = 9090
+RATE, COUNT = 20.0, 60
+"""The client's known rate (connections a second, one at a time) and how many it opens: 3 s."""
+WINDOW = 6.0 * TIME_SCALE
+
+
+@pytest.fixture(scope="module")
+def sandbox(kernel_env: None, combo: Any) -> Iterator[Sandbox]:
+    with Sandbox(pods=3, tcp_ports=(8080,), udp_ports=(), hold_ports=(HOLD,)) as sb:
+        yield sb
+
+
+def web(pods: Sequence[Pod]) -> List[Manifest]:
+    svc = service("web", WEB_IP, [port(80, 8080, name="http")], clusterIPs=[WEB_IP, WEB_IP6],
+                  ipFamilies=["IPv4", "IPv6"], ipFamilyPolicy="RequireDualStack")
+    ports = [{"port": 8080, "name": "http", "protocol": "TCP"}]
+    return [svc, endpoint_slice("web", pods, ports, suffix="v4"),
+            endpoint_slice("web", pods, ports, suffix="v6", address_type="IPv6")]
+
+
+def top_args(proxy: Proxy, *extra: str, source: bool = True) -> List[str]:
+    return ["top", "--once", "-o", "json", "--hostname-override", NODE_NAME,
+            *(["--source", proxy.source] if source else []), *extra, *proxy.combo.flags]
+
+
+def top(proxy: Proxy, *extra: str, source: bool = True) -> Dict[str, Any]:
+    proc = proxy.sandbox.netproxy(top_args(proxy, "--interval", "200ms", *extra, source=source),
+                                  flavour=proxy.combo.path_flavour)
+    assert proc.returncode == 0, f"top exited {proc.returncode}: {proc.stderr[-2000:]}"
+    doc: Dict[str, Any] = json.loads(proc.stdout)
+    return doc
+
+
+def endpoints(doc: Dict[str, Any], name: str) -> Dict[str, Dict[str, Any]]:
+    port_doc = next((p for p in doc["ports"] if p["name"] == name), None)
+    assert port_doc is not None, f"{name} not in top's report: {[p['name'] for p in doc['ports']]}"
+    return {e["address"].rsplit(":", 1)[0].strip("[]"): e for e in port_doc["endpoints"]}
+
+
+def answering(sb: Sandbox, address: str) -> None:
+    wait_for(lambda: None if sb.connect(address, 80, count=1, timeout=0.5).answered == 1 else "no answer yet",
+             timeout=15)
+
+
+def within(got: float, want: float, share: float = 0.10) -> bool:
+    return abs(got - want) <= share * want
+
+
+def test_each_endpoints_count_and_rate_are_what_the_client_sent(proxy: Proxy, sandbox: Sandbox) -> None:
+    pods = sandbox.pods[:3]
+    proxy.sync(web(pods))
+    answering(sandbox, WEB_IP)
+    before = {ip: e["connections"] for ip, e in endpoints(top(proxy), "default/web:http").items()}
+    argv = [*netproxy_command(), *top_args(proxy, "--interval", f"{WINDOW}s")]
+    proc = sandbox.popen(sandbox.node, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=sandbox._np_env(proxy.combo.path_flavour, None))
+    assert proc.stderr is not None
+    ready, _, _ = select.select([proc.stderr], [], [], 30 * TIME_SCALE)
+    line = proc.stderr.readline().decode() if ready else ""
+    assert "first refresh" in line, f"top did not start its window: {line!r}"
+    start = time.monotonic()
+    sent = sandbox.connect(WEB_IP, 80, count=COUNT, interval=1 / RATE, timeout=2.0, concurrency=1)
+    took = time.monotonic() - start
+    assert sent.answered == COUNT, sent.errors
+    assert took < WINDOW, f"the client took {took:.1f}s, longer than top's window"
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    doc = json.loads(out)
+    assert within(doc["interval"], WINDOW), doc["interval"]
+    seen = endpoints(doc, "default/web:http")
+    for pod in pods:
+        fig, n = seen[pod.ip], sent.counts.get(pod.name, 0)
+        assert fig["state"] == "ready"
+        assert within(fig["new"], n), f"{pod.name}: top saw {fig['new']} new, the client sent {n}"
+        assert within(fig["rate"], n / doc["interval"]), f"{pod.name}: {fig['rate']}/s, sent {n / doc['interval']}/s"
+        assert within(fig["connections"] - before.get(pod.ip, 0), n), (fig, n, before)
+    total = next(p for p in doc["ports"] if p["name"] == "default/web:http")
+    assert within(total["rate"] * doc["interval"], COUNT), total
+    assert within(total["new"] / took, RATE, 0.25), f"{total['new']} connections in {took:.1f}s against {RATE}/s"
+
+    # IPv6: the other family's entries, in the same dump.
+    v6 = sandbox.connect(WEB_IP6, 80, count=30, timeout=2.0)
+    assert v6.answered == 30, v6.errors
+    seen6 = endpoints(top(proxy), "default/web:http")
+    for pod in pods:
+        assert within(seen6[pod.ip6]["connections"], v6.counts.get(pod.name, 0)), (seen6, v6.counts)
+
+    # The names from the kernel's rules: the same figures, every endpoint "routed".
+    kernel = endpoints(top(proxy, source=False), "default/web:http")
+    for pod in pods:
+        assert kernel[pod.ip]["state"] == "routed"
+        assert kernel[pod.ip]["connections"] == seen[pod.ip]["connections"], (kernel, seen)
+
+
+def test_an_affinity_service_puts_a_clients_connections_on_one_endpoint(proxy: Proxy, sandbox: Sandbox) -> None:
+    svc = service("sticky", STICKY_IP, [port(80, 8080, name="http")], sessionAffinity="ClientIP")
+    proxy.sync([svc, endpoint_slice("sticky", sandbox.pods[:3], [{"port": 8080, "name": "http", "protocol": "TCP"}])])
+    answering(sandbox, STICKY_IP)
+    sent = sandbox.connect(STICKY_IP, 80, count=30, timeout=2.0)
+    assert sent.answered == 30 and len(sent.counts) == 1, sent.counts
+    (chosen,) = [p for p in sandbox.pods if p.name in sent.counts]
+    doc = top(proxy, "--service", "default/sticky", "--clients", "2")
+    assert [p["name"] for p in doc["ports"]] == ["default/sticky:http"]
+    seen = endpoints(doc, "default/sticky:http")
+    assert seen[chosen.ip]["connections"] >= 30 and seen[chosen.ip]["share"] == 1.0, seen
+    assert seen[chosen.ip]["clients"] == [[sandbox.client_ip, seen[chosen.ip]["connections"]]], seen[chosen.ip]
+    assert all(e["connections"] == 0 for ip, e in seen.items() if ip != chosen.ip), seen
+    assert doc["ports"][0]["imbalance"] == pytest.approx(2 / 3, abs=0.01)
+
+
+def _drain(pods: Sequence[Pod], terminating: Sequence[Pod]) -> List[Manifest]:
+    eps: List[Any] = [p if p not in terminating else
+                      {"addresses": [p.ip], "nodeName": p.node_name,
+                       "conditions": {"ready": False, "serving": True, "terminating": True}} for p in pods]
+    return [service("drain", DRAIN_IP, [port(90, HOLD, name="hold")]),
+            endpoint_slice("drain", eps, [{"port": HOLD, "name": "hold", "protocol": "TCP"}])]
+
+
+def test_a_terminating_endpoint_holding_a_connection_shows_draining_then_gone(proxy: Proxy, sandbox: Sandbox) -> None:
+    pods = sandbox.pods[:2]
+    proxy.sync(_drain(pods, []))
+    session = sandbox.open_session(DRAIN_IP, 90)  # the one-shot sync has written the rules: no wait
+    try:
+        who = session.exchange("ping").split()[0]
+        (held,) = [p for p in pods if p.name == who]
+        proxy.sync(_drain(pods, [held]))
+        seen = endpoints(top(proxy, "--service", "default/drain"), "default/drain:hold")
+        assert seen[held.ip]["state"] == "draining", seen
+        assert seen[held.ip]["established"] == 1 and seen[held.ip]["expected"] == 0.0, seen
+        assert session.exchange("still there").split()[0] == who  # the connection kept its endpoint
+        proxy.sync(_drain([p for p in pods if p is not held], []))
+        seen = endpoints(top(proxy, "--service", "default/drain"), "default/drain:hold")
+        assert seen[held.ip]["state"] == "gone" and seen[held.ip]["established"] == 1, seen
+    finally:
+        session.close()
