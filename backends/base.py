@@ -98,7 +98,8 @@ class Outcome:
     chains it went through, and its share of the random choices on the way."""
 
     verdict: str
-    """``dnat``, ``accept`` (untouched), ``drop`` or ``reject``."""
+    """``dnat``, ``accept`` (untouched), ``allow`` (accepted by netproxy's own rule: the iptables
+    backend's health-check NodePort), ``drop`` or ``reject``."""
     target: Optional[str] = None
     masquerade: bool = False
     chains: Tuple[str, ...] = ()

@@ -350,7 +350,8 @@ class _NodePortRules:
     nat: Tuple[DispatchEntry, ...] = ()
     """nat KUBE-NODEPORTS: the NodePort → its KUBE-EXT- chain."""
     filter: Tuple[DispatchEntry, ...] = ()
-    """filter KUBE-EXTERNAL-SERVICES: DROP/REJECT when no endpoint serves external traffic."""
+    """filter KUBE-EXTERNAL-SERVICES: DROP/REJECT when no endpoint serves external traffic; ACCEPT of
+    the health-check NodePort."""
 
 
 def _external(p: _Port, eps: _Eligible, chains: _EndpointChains, ext_addrs: Sequence[IPAddress],
@@ -367,15 +368,29 @@ def _external(p: _Port, eps: _Eligible, chains: _EndpointChains, ext_addrs: Sequ
             p.refuse(addr, drop=True, rank=RANK_FIREWALL)
         if not eps.external:
             p.refuse(addr, drop=eps.any)
+    health = _health_check_accept(p)
     if not svc.node_port:
-        return _NodePortRules()
+        return _NodePortRules((), health)
     key = port_key(p.proto, svc.node_port)
     match = ("-p", p.proto) + p.comment + ("-m", p.proto, "--dport", str(svc.node_port))
     nat = (DispatchEntry(key, match + ("-j", ext)),) if ext else ()
     if eps.external:
-        return _NodePortRules(nat)
+        return _NodePortRules(nat, health)
     verdict = ("-j", "DROP") if eps.any else reject_target(p.family)
-    return _NodePortRules(nat, (DispatchEntry(key, match + verdict),))
+    return _NodePortRules(nat, (DispatchEntry(key, match + verdict),) + health)
+
+
+def _health_check_accept(p: _Port) -> Tuple[DispatchEntry, ...]:
+    """An externalTrafficPolicy: Local service's healthCheckNodePort (TCP) accepted in filter, on the
+    node addresses NodePorts take, whether or not this node has a local endpoint: the load balancer
+    must be able to ask every node.  kube-proxy's iptables mode accepts it too (filter KUBE-NODEPORTS
+    from INPUT), so that a node whose INPUT policy drops still answers its health checks."""
+    port = p.svc.health_check_node_port
+    if not port:
+        return ()
+    comment = ("-m", "comment", "--comment", safe_comment(f"{p.svc.name} health check node port"))
+    return (DispatchEntry(port_key("tcp", port), ("-p", "tcp") + comment + ("-m", "tcp", "--dport", str(port))
+                          + ("-j", "ACCEPT")),)
 
 
 AffinitySlots = Tuple[Tuple[int, affinity.EndpointKey], ...]

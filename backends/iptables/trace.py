@@ -101,7 +101,9 @@ class Tracer:
                 if strict and len(masqs) != 1:
                     raise AssertionError("postrouting must not depend on chance")
                 masq = True in masqs
-                verdict = "dnat" if state.dnat else "accept"
+                # An ACCEPT of netproxy's own (the health-check NodePort) is not "untouched": it lets
+                # the packet past the node's own INPUT policy.
+                verdict = "dnat" if state.dnat else ("allow" if fverdict == "ACCEPT" else "accept")
                 chains = fstate.chains + (("nat/" + names.POSTROUTING,) if masq else ())
                 out.append(base.Outcome(verdict, state.dnat, masq, chains, fstate.share))
         return out

@@ -39,6 +39,7 @@ def report(packet: Packet, outcomes: Sequence[Outcome]) -> str:
     rows: List[str] = []
     for (verdict, target, masq, chains), share in sorted(merged.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         what = {"dnat": f"DNAT to {target}", "accept": "not a service here: untouched",
+                "allow": "accepted by netproxy's filter rules (a health-check NodePort)",
                 "drop": "dropped", "reject": "refused (ICMP port unreachable)"}.get(verdict, verdict)
         if verdict == "dnat":
             what += ", masqueraded" if masq else ", source kept"

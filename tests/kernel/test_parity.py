@@ -446,6 +446,52 @@ def test_health_check_node_port(proxy: Proxy, sandbox: Sandbox) -> None:
     log.info("%s: health check turned 503 after %.2fs", proxy.combo.name, took)
 
 
+def test_health_check_node_port_passes_a_dropping_input_policy(proxy: Proxy, sandbox: Sandbox) -> None:
+    """A node whose firewall drops what it does not allow (INPUT policy DROP, established traffic
+    accepted) still answers its load balancer's health checks: the iptables backend accepts the
+    healthCheckNodePort in filter, as kube-proxy's iptables mode does; /healthz (not a NodePort) stays
+    dropped.  nftables: kube-proxy's nftables mode writes no such accept and neither does netproxy — an
+    accept in one nftables table cannot override another table's drop — so there the operator's
+    firewall decides (docs/parity.md)."""
+    here = local(sandbox)[:1]
+    spec: Dict[str, Any] = {"node_port": NODE_PORT, "type": "LoadBalancer", "externalTrafficPolicy": "Local",
+                            "healthCheckNodePort": HC_PORT}
+    if proxy.combo.backend == "iptables":
+        tool = f"iptables-{proxy.combo.flavour}"
+        policy = [[tool, "-w", "-A", "INPUT", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
+                  [tool, "-w", "-P", "INPUT", "DROP"]]
+        undo = [[tool, "-w", "-P", "INPUT", "ACCEPT"],
+                [tool, "-w", "-D", "INPUT", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]]
+    else:
+        policy = [["nft", "add table inet operator-fw; add chain inet operator-fw input { type filter hook input "
+                   "priority 0; policy drop; ct state established,related accept; }"]]
+        undo = [["nft", "delete table inet operator-fw"]]
+    proxy.start_run(web(here, **spec), "--healthz-bind-address", "0.0.0.0:10256")
+    url, healthz = f"http://{NODE_EXT4}:{HC_PORT}/", f"http://{NODE_EXT4}:10256/healthz"
+
+    def answers(u: str) -> Callable[[], Optional[str]]:
+        def check() -> Optional[str]:
+            alive(proxy)
+            code, body = http_get(sandbox, sandbox.ext, u)
+            return None if code == 200 else f"{u}: HTTP {code} {body[:200]}"
+        return check
+
+    run_wait(proxy, answers(url), timeout=15, step=0.3)  # before the firewall: served
+    for argv in policy:
+        sandbox.exec(sandbox.node, argv, check=True)
+    try:
+        code, body = http_get(sandbox, sandbox.ext, healthz)
+        assert code == 0 and "timed out" in body, f"{healthz} passed the dropping policy: {code} {body[:200]}"
+        code, body = http_get(sandbox, sandbox.ext, url)
+        if proxy.combo.backend == "iptables":
+            assert code == 200, f"{url}: HTTP {code} {body[:200]} through INPUT policy DROP"
+        else:
+            assert code == 0 and "timed out" in body, f"{url}: the operator's nftables drop did not apply: {code}"
+    finally:
+        for argv in undo:
+            sandbox.exec(sandbox.node, argv)
+
+
 def test_health_check_node_port_turns_503_while_the_proxy_cannot_write(proxy: Proxy, sandbox: Sandbox) -> None:
     """kube-proxy's service health server: 200 only while the service has local endpoints *and* the
     proxy is healthy; a proxy whose writes are refused (the kernel refuses them, or another writer

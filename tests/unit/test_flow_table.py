@@ -157,3 +157,21 @@ def test_the_table_covers_every_verdict() -> None:
     kinds = {k for r in ROWS for k in r.expect if k in ("reject", "drop", "accept")}
     assert kinds == {"reject", "drop", "accept"}
     assert {m for r in ROWS for _, m in r.expect.values()} == {True, False}
+
+
+HEALTH_CHECKED = svc(service_type="LoadBalancer", node_port=NODE_PORT, external_traffic_policy="Local",
+                     health_check_node_port=30999)
+
+
+@pytest.mark.parametrize("endpoints", [BOTH, eps(REMOTE)], ids=["local endpoint", "no local endpoint"])
+def test_health_check_node_port_is_accepted_by_iptables_and_left_alone_by_nftables(
+        endpoints: Tuple[Endpoint, ...]) -> None:
+    """The iptables backend accepts the health-check NodePort in filter, local endpoint or not (the load
+    balancer asks every node), as kube-proxy's iptables mode: a node whose INPUT policy drops still
+    answers its health checks.  nftables leaves it alone, as kube-proxy's nftables mode (an accept in one
+    nftables table cannot override another table's drop).  Another port of the node stays untouched."""
+    for port, iptables in ((30999, {"allow": (1.0, False)}), (31000, UNTOUCHED)):
+        row = Row("health check", HEALTH_CHECKED, endpoints,
+                  Packet(OUTSIDE, NODE_IP, port, local=frozenset({NODE_IP})), {})
+        assert trace("iptables", row) == iptables, port
+        assert trace("nftables", row) == UNTOUCHED, port
