@@ -7,6 +7,8 @@ import ipaddress
 import os
 import re
 
+import pytest
+
 from netproxy.backends.nftables import names, render
 from netproxy.core.config import ProxyConfig, parse_cidrs
 from netproxy.core.model import Changes, Endpoint, NodeInfo
@@ -16,10 +18,14 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
 
 def _golden(name: str, text: str) -> None:
+    """Compares the rendered text with golden/<name>. NETPROXY_UPDATE_GOLDEN=1 rewrites the file
+    instead, and the test then fails: a run that wrote its own expectation has checked nothing, so it
+    must never count as a pass (rerun without the variable, after reviewing the file's diff)."""
     path = os.path.join(GOLDEN, name)
     if os.environ.get("NETPROXY_UPDATE_GOLDEN") == "1":
         with open(path, "w") as f:
             f.write(text)
+        pytest.fail(f"NETPROXY_UPDATE_GOLDEN=1: wrote {path}; review its diff and rerun without the variable")
     with open(path) as f:
         want = f.read()
     diff = "".join(difflib.unified_diff(want.splitlines(True), text.splitlines(True), "golden", "rendered"))
