@@ -10,7 +10,7 @@ sequences match ``nft``'s exactly (``nft list ruleset`` must be able to read the
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 from netproxy.backends.nftables import wire
@@ -124,10 +124,15 @@ class Bitwise:
     reg: int
     mask: bytes
     xor: bytes
+    op: Optional[int] = field(default=None, compare=False)
+    """NFTA_BITWISE_OP, sent when set: nft 1.0.6 sends 0 (mask and xor) for an expression written
+    with an operator (``meta mark & x == x``, ``mark set mark | x``) and nothing for a flag test
+    (``ct state new``); the kernel reads both alike."""
 
     def encode(self) -> bytes:
+        op = b"" if self.op is None else wire.u32(6, self.op)
         return _expr("bitwise", wire.u32(1, self.reg) + wire.u32(2, self.reg) + wire.u32(3, len(self.mask))
-                     + wire.data_value(4, self.mask) + wire.data_value(5, self.xor))
+                     + wire.data_value(4, self.mask) + wire.data_value(5, self.xor) + op)
 
     def debug(self) -> str:
         return f"[ bitwise reg {self.reg} = ( reg {self.reg} & {words(self.mask)} ) ^ {words(self.xor)} ]"
@@ -220,7 +225,9 @@ class Numgen:
     modulus: int
 
     def encode(self) -> bytes:
-        return _expr("numgen", wire.u32(1, self.dreg) + wire.u32(2, self.modulus) + wire.u32(3, NG_RANDOM))
+        # offset 0, sent as nft sends it
+        return _expr("numgen", wire.u32(1, self.dreg) + wire.u32(2, self.modulus) + wire.u32(3, NG_RANDOM)
+                     + wire.u32(4, 0))
 
     def debug(self) -> str:
         return f"[ numgen reg {self.dreg} = random mod {self.modulus} ]"

@@ -185,20 +185,20 @@ def _mark(value: int) -> bytes:
 def mark_or(mark: int) -> Stmt:
     """``meta mark set meta mark | <mark>``."""
     return Stmt(f"meta mark set meta mark | {mark:#010x}",
-                (ex.Meta(ex.META_MARK, dreg=1), ex.Bitwise(1, _mark(~mark), _mark(mark)),
+                (ex.Meta(ex.META_MARK, dreg=1), ex.Bitwise(1, _mark(~mark), _mark(mark), op=0),
                  ex.Meta(ex.META_MARK, sreg=1)))
 
 
 def mark_xor(mark: int) -> Stmt:
     return Stmt(f"meta mark set meta mark ^ {mark:#010x}",
-                (ex.Meta(ex.META_MARK, dreg=1), ex.Bitwise(1, _mark(0xFFFFFFFF), _mark(mark)),
+                (ex.Meta(ex.META_MARK, dreg=1), ex.Bitwise(1, _mark(0xFFFFFFFF), _mark(mark), op=0),
                  ex.Meta(ex.META_MARK, sreg=1)))
 
 
 def mark_has(mark: int) -> Stmt:
     """``meta mark & <mark> == <mark>``."""
     return Stmt(f"meta mark & {mark:#010x} == {mark:#010x}",
-                (ex.Meta(ex.META_MARK, dreg=1), ex.Bitwise(1, _mark(mark), _mark(0)),
+                (ex.Meta(ex.META_MARK, dreg=1), ex.Bitwise(1, _mark(mark), _mark(0), op=0),
                  ex.Cmp(ex.CMP_EQ, 1, _mark(mark))))
 
 

@@ -255,7 +255,9 @@ def test_the_two_field_fast_path_packs_as_the_general_one(fields: Tuple[str, str
 
 def test_verdict_elements_with_comments_encode_as_the_general_path() -> None:
     """A dispatch map's elements (key → goto chain, with the service's comment) take a path with the
-    key's headers and each verdict encoded once; bytes as the general construction's, timeouts aside."""
+    key's headers and each verdict encoded once; bytes as the general construction's, timeouts aside.
+    (A consistency check between two paths; what both must equal, nft's own bytes, is the
+    expectation of test_nft_netlink_nft_bytes.py.)"""
     from netproxy.backends.nftables import names
 
     m = Set("service-ips", "ipv4_addr . inet_proto . inet_service", "verdict")
