@@ -83,7 +83,8 @@ def control_tables(results: Results) -> List[str]:
              ("resync", "Resync with nothing changed (s)", 1.0, 3, "A full sync (every --sync-period) when "
               "nothing changed. On iptables-legacy the backend skips the write when its "
               "fingerprint of the tables says nobody touched them since its last full write "
-              "(backends/iptables/kernel/stamp.py); the figure is that check. nftables: the ruleset generation."),
+              "(backends/iptables/kernel/stamp.py); the figure is that check. nftables and iptables-nft: "
+              "the nf_tables ruleset generation."),
              ("endpoint", "One endpoint replaced (ms)", 1000.0, 1, "One slice changed → parse_objects → tracker → "
               "partial sync. kube-proxy rows: its partial payload (iptables: save + restore "
               "--noflush; nft: flush/refill the service's chains)."),

@@ -227,6 +227,12 @@ class IptablesBackend:
             self._stamps.clear()
             raise
         self._need_full = False
+        if self.config.iptables_flavour == "nft" and not self.config.one_shot:
+            # The nf_tables generation is one for both families and every write, ours too: taken
+            # once after this sync's last write, it vouches for every family we hold (a partial
+            # write included: one GETGEN, not the legacy fingerprint's table blob).
+            stamp = self.kernel.stamp(tuple(self._written))
+            self._stamps.update((f, stamp) for f in self._written)
         return SyncResult(full=full, services_written=len(snapshot.services) if full else rerendered,
                           bytes_written=total, rules_owned=_rule_counts(self._written),
                           rules_written=tuple(sorted((f, t, n) for (f, t), n in self._rules_written.items())))

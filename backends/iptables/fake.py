@@ -27,7 +27,7 @@ from netproxy.backends.base import SyncError
 from netproxy.backends.iptables.assemble import TABLES
 from netproxy.backends.iptables.diff import KernelTable, TableChange
 from netproxy.backends.iptables.kernel import Counts
-from netproxy.backends.iptables.kernel.stamp import Expected, Stamp
+from netproxy.backends.iptables.kernel.stamp import GENERATION_KEY, Expected, Stamp
 from netproxy.backends.iptables.payload import ChainTextCache, restore_chunks, rule_line
 
 Rule = Tuple[str, ...]
@@ -228,7 +228,12 @@ class FakeIptables:
 
     def __init__(self, flavour: str = "legacy", keep_text: bool = True) -> None:
         self.flavour = flavour
-        """"legacy": :meth:`stamp` fingerprints the tables; "nft": it cannot (as the real writers)."""
+        """"legacy": :meth:`stamp` fingerprints the tables; "nft": it gives the nf_tables generation
+        (as the real writers)."""
+        self.generation = 0
+        """The nf_tables generation of an "nft" fake: one more at every committed block, anyone's."""
+        self.stamps = True
+        """False: :meth:`stamp` cannot read anything (a kernel that refuses the fingerprint or GETGEN)."""
         self.tables: Dict[Tuple[int, str], Dict[str, List[Rule]]] = {
             (f, t): _fresh(t) for f in (4, 6) for t in TABLES}
         """(family, table) → chain → rules (argument tuples, as the renderer makes them)."""
@@ -275,8 +280,10 @@ class FakeIptables:
         return len(text.encode())
 
     def stamp(self, families: Sequence[int], expect: Optional[Expected] = None) -> Optional[Stamp]:
-        if self.flavour != "legacy":
+        if not self.stamps:
             return None
+        if self.flavour != "legacy":
+            return {GENERATION_KEY: self.generation.to_bytes(4, "big")}
         for (f, t), counts in (expect or {}).items():
             held = self.tables.get((f, t), {})
             if any(c not in held or len(held[c]) != n for c, n in counts.items()):
@@ -343,6 +350,7 @@ class FakeIptables:
                         before_commit()  # as the restore writer: just before the tool's first commit
                         before_commit = None
                     tables[(family, block.table)] = block.chains
+                    self.generation += 1
                     self.commits.append(Commit(family, block.table, tuple(block.declared), tuple(block.deleted),
                                                tuple(block.inserted)))
                     block = None

@@ -22,7 +22,7 @@ from netproxy.backends.iptables import save
 from netproxy.backends.iptables.assemble import TABLES
 from netproxy.backends.iptables.diff import KernelTable, TableChange
 from netproxy.backends.iptables.kernel import Counts, blob_counts, saved_counts
-from netproxy.backends.iptables.kernel.stamp import Expected, Stamp, chains_and_jumps, fingerprint
+from netproxy.backends.iptables.kernel.stamp import Expected, Stamp, chains_and_jumps, fingerprint, generation_stamp
 from netproxy.backends.iptables.payload import ChainTextCache, restore_chunks
 from netproxy.backends.iptables.xtlock import EXIT_RESOURCE, XtablesLock, timeout_error
 
@@ -227,8 +227,8 @@ class RestoreWriter:
         return out
 
     def stamp(self, families: Sequence[int], expect: Optional[Expected] = None) -> Optional[Stamp]:
-        # Legacy tables only: iptables-nft's live in nf_tables, which this fingerprint cannot see.
-        return fingerprint(families, TABLES, expect) if self.tools.flavour == "legacy" else None
+        # Legacy tables by their fingerprint; iptables-nft's live in nf_tables: its generation.
+        return fingerprint(families, TABLES, expect) if self.tools.flavour == "legacy" else generation_stamp()
 
     def counts(self, family: int, table: str) -> Counts:
         if self.tools.flavour == "legacy":

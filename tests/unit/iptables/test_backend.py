@@ -133,9 +133,47 @@ def test_full_sync_writes_when_the_rules_changed_or_a_partial_sync_came_between(
 
 
 def test_without_a_fingerprint_every_full_sync_writes(backend: IptablesBackend, kernel: FakeIptables) -> None:
-    kernel.flavour = "nft"  # iptables-nft, or a kernel whose tables cannot be read: no fingerprint
+    kernel.stamps = False  # a kernel whose tables (or nf_tables generation) cannot be read
     backend.sync(snapshot(3), Changes(full=True))
     assert backend.sync(snapshot(3), Changes(full=True)).bytes_written > 0
+
+
+@pytest.fixture()
+def nft_kernel() -> FakeIptables:
+    return FakeIptables(flavour="nft")
+
+
+@pytest.fixture()
+def nft_backend(nft_kernel: FakeIptables) -> IptablesBackend:
+    return IptablesBackend(ProxyConfig(hostname="node", iptables_flavour="nft"), kernel=nft_kernel)
+
+
+def test_iptables_nft_full_sync_skips_by_the_nf_tables_generation(nft_backend: IptablesBackend,
+                                                                    nft_kernel: FakeIptables) -> None:
+    """iptables-nft: the nf_tables generation vouches for the tables (no fingerprint there): an
+    unchanged generation skips the periodic full sync, any commit in between (anyone's) rewrites."""
+    assert nft_backend.sync(snapshot(4), Changes(full=True)).bytes_written > 0
+    written, reads = len(nft_kernel.texts), nft_kernel.reads
+    skipped = nft_backend.sync(snapshot(4), Changes(full=True))
+    assert skipped.full and skipped.bytes_written == 0
+    assert len(nft_kernel.texts) == written and nft_kernel.reads == reads, "a skip reads and writes nothing"
+    # Another writer commits (any table: the generation is the whole ruleset's): the next full sync
+    # re-reads and rewrites, and repairs what it changed in ours.
+    nft_kernel.restore(4, f"*nat\n:{svc_chain(1)} - [0:0]\n-A {svc_chain(1)} -j ACCEPT\nCOMMIT\n")
+    assert nft_backend.sync(snapshot(4), Changes(full=True)).bytes_written > 0
+    assert nft_kernel.chains(4, "nat")[svc_chain(1)] != (("-j", "ACCEPT"),)
+    assert nft_backend.sync(snapshot(4), Changes(full=True)).bytes_written == 0
+
+
+def test_iptables_nft_partial_sync_keeps_the_full_sync_skippable(nft_backend: IptablesBackend,
+                                                                 nft_kernel: FakeIptables) -> None:
+    """A partial write renews the generation stamp (one GETGEN), so the full sync after it need not
+    rewrite the tables as the legacy fingerprint must (its blob is read only after full writes)."""
+    nft_backend.sync(snapshot(4), Changes(full=True))
+    assert nft_backend.sync(snapshot(4, moved=1), Changes(full=False)).bytes_written > 0
+    assert nft_backend.sync(snapshot(4, moved=1), Changes(full=True)).bytes_written == 0
+    # A change only a full sync sees is still written.
+    assert nft_backend.sync(snapshot(4, moved=2), Changes(full=True)).bytes_written > 0
 
 
 def test_skips_are_capped_and_cleanup_forgets_the_fingerprint(backend: IptablesBackend,
