@@ -34,7 +34,7 @@ from netproxy_lab.proxy import Proxy
 from netproxy_lab.refuse import WritesRefused
 from netproxy_lab.topology import CLIENT4, CLIENT6, EXT4, GATEWAY4, NODE_EXT4, NODE_NAME, REMOTE_NODE_NAME, Pod, Sandbox
 from netproxy_lab.traffic import ConnectResult
-from tests.kernel import traced
+from tests.kernel import kernel_services, traced
 
 pytestmark = pytest.mark.kernel
 log = logging.getLogger(__name__)
@@ -987,16 +987,21 @@ def test_the_nodes_own_tools_reload_what_netproxy_wrote(proxy: Proxy, sandbox: S
     """kube-proxy 1.36+'s rulesets re-load with the node's own nft and iptables-restore, and so do
     netproxy's, written over netlink or by the tools: a dual-stack NodePort service with ClientIP
     affinity (its remembered clients included) listed or saved, removed, loaded again; afterwards the
-    kernel holds exactly the plan (`plan --diff` exits 0) and every client keeps its endpoint."""
+    node's own listing, parsed without netproxy's code (tests/kernel/kernel_services.py), sends both
+    cluster IPs to exactly the input's endpoints, as it did before the reload, netproxy's plan agrees
+    (`plan --diff` exits 0), and every client keeps its endpoint."""
     pods = local(sandbox)
     sticky = {"sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}}}
     http = [port(8080, name="http")]
-    proxy.sync([
+    objects = [
         service("web", SVC_IP, [http_port(NODE_PORT)], type="NodePort", clusterIPs=[SVC_IP, SVC_IP6],
                 ipFamilies=["IPv4", "IPv6"], ipFamilyPolicy="RequireDualStack", **sticky),
         endpoint_slice("web", [ep(p) for p in pods], http, suffix="v4"),
         endpoint_slice("web", [ep(p, ipv6=True) for p in pods], http, suffix="v6", address_type="IPv6"),
-    ])
+    ]
+    proxy.sync(objects)
+    want = kernel_services.expected(objects)
+    assert len(want) == 2 and all(len(e) == len(pods) for e in want.values()), want
     clients = sandbox.client_addresses(8)
 
     def landed() -> Tuple[Dict[str, set], set]:  # type: ignore[type-arg]
@@ -1012,7 +1017,11 @@ def test_the_nodes_own_tools_reload_what_netproxy_wrote(proxy: Proxy, sandbox: S
 
     before, before6 = landed()
     assert all(len(p) == 1 for p in before.values()) and len(before6) == 1, (before, before6)
+    problem = kernel_services.differences(kernel_services.kernel_services(sandbox, proxy.combo), want)
+    assert problem is None, f"before the reload, the kernel is not what the input says:\n{problem}"
     _dump_and_reload(proxy, sandbox)
+    problem = kernel_services.differences(kernel_services.kernel_services(sandbox, proxy.combo), want)
+    assert problem is None, f"after the reload, the kernel is not what the input says:\n{problem}"
     diff = proxy.command("plan", "--diff", "--source", proxy.source, *proxy.base_flags)
     assert diff.returncode == 0, f"the kernel differs from the plan after the reload:\n{diff.stdout}{diff.stderr}"
     after, after6 = landed()
