@@ -3,7 +3,7 @@
 # idempotent and cheap on a machine that already has them.  Extra package names may be passed
 # as arguments (the VM runner adds qemu, debootstrap and cpio).
 set -eu
-PKGS="iptables nftables libnftables1 conntrack iproute2 $*"
+PKGS="iptables nftables libnftables1 conntrack iproute2 tmux $*"  # tmux: netproxy top's live-view test
 missing=""
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"

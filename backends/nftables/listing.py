@@ -137,8 +137,10 @@ def programmed(lines: Iterable[str]) -> List[Tuple[str, str, Tuple[str, ...]]]:
             if d.group("chain") == "reject-packet":
                 out.append((d.group("svc") or "", front, ("reject",)))
                 continue
+            # A map of one endpoint is keyed by address . port alone, one of several by address . port . n.
             eps = [_endpoint(e.split(" : ", 1)[1]) for m in uses.get((family, d.group("chain")), ())
-                   for e in elements.get((family, m), ()) if e.startswith(prefix) and " : " in e]
+                   for e in elements.get((family, m), ())
+                   if " : " in e and (e.split(" : ", 1)[0] + " . ").startswith(prefix)]
             out.append((d.group("svc") or "", front, tuple(sorted(eps))))
     return sorted(out)
 

@@ -17,7 +17,6 @@ import tty
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
-from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
@@ -67,9 +66,10 @@ def screen(report: Optional[traffic.Report], view: View, interval: float) -> Ren
     filt = f"filter: {view.text}" + ("_" if view.typing else "") if (view.text or view.typing) else "no filter"
     entries = f"{report.entries} entries" if report is not None else "reading conntrack"
     head = Text(f"netproxy top  {entries}  every {interval:g}s  sort: {view.sort}  {filt}", style="bold")
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0), show_edge=False, expand=False)
-    for title, width, i in zip(toptable.HEADER, toptable.WIDTHS, range(len(toptable.WIDTHS))):
-        table.add_column(title, width=width + (1 if i == 0 else 0), no_wrap=True, overflow="ellipsis",
+    # No box: toptable's widths with one space before every column but the first, 79 characters.
+    table = Table(box=None, padding=0, show_edge=False, expand=False, header_style="bold")
+    for i, (title, width) in enumerate(zip(toptable.HEADER, toptable.WIDTHS)):
+        table.add_column((" " if i else "") + title, width=width + (1 if i else 0), no_wrap=True, overflow="ellipsis",
                          justify="left" if i < 2 else "right")
     parts: List[RenderableType] = [head, Text(HELP, style="dim")]
     if report is not None:
@@ -77,7 +77,8 @@ def screen(report: Optional[traffic.Report], view: View, interval: float) -> Ren
         for row in toptable.rows(ports, report.accounting):
             port_row = not row[0].startswith(" ")
             style = "bold" if port_row else ("yellow" if row[1] in (traffic.DRAINING, traffic.GONE) else "")
-            table.add_row(*row, style=style)
+            # Text, not str: rich would read an IPv6 endpoint's [address] as markup.
+            table.add_row(*(Text((" " if i else "") + cell) for i, cell in enumerate(row)), style=style)
         parts.append(table)
         if not ports:
             parts.append(Text("(no connections to a service port" + (" matching the filter)" if view.text else ")")))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import asdict
 from typing import List, Optional, Sequence, Tuple
 
@@ -13,8 +14,8 @@ ACCOUNTING_OFF = ("bytes/packets: not counted (nf_conntrack_acct is 0); to count
                   "network namespace: sysctl -w net.netfilter.nf_conntrack_acct=1 (connections that start "
                   "after it are counted; netproxy never turns it on itself)")
 HEADER = ("SERVICE PORT / ENDPOINT", "STATE", "CONNS", "EST", "NEW/S", "SHARE", "EXPECT", "BYTES")
-WIDTHS = (26, 10, 7, 7, 7, 7, 7, 7)
-"""Column widths: 79 characters with the separating space, for a plain 80-column terminal."""
+WIDTHS = (25, 11, 6, 6, 6, 6, 6, 6)
+"""Column widths: 79 characters with a space between columns, for a plain 80-column terminal."""
 
 
 def human(value: Optional[float]) -> str:
@@ -37,13 +38,14 @@ def _rate(value: Optional[float]) -> str:
 
 
 def rows(ports: Sequence[PortFigures], accounting: bool) -> List[Tuple[str, ...]]:
-    """The table's rows: a port's row (its imbalance in the SHARE column as ``gap N%``), then one
-    row for each of its endpoints, then its top clients (``--clients``) under each."""
+    """The table's rows: a port's row (its imbalance under SHARE and EXPECT as ``gap N%``: the
+    largest difference between an endpoint's share and its expected share), then one row for each
+    of its endpoints, then its top clients (``--clients``) under each."""
     out: List[Tuple[str, ...]] = []
     for port in ports:
         total_bytes = sum(e.bytes or 0 for e in port.endpoints) if accounting else None
         out.append((port.name, port.protocol.lower(), str(port.connections), str(port.established),
-                    _rate(port.rate), f"gap {port.imbalance * 100:.0f}%", "", human(total_bytes)))
+                    _rate(port.rate), "gap", f"{port.imbalance * 100:.0f}%", human(total_bytes)))
         for ep in port.endpoints:
             out.append(("  " + ep.address, ep.state, str(ep.connections), str(ep.established), _rate(ep.rate),
                         _pct(ep.share), _pct(ep.expected), human(ep.bytes)))
@@ -67,13 +69,13 @@ def table(report: Report, ports: Sequence[PortFigures]) -> str:
     if not ports:
         lines.append("(no connections to a service port)")
     if not report.accounting:
-        lines.append(ACCOUNTING_OFF)
+        lines += textwrap.wrap(ACCOUNTING_OFF, 79)
     return "\n".join(lines) + "\n"
 
 
 def _line(row: Sequence[str]) -> str:
     head = f"{row[0]:<{WIDTHS[0]}} {row[1]:<{WIDTHS[1]}}"
-    return (head + "".join(f"{cell:>{w}}" for cell, w in zip(row[2:], WIDTHS[2:]))).rstrip()
+    return (head + "".join(f" {cell:>{w}}" for cell, w in zip(row[2:], WIDTHS[2:]))).rstrip()
 
 
 def as_json(report: Report, ports: Sequence[PortFigures]) -> str:

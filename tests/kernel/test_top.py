@@ -15,17 +15,22 @@ node's namespace must see what the client sent, per endpoint, from the node's co
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import select
+import shutil
+import signal
 import subprocess
 import time
-from typing import Any, Dict, Iterator, List, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import pytest
 
 from netproxy_lab.checks import TIME_SCALE, wait_for
 from netproxy_lab.manifests import Manifest, endpoint_slice, port, service
 from netproxy_lab.proxy import Proxy
+from netproxy_lab.pytest_plugin import require
 from netproxy_lab.topology import NODE_NAME, Pod, Sandbox, netproxy_command
 
 pytestmark = [pytest.mark.kernel, pytest.mark.quick_combos("nftables", "iptables-legacy/restore")]
@@ -161,8 +166,114 @@ def test_a_terminating_endpoint_holding_a_connection_shows_draining_then_gone(pr
         assert seen[held.ip]["state"] == "draining", seen
         assert seen[held.ip]["established"] == 1 and seen[held.ip]["expected"] == 0.0, seen
         assert session.exchange("still there").split()[0] == who  # the connection kept its endpoint
+        # From the kernel's rules alone: they reach the one ready endpoint; the rules cannot tell
+        # a terminating endpoint from one that left, so the held connection's is "gone".
+        (ready,) = [p for p in pods if p is not held]
+        kernel = endpoints(top(proxy, "--service", "default/drain", source=False), "default/drain:hold")
+        assert kernel[ready.ip]["state"] == "routed" and kernel[ready.ip]["expected"] == 1.0, kernel
+        assert kernel[held.ip]["state"] == "gone" and kernel[held.ip]["established"] == 1, kernel
         proxy.sync(_drain([p for p in pods if p is not held], []))
         seen = endpoints(top(proxy, "--service", "default/drain"), "default/drain:hold")
         assert seen[held.ip]["state"] == "gone" and seen[held.ip]["established"] == 1, seen
     finally:
         session.close()
+
+
+# ---- the live view, in a real terminal ----------------------------------------------------------
+
+
+class Tmux:
+    """A tmux server of this test's own (its own socket), one 80x24 window running ``argv``."""
+
+    def __init__(self, name: str, argv: Sequence[str]) -> None:
+        self.socket = name
+        self._tmux("new-session", "-d", "-x", "80", "-y", "24", "-s", "top", " ".join(argv))
+        self._tmux("set-option", "-t", "top", "remain-on-exit", "on")
+        self.pid = int(self._tmux("display-message", "-p", "-t", "top", "#{pid}").strip())
+
+    def _tmux(self, *args: str) -> str:
+        proc = subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=10)
+        assert proc.returncode == 0, f"tmux {' '.join(args)}: {proc.stderr}"
+        return proc.stdout
+
+    def screen(self) -> str:
+        return self._tmux("capture-pane", "-p", "-t", "top")
+
+    def keys(self, *keys: str) -> None:
+        self._tmux("send-keys", "-t", "top", *keys)
+
+    def dead(self) -> Optional[int]:
+        """The exit status of the window's program once it ended, else None.  tmux 3.3 marks the pane
+        dead when its terminal closes and may leave the program unreaped for a while, without a
+        status: then it is read from the zombie's /proc/PID/stat (exit_code, Linux 3.5+)."""
+        dead, status, sig, pid = self._tmux("display-message", "-p", "-t", "top",
+                                            "#{pane_dead}:#{pane_dead_status}:#{pane_dead_signal}:#{pane_pid}"
+                                            ).strip().split(":")
+        assert not sig, f"top ended by signal {sig}:\n{self.screen()}"
+        if dead != "1":
+            return None
+        if status:
+            return int(status)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return os.WEXITSTATUS(int(f.read().rsplit(")", 1)[1].split()[-1]))
+        except FileNotFoundError:
+            return None  # reaped meanwhile: the status comes with the next look
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=10)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)  # the server, by the pid it reported
+
+
+def shows(term: Tmux, *wanted: str, absent: Sequence[str] = ()) -> None:
+    def check() -> Optional[str]:
+        text = term.screen()
+        missing = [w for w in wanted if w not in text] + [a for a in absent if a in text]
+        return None if not missing else f"{missing} on the screen:\n{text}"
+
+    wait_for(check, timeout=15)
+
+
+def order(text: str, *names: str) -> List[int]:
+    lines = text.splitlines()
+    return [next(i for i, line in enumerate(lines) if line.startswith(n)) for n in names]
+
+
+def test_the_live_view_in_a_terminal_sorts_filters_and_quits(proxy: Proxy, sandbox: Sandbox, tmp_path: Any) -> None:
+    require(shutil.which("tmux") is not None, "tmux is not installed (scripts/setup-system.sh installs it)")
+    sticky = service("sticky", STICKY_IP, [port(80, 8080, name="http")], sessionAffinity="ClientIP")
+    proxy.sync([*web(sandbox.pods[:3]), sticky,
+                endpoint_slice("sticky", sandbox.pods[:3], [{"port": 8080, "name": "http", "protocol": "TCP"}])])
+    answering(sandbox, WEB_IP)
+    assert sandbox.connect(WEB_IP, 80, count=45, timeout=2.0).answered == 45
+    assert sandbox.connect(STICKY_IP, 80, count=12, timeout=2.0).answered == 12
+    argv = ["ip", "netns", "exec", sandbox.node, *netproxy_command(), "top", "--source", proxy.source,
+            "--hostname-override", NODE_NAME, "--interval", "500ms", *proxy.combo.flags]
+    term = Tmux(f"np-top-{sandbox.id}", argv)
+    try:
+        shows(term, "netproxy top", "sort: connections", "SERVICE PORT / ENDPOINT", "BYTES", "default/web:http",
+              "default/sticky:http", "nf_conntrack_acct")
+        text = term.screen()
+        (tmp_path / "screen.txt").write_text(text)
+        assert all(len(line) <= 80 for line in text.splitlines())
+        web_at, sticky_at = order(text, "default/web:http", "default/sticky:http")
+        assert web_at < sticky_at, text  # more connections first
+        term.keys("n")
+        shows(term, "sort: name")
+        web_at, sticky_at = order(term.screen(), "default/web:http", "default/sticky:http")
+        assert sticky_at < web_at
+        term.keys("i")  # the affinity service, all on one endpoint, is the most imbalanced
+        shows(term, "sort: imbalance")
+        web_at, sticky_at = order(term.screen(), "default/web:http", "default/sticky:http")
+        assert sticky_at < web_at
+        term.keys("/", "w", "e", "b", "Enter")
+        shows(term, "filter: web", "default/web:http", absent=["default/sticky:http"])
+        term.keys("Escape")
+        shows(term, "no filter", "default/sticky:http")
+        term.keys("q")
+        wait_for(lambda: None if term.dead() is not None else f"still running:\n{term.screen()}", timeout=10)
+        assert term.dead() == 0
+        assert "SERVICE PORT" not in term.screen()  # the alternate screen is gone: the shell's is back
+    finally:
+        term.close()

@@ -298,7 +298,11 @@ def test_the_table_fits_80_columns_and_says_how_to_count_bytes() -> None:
     assert any(line.startswith("  10.244.1.2:8080") and "draining" in line for line in lines)
     assert any("client 10.0.0.2" in line for line in lines)
     assert "sysctl -w net.netfilter.nf_conntrack_acct=1" in text
-    assert all(len(line) <= 79 for line in lines if "nf_conntrack_acct" not in line), text
+    assert all(len(line) <= 79 for line in lines), text
+    row = next(line for line in lines if line.startswith("  10.244.1.1:8080"))
+    for title, figure in (("CONNS", "2"), ("NEW/S", "1.0"), ("SHARE", "66.7%"), ("EXPECT", "50.0%")):
+        end = lines[1].index(title) + len(title)  # right-aligned under its title
+        assert row[:end].endswith(" " + figure), (title, row)
     assert "nf_conntrack_acct" not in toptable.table(_report(True), report.ports)
 
 
@@ -344,7 +348,17 @@ def test_the_screen_shows_the_rows_in_80_columns() -> None:
     console.print(screen(_report(), View(sort="name"), 1.0))
     text = console.export_text()
     assert "default/web:http" in text and "draining" in text and "sort: name" in text
-    assert all(len(line) <= 80 for line in text.splitlines())
+    assert all(len(line.rstrip()) <= 80 for line in text.splitlines())
+    # The live view's rows are the --once table's rows, column for column.
+    report = _report()
+    table = toptable.table(report, report.ports).splitlines()[1:9]
+    assert [line.rstrip() for line in text.splitlines()[2:10]] == table
+    six = traffic.from_snapshot(Snapshot.build([service_port(cluster_ips=(IP(SVC6),))],
+                                               {service_port().name: (Endpoint(IP("fd00::1"), 8080),)}))
+    report6, _ = run(six, [(TCP, IP("fd00::9").packed, k(SVC6, 80), k("fd00::1", 8080), 3, 1, 0, 0)])
+    console = Console(width=80, record=True, color_system=None)
+    console.print(screen(report6, View(), 1.0))
+    assert "[fd00::1]:8080" in console.export_text()  # not read as markup
     console = Console(width=80, record=True, color_system=None)
     console.print(screen(_report(), View(text="nothing"), 1.0))
     assert "matching the filter" in console.export_text()
