@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 from netproxy.core.model import EndpointSet, IPNetwork, NodeInfo, ServicePort, ValidationError, shown
 from netproxy.source import jsonstream
@@ -32,6 +32,7 @@ from netproxy.source.convert import (
     parse_service,
     parse_service_cidr,
 )
+from netproxy.source.itemmemo import ItemMemo, digest
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +99,32 @@ def read_documents(path: str) -> List[Any]:
     return docs
 
 
-def read_objects(path: str) -> Iterator[Union[Mapping[str, Any], ValidationError]]:
+class Fresh(NamedTuple):
+    """An object read for the first time (or changed), with the digest its conversion is kept under."""
+
+    key: bytes
+    obj: Mapping[str, Any]
+
+
+class Converted(NamedTuple):
+    """One object's conversion, as :func:`parse_part` places it: ``kind`` (``""`` for an object of
+    another kind, ``"skipped"`` for one not for this proxy), its ``ref`` and ``value`` (the model
+    objects), or the ``error`` that refused it.  Immutable: an :class:`~itemmemo.ItemMemo` reuses it."""
+
+    kind: str
+    ref: Any = None
+    value: Any = None
+    error: Optional[ValidationError] = None
+
+
+Item = Union[Mapping[str, Any], ValidationError, Fresh, Converted]
+
+
+def read_objects(path: str, memo: Optional[ItemMemo[Converted]] = None) -> Iterator[Item]:
     """The Kubernetes objects of one file, one at a time.  A JSON ``List`` is streamed
-    (:mod:`jsonstream`): its items are converted as they are decoded, never all held as dicts."""
+    (:mod:`jsonstream`): its items are converted as they are decoded, never all held as dicts.
+    With ``memo`` (``run``'s reads of a file), an item whose bytes were in the previous read comes
+    out as its :class:`Converted` without being decoded, and a new one as :class:`Fresh`."""
     if not path.endswith(".json"):
         yield from flatten(read_documents(path), path)
         return
@@ -111,7 +135,19 @@ def read_objects(path: str) -> Iterator[Union[Mapping[str, Any], ValidationError
         raise SourceError(f"{path}: {err.strerror}") from None
     kindless: List[Any] = []  # items of a typed list (ServiceList...) name their kind only in the list
     try:
-        for what, value in jsonstream.iter_document(text):
+        for what, value in jsonstream.iter_document(text, raw=memo is not None):
+            if what == "raw" and memo is not None:
+                key = digest(value)
+                hit = memo.get(key)
+                if hit is not None:
+                    yield hit
+                    continue
+                value = jsonstream.decode(value)
+                kind = value.get("kind") if is_mapping(value) else None
+                if isinstance(kind, str) and kind and not kind.endswith("List"):
+                    yield Fresh(key, value)
+                    continue
+                what = "item"  # kindless (a typed list's) or a list in the list: as the stream has it
             if what == "item":
                 if is_mapping(value) and not value.get("kind"):
                     kindless.append(value)
@@ -161,57 +197,90 @@ def parse_objects(objects: Iterator[Union[Mapping[str, Any], ValidationError]], 
     return merge([parse_part(objects, node_name)])
 
 
-def parse_part(objects: Iterator[Union[Mapping[str, Any], ValidationError]], node_name: str,
-               remember_addresses: bool = True) -> Loaded:
+def parse_part(objects: Iterator[Item], node_name: str, remember_addresses: bool = True,
+               memo: Optional[ItemMemo[Converted]] = None) -> Loaded:
     """One file's objects, converted; duplicates and legacy Endpoints are settled by :func:`merge`.
     ``remember_addresses=False``: endpoint addresses are parsed without the address cache (see
-    :func:`load`)."""
+    :func:`load`).  ``memo``: where a :class:`Fresh` object's conversion is kept for the next read."""
     out = Loaded()
     seen: Set[Key] = set()
     for obj in objects:
         if isinstance(obj, ValidationError):
             out.errors.append(obj)
             continue
-        kind = obj.get("kind")
-        try:
-            if kind is not None and not isinstance(kind, str):
-                raise ValidationError("object", loose_ref(obj), "kind", f"{shown(kind)} is not a string")
-            label = not_for_this_proxy(obj) if kind in ("Service", "EndpointSlice", "Endpoints") else None
-            if label is not None:
-                out.skipped += 1
-                log.debug("skipping %s %s: labelled %s (not for this proxy, as kube-proxy's informers)",
-                          kind, loose_ref(obj), label)
-                continue
-            if kind == "Service":
-                ref = object_ref(obj)
-                _, ns, name = ref
-                if (ns, name) in seen:
-                    raise ValidationError(kind, f"{ns}/{name}", "metadata.name", "is defined twice")
-                seen.add((ns, name))
-                out.services[(ns, name)] = parse_service(obj, checked_ref=ref)
-            elif kind == "EndpointSlice":
-                ref = object_ref(obj)
-                _, ns, name = ref
-                eps = parse_endpoint_slice(obj, cache=remember_addresses, checked_ref=ref)
-                if eps is not None:
-                    out.endpoints[(ns, name)] = eps
-            elif kind == "Endpoints":
-                eps = parse_endpoints(obj)
-                out.legacy[(eps.namespace, eps.service)] = eps
-            elif kind == "ServiceCIDR":
-                cidr_name, cidrs = parse_service_cidr(obj)
-                if cidr_name in out.service_cidrs:
-                    raise ValidationError(kind, cidr_name, "metadata.name", "is defined twice")
-                out.service_cidrs[cidr_name] = cidrs
-            elif kind == "Node":
-                node = _parse_node(obj, node_name)
-                if node is not None:
-                    out.node = node
-            else:
-                log.debug("ignoring object of kind %s", shown(kind))
-        except ValidationError as err:
-            out.errors.append(err)
+        if isinstance(obj, Converted):
+            _place(out, seen, obj)
+            continue
+        key = None
+        if isinstance(obj, Fresh):
+            key, obj = obj
+        converted = convert_object(obj, node_name, remember_addresses)
+        if key is not None and memo is not None:
+            memo.put(key, converted)
+        _place(out, seen, converted)
     return out
+
+
+def convert_object(obj: Mapping[str, Any], node_name: str, remember_addresses: bool = True) -> Converted:
+    """One object's conversion, alone: nothing here depends on the other objects of the load."""
+    kind = obj.get("kind")
+    try:
+        if kind is not None and not isinstance(kind, str):
+            raise ValidationError("object", loose_ref(obj), "kind", f"{shown(kind)} is not a string")
+        label = not_for_this_proxy(obj) if kind in ("Service", "EndpointSlice", "Endpoints") else None
+        if label is not None:
+            log.debug("skipping %s %s: labelled %s (not for this proxy, as kube-proxy's informers)",
+                      kind, loose_ref(obj), label)
+            return Converted("skipped")
+        if kind == "Service":
+            ref = object_ref(obj)
+            try:
+                return Converted(kind, ref[1:], parse_service(obj, checked_ref=ref))
+            except ValidationError as err:  # named still: a second Service of that name is "defined twice"
+                return Converted(kind, ref[1:], error=err)
+        if kind == "EndpointSlice":
+            ref = object_ref(obj)
+            return Converted(kind, ref[1:], parse_endpoint_slice(obj, cache=remember_addresses, checked_ref=ref))
+        if kind == "Endpoints":
+            return Converted(kind, None, parse_endpoints(obj))
+        if kind == "ServiceCIDR":
+            cidr_name, cidrs = parse_service_cidr(obj)
+            return Converted(kind, cidr_name, cidrs)
+        if kind == "Node":
+            return Converted(kind, None, _parse_node(obj, node_name))
+        log.debug("ignoring object of kind %s", shown(kind))
+        return Converted("")
+    except ValidationError as err:
+        return Converted("error", error=err)
+
+
+def _place(out: Loaded, seen: Set[Key], c: Converted) -> None:
+    """One converted object into the load, judged against the objects before it (names defined twice)."""
+    if c.kind == "Service":
+        if c.ref in seen:
+            out.errors.append(ValidationError(c.kind, f"{c.ref[0]}/{c.ref[1]}", "metadata.name", "is defined twice"))
+            return
+        seen.add(c.ref)
+        if c.error is not None:
+            out.errors.append(c.error)
+        else:
+            out.services[c.ref] = c.value
+    elif c.error is not None:
+        out.errors.append(c.error)
+    elif c.kind == "skipped":
+        out.skipped += 1
+    elif c.kind == "EndpointSlice":
+        if c.value is not None:
+            out.endpoints[c.ref] = c.value
+    elif c.kind == "Endpoints":
+        out.legacy[(c.value.namespace, c.value.service)] = c.value
+    elif c.kind == "ServiceCIDR":
+        if c.ref in out.service_cidrs:
+            out.errors.append(ValidationError(c.kind, c.ref, "metadata.name", "is defined twice"))
+            return
+        out.service_cidrs[c.ref] = c.value
+    elif c.kind == "Node" and c.value is not None:
+        out.node = c.value
 
 
 def merge(parts: Sequence[Loaded]) -> Loaded:
@@ -260,8 +329,12 @@ def _signature(path: str) -> Optional[FileSig]:
     return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
+Memos = Dict[str, ItemMemo[Converted]]
+"""Per file: its items' conversions by digest (:mod:`itemmemo`)."""
+
+
 def load(path: str, node_name: str = "", cache: Optional[Dict[str, Tuple[FileSig, Loaded]]] = None,
-         remember_addresses: bool = True) -> Loaded:
+         remember_addresses: bool = True, memos: Optional[Memos] = None) -> Loaded:
     """Load every manifest under ``path``; raises :class:`SourceError` if any file cannot be parsed.
 
     With ``cache`` (path → (signature, part)), files whose (mtime, size, inode) did not change are
@@ -271,9 +344,12 @@ def load(path: str, node_name: str = "", cache: Optional[Dict[str, Tuple[FileSig
     ``remember_addresses``: parse endpoint addresses through the address cache, which pays when the
     same file is read again (``run``).  A command that loads once passes False: at 10k x 10 the
     cache held 100k entries (18 MB, the load's peak) and cost its lookups for nothing.
+
+    ``memos``: a changed JSON file's items whose bytes were in its previous read are not decoded or
+    converted again (:mod:`itemmemo`; ``run``).
     """
     with gc_paused():
-        return _load(path, node_name, cache, remember_addresses)
+        return _load(path, node_name, cache, remember_addresses, memos)
 
 
 @contextlib.contextmanager
@@ -291,16 +367,28 @@ def gc_paused() -> Iterator[None]:
 
 
 def _load(path: str, node_name: str, cache: Optional[Dict[str, Tuple[FileSig, Loaded]]],
-          remember_addresses: bool) -> Loaded:
+          remember_addresses: bool, memos: Optional[Memos] = None) -> Loaded:
     parts: List[Loaded] = []
     fresh: Dict[str, Tuple[FileSig, Loaded]] = {}
-    for f in manifest_files(path):
+    files = manifest_files(path)
+    if memos is not None:
+        for gone in set(memos) - set(files):
+            del memos[gone]
+    for f in files:
         sig = _signature(f)
         hit = cache.get(f) if cache is not None else None
         if hit is not None and sig is not None and hit[0] == sig:
             part = hit[1]
-        else:
+        elif memos is None:
             part = parse_part(read_objects(f), node_name, remember_addresses)
+        else:
+            memo = memos.setdefault(f, ItemMemo())
+            try:
+                part = parse_part(read_objects(f, memo), node_name, remember_addresses, memo)
+            except BaseException:
+                memo.discard()  # a file that does not parse keeps its last good reference
+                raise
+            memo.rotate()
         if sig is not None:
             fresh[f] = (sig, part)
         parts.append(part)
@@ -327,6 +415,7 @@ class FileSource:
         self._thread: Optional[threading.Thread] = None
         self._signature: Optional[Tuple[Tuple[str, FileSig], ...]] = None
         self._cache: Dict[str, Tuple[FileSig, Loaded]] = {}
+        self._memos: Memos = {}
         self._loads = 0
         self.last_error: Optional[str] = None
 
@@ -346,7 +435,7 @@ class FileSource:
     def _read(self) -> Loaded:
         # The address cache pays when a changed file is read again; filling it on the first read
         # cost start-up 0.4 s and 18 MB at 10k x 10 for nothing yet: it is used from the second.
-        loaded = load(self.path, self.node_name, self._cache, remember_addresses=self._loads > 0)
+        loaded = load(self.path, self.node_name, self._cache, remember_addresses=self._loads > 0, memos=self._memos)
         self._loads += 1
         return loaded
 

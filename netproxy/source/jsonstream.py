@@ -46,18 +46,29 @@ def _expect(text: str, i: int, char: str) -> int:
     return i + 1
 
 
-def iter_document(text: str) -> Iterator[Tuple[str, Any]]:
+def iter_document(text: str, raw: bool = False) -> Iterator[Tuple[str, Any]]:
     """("item", object) for each element of a top-level ``items`` list, then ("doc", the rest of
     the top-level value without ``items``: of a ``List``, its ``apiVersion``, ``kind`` and
-    ``metadata``).  Raises :class:`json.JSONDecodeError` on bad JSON."""
-    items = _raw_items(text)
+    ``metadata``).  Raises :class:`json.JSONDecodeError` on bad JSON.  ``raw``: a ``List`` read by
+    msgspec hands out ("raw", its undecoded bytes) instead, for the caller to :func:`decode`
+    only when it needs the object (:mod:`itemmemo`); the standard library's stream never does."""
+    items = _raw_items(text, raw)
     if items is not None:
         yield from items
         return
     yield from _stream(text)
 
 
-def _raw_items(text: str) -> Optional[Iterator[Tuple[str, Any]]]:
+def decode(raw: msgspec.Raw) -> Any:
+    """One item of a ``List`` from its bytes: by msgspec, or by the standard library where msgspec
+    refuses (see :func:`_raw_items`)."""
+    try:
+        return _ANY.decode(raw)
+    except (msgspec.MsgspecError, RecursionError):
+        return json.loads(bytes(raw))
+
+
+def _raw_items(text: str, raw: bool = False) -> Optional[Iterator[Tuple[str, Any]]]:
     """The same answers for a well-formed ``List`` document, decoded by msgspec: the list's frame
     first, each item kept as an undecoded slice of the text (``msgspec.Raw``), then decoded one at a
     time — the stream's memory (the text and one item), in C: 0.14 s against 0.22 s for the bench's
@@ -73,16 +84,15 @@ def _raw_items(text: str) -> Optional[Iterator[Tuple[str, Any]]]:
     items = top.get("items")
     if items is None or not (isinstance(top.get("kind"), str) and top["kind"].endswith("List")):
         return None
-    return _decoded(items, {k: v for k, v in top.items() if k != "items"})
+    return _decoded(items, {k: v for k, v in top.items() if k != "items"}, raw)
 
 
-def _decoded(items: List[msgspec.Raw], rest: Dict[str, Any]) -> Iterator[Tuple[str, Any]]:
-    for raw in items:
-        try:
-            value = _ANY.decode(raw)
-        except (msgspec.MsgspecError, RecursionError):
-            value = json.loads(bytes(raw))
-        yield "item", value
+def _decoded(items: List[msgspec.Raw], rest: Dict[str, Any], raw: bool) -> Iterator[Tuple[str, Any]]:
+    for item in items:
+        if raw:
+            yield "raw", item
+        else:
+            yield "item", decode(item)
     yield "doc", rest
 
 
