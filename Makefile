@@ -36,7 +36,7 @@ lint: setup
 	$(PY) scripts/lint-structure
 
 test-unit: setup
-	$(VENV)/bin/pytest -q -n 2 tests/unit
+	$(VENV)/bin/pytest -q -n 2 tests/unit tests/conformance
 
 test-kernel: setup
 	$(VENV)/bin/pytest -q -n 3 --dist worksteal tests/kernel

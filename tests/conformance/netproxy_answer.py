@@ -1,0 +1,97 @@
+"""netproxy's answer to a kube-proxy flow: the table's node as ``netproxy trace`` flags, its objects
+as the snapshot ``trace`` loads, the flow as the packet ``trace`` follows through the backend's own
+rendered rules (``backend.trace``: no kernel), summed up as kube-proxy states its answers.
+
+Two things a table gives that the command line would read from the node instead: the node's
+addresses (what ``--dst-type LOCAL`` / ``fib daddr type local`` match, and which addresses
+``--nodeport-addresses`` CIDRs select) come from the table, plus loopback, as on any node.  A flow
+whose source is one of those addresses is the node's own (nat OUTPUT); any other arrives (PREROUTING).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Dict, Iterable, List, Tuple
+
+from netproxy.backends.base import Backend, Outcome, Packet
+from netproxy.cli.args import build_parser
+from netproxy.cli.settings import make_backend
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import NodeInfo, Snapshot
+from netproxy.core.tracker import ChangeTracker
+from netproxy.source.files import flatten, parse_objects
+from tests.conformance.tables import Answer, Case, Flow, Node, State
+
+LOOPBACK = ("127.0.0.1", "::1")
+BACKENDS = ("iptables", "nftables")
+_VERDICTS = {"drop": "DROP", "reject": "REJECT", "accept": ""}
+
+
+def backend(mode: str, node: Node) -> Tuple[Backend, ProxyConfig]:
+    """netproxy's ``mode`` backend configured by the table's flags, as ``netproxy trace`` builds it."""
+    argv = ["trace", "--to", "192.0.2.1:1", "--backend", mode, "--iptables-flavour", "legacy",
+            "--hostname-override", node.name, *node.flags]
+    args = build_parser().parse_args(argv)
+    return make_backend(args)
+
+
+def local_addresses(node: Node) -> Tuple[str, ...]:
+    return tuple(str(ipaddress.ip_address(a)) for a in (*node.addresses, *LOOPBACK))
+
+
+def snapshot(config: ProxyConfig, node: Node, state: State) -> Snapshot:
+    """The state's objects as the snapshot a one-shot command takes (``netproxy.cli.oneshot``); the
+    NodePort addresses are the table's node addresses inside ``--nodeport-addresses``."""
+    loaded = parse_objects(flatten(list(state.objects)), node.name)
+    if loaded.errors:
+        raise AssertionError(f"netproxy rejects objects of the table: {[str(e) for e in loaded.errors]}")
+    tracker = ChangeTracker(NodeInfo(name=config.hostname), service_cidrs=config.service_cidrs,
+                            external_ips=config.gate("AllowServiceExternalIPs"))
+    tracker.replace_service_cidrs(loaded.service_cidrs)
+    if config.nodeport_addresses:
+        addrs = [ipaddress.ip_address(a) for a in local_addresses(node)]
+        tracker.set_node_addresses(tuple(sorted(
+            (a for a in addrs if any(a.version == n.version and a in n for n in config.nodeport_addresses)),
+            key=lambda a: (a.version, a))))
+    tracker.replace_services(loaded.services)
+    tracker.replace_endpoints(loaded.endpoints)
+    return tracker.take()[0]
+
+
+def packet(node: Node, flow: Flow) -> Packet:
+    local = frozenset(local_addresses(node))
+    source = str(ipaddress.ip_address(flow.source))
+    return Packet(source, str(ipaddress.ip_address(flow.destination)), flow.port, flow.protocol.lower(),
+                  hook="output" if source in local else "prerouting", local=local)
+
+
+def summed(outcomes: Iterable[Outcome]) -> Answer:
+    """Every way the packet can go, as one answer in kube-proxy's words: the endpoints it may reach
+    (or DROP / REJECT / untouched), and whether it is masqueraded (None: on some ways only)."""
+    outputs: List[str] = []
+    masqs = set()
+    for o in outcomes:
+        outputs.append(o.target or "" if o.verdict == "dnat" else _VERDICTS.get(o.verdict, o.verdict.upper()))
+        masqs.add(o.masquerade)
+    distinct = sorted(set(outputs))
+    output = distinct[0] if len(distinct) == 1 else ", ".join(d or "untouched" for d in distinct)
+    return Answer.of(output, masqs.pop() if len(masqs) == 1 else None)
+
+
+class Answers:
+    """netproxy's answers for one case's state on one backend (rendered once per state)."""
+
+    def __init__(self, mode: str, case: Case, state: State) -> None:
+        self.node = case.node
+        self.backend, config = backend(mode, case.node)
+        self.snapshot = snapshot(config, case.node, state)
+        self._seen: Dict[str, Answer] = {}
+
+    def __call__(self, flow: Flow) -> Answer:
+        got = self._seen.get(flow.key)
+        if got is None:
+            # Not part of the Backend protocol (the fake backend has none): both real backends have it.
+            tracer = getattr(self.backend, "trace", None)
+            assert tracer is not None, f"the {self.backend.name} backend has no tracer"
+            got = self._seen[flow.key] = summed(tracer(self.snapshot, packet(self.node, flow)))
+        return got
