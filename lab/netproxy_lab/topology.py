@@ -257,17 +257,18 @@ class Sandbox:
                 ipr.route("add", dst="::/0", gateway=GATEWAY6, oif=peer_idx, family=10)
 
     def add_pod(self, name: str, *, node_name: str = NODE_NAME, start: bool = True,
-                ip: Optional[str] = None) -> Pod:
+                ip: Optional[str] = None, ip6: Optional[str] = None) -> Pod:
         """Another endpoint namespace, wired to the node (and its server started unless told).
 
         ``ip``: the pod's IPv4 address (default 10.244.1.<10+n>); any address outside the node's own
-        works, since the node routes each pod by a /32 (the demo uses the example's endpoint IPs).
+        works, since the node routes each pod by a /32 (the demo uses the example's endpoint IPs);
+        ``ip6`` likewise its IPv6 address (default fd00:10:244:1::<10+n>, routed by a /128).
         """
         n = len(self.pods)
         if n >= 200:
             raise SandboxError("a sandbox holds at most 200 pods")
         pod = Pod(name=name, netns=f"np-pod{n}-{self.id}", ip=ip or f"10.244.1.{10 + n}",
-                  ip6=f"fd00:10:244:1::{10 + n:x}", node_name=node_name)
+                  ip6=ip6 or f"fd00:10:244:1::{10 + n:x}", node_name=node_name)
         self._create_ns(pod.netns)
         self._wire_pod_like(pod.netns, f"pod{n}", pod.ip, pod.ip6)
         self.pods.append(pod)
