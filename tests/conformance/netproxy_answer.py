@@ -11,7 +11,7 @@ whose source is one of those addresses is the node's own (nat OUTPUT); any other
 from __future__ import annotations
 
 import ipaddress
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from netproxy.backends.base import Backend, Outcome, Packet
 from netproxy.cli.args import build_parser
@@ -19,35 +19,44 @@ from netproxy.cli.settings import make_backend
 from netproxy.core.config import ProxyConfig
 from netproxy.core.model import NodeInfo, Snapshot
 from netproxy.core.tracker import ChangeTracker
-from netproxy.source.files import flatten, parse_objects
+from netproxy.source.files import Loaded, flatten, parse_objects
 from tests.conformance.tables import Answer, Case, Flow, Node, State
 
 LOOPBACK = ("127.0.0.1", "::1")
 BACKENDS = ("iptables", "nftables")
-_VERDICTS = {"drop": "DROP", "reject": "REJECT", "accept": ""}
+_VERDICTS = {"drop": "DROP", "reject": "REJECT", "accept": "", "allow": "ACCEPT"}
+"""Tracer verdicts in kube-proxy's words: ``accept`` is untouched (no rule of netproxy's took it),
+``allow`` an accept of netproxy's own filter rules (kube-proxy's ACCEPT)."""
 
 
-def backend(mode: str, node: Node) -> Tuple[Backend, ProxyConfig]:
+def backend(mode: str, node: Node, info: Optional[NodeInfo]) -> Tuple[Backend, ProxyConfig]:
     """netproxy's ``mode`` backend configured by the table's flags, as ``netproxy trace`` builds it."""
     argv = ["trace", "--to", "192.0.2.1:1", "--backend", mode, "--iptables-flavour", "legacy",
             "--hostname-override", node.name, *node.flags]
     args = build_parser().parse_args(argv)
-    return make_backend(args)
+    return make_backend(args, info)
 
 
 def local_addresses(node: Node) -> Tuple[str, ...]:
     return tuple(str(ipaddress.ip_address(a)) for a in (*node.addresses, *LOOPBACK))
 
 
-def snapshot(config: ProxyConfig, node: Node, state: State) -> Snapshot:
-    """The state's objects as the snapshot a one-shot command takes (``netproxy.cli.oneshot``); the
-    NodePort addresses are the table's node addresses inside ``--nodeport-addresses``."""
-    loaded = parse_objects(flatten(list(state.objects)), node.name)
+def load(node: Node, state: State) -> Loaded:
+    """The state's objects and the node's ``v1 Node``, as ``--source`` loads them (none rejected)."""
+    loaded = parse_objects(flatten(state.manifests(node)), node.name)
     if loaded.errors:
         raise AssertionError(f"netproxy rejects objects of the table: {[str(e) for e in loaded.errors]}")
+    return loaded
+
+
+def snapshot(config: ProxyConfig, node: Node, loaded: Loaded) -> Snapshot:
+    """The loaded state as the snapshot a one-shot command takes (``netproxy.cli.oneshot``); the
+    NodePort addresses are the table's node addresses inside ``--nodeport-addresses``."""
     tracker = ChangeTracker(NodeInfo(name=config.hostname), service_cidrs=config.service_cidrs,
                             external_ips=config.gate("AllowServiceExternalIPs"))
     tracker.replace_service_cidrs(loaded.service_cidrs)
+    if loaded.node is not None:
+        tracker.set_node(loaded.node)
     if config.nodeport_addresses:
         addrs = [ipaddress.ip_address(a) for a in local_addresses(node)]
         tracker.set_node_addresses(tuple(sorted(
@@ -83,8 +92,9 @@ class Answers:
 
     def __init__(self, mode: str, case: Case, state: State) -> None:
         self.node = case.node
-        self.backend, config = backend(mode, case.node)
-        self.snapshot = snapshot(config, case.node, state)
+        loaded = load(case.node, state)
+        self.backend, config = backend(mode, case.node, loaded.node)
+        self.snapshot = snapshot(config, case.node, loaded)
         self._seen: Dict[str, Answer] = {}
 
     def __call__(self, flow: Flow) -> Answer:

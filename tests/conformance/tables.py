@@ -69,7 +69,16 @@ class Flow:
 class Node:
     name: str
     addresses: Tuple[str, ...]
+    """Every address of the node (what its rules call local)."""
+    primary: Tuple[str, ...]
+    """Its primary IPs (kube-proxy's ``nodeIP``): netproxy reads them from the Node object's
+    InternalIPs, which :meth:`manifest` carries."""
     flags: Tuple[str, ...]
+
+    def manifest(self) -> Mapping[str, Any]:
+        """The ``v1 Node`` that tells netproxy this node's name and primary IPs."""
+        return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": self.name},
+                "status": {"addresses": [{"type": "InternalIP", "address": a} for a in self.primary]}}
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,10 @@ class State:
     name: str
     objects: Tuple[Mapping[str, Any], ...]
     flows: Tuple[Flow, ...]
+
+    def manifests(self, node: Node) -> List[Mapping[str, Any]]:
+        """What netproxy loads for this state: its objects and the node's ``v1 Node``."""
+        return [*self.objects, node.manifest()]
 
 
 @dataclass(frozen=True)
@@ -129,7 +142,9 @@ def load(path: Path) -> Table:
     try:
         doc = yaml.safe_load(path.read_text())
         return _table(path, doc)
-    except (KeyError, TypeError, ValueError, yaml.YAMLError) as err:
+    except KeyError as err:
+        raise TableError(f"tables/{path.parent.name}/{path.name}: a required field is missing: {err}") from None
+    except (TypeError, ValueError, yaml.YAMLError) as err:
         raise TableError(f"tables/{path.parent.name}/{path.name}: {err}") from None
 
 
@@ -142,8 +157,8 @@ def _table(path: Path, doc: Mapping[str, Any]) -> Table:
     if kp["test"] != path.stem:
         raise TableError(f"kube_proxy.test {kp['test']!r} is not the file's name")
     node = doc["node"]
-    _known(node, "node", {"name", "addresses", "flags"})
-    for a in node["addresses"]:
+    _known(node, "node", {"name", "addresses", "primary", "flags"})
+    for a in (*node["addresses"], *node["primary"]):
         ipaddress.ip_address(a)
     name = f"{path.parent.name}/{path.stem}"
     cases = tuple(_case(name, i, c, node) for i, c in enumerate(doc["cases"]))
@@ -167,7 +182,8 @@ def _case(table: str, index: int, doc: Mapping[str, Any], node: Mapping[str, Any
     for k, s in enumerate(doc["states"]):
         states.append(_state(f"{where}.states[{k}]", s, objects))
     return Case(table, str(doc.get("subtest") or ""),
-                Node(str(node["name"]), tuple(node["addresses"]), tuple(str(f) for f in flags)), tuple(states))
+                Node(str(node["name"]), tuple(node["addresses"]), tuple(node["primary"]), tuple(str(f) for f in flags)),
+                tuple(states))
 
 
 def _ref(obj: Mapping[str, Any]) -> str:

@@ -10,7 +10,7 @@ import pytest
 from tests.conformance.tables import TableError, load
 
 HEAD = """kube_proxy: {file: pkg/proxy/iptables/proxier_test.go, version: v1.37.2, test: TestX}
-node: {name: n, addresses: [192.168.0.2], flags: []}
+node: {name: n, addresses: [192.168.0.2], primary: [192.168.0.2], flags: []}
 cases:
   - objects: [{kind: Service, metadata: {namespace: a, name: b}}]
     states:
@@ -38,6 +38,7 @@ CASES = [
     ("      - flows: [{name: f, from: 10.0.0.2, to: 10.0.0.3, port: 80, expect: 'DROP,x'}]",
      "'DROP' of 'DROP,x' is not an endpoint"),
     ("      - delete: [Service/a/c]\n        flows: []", "Service/a/c is not one of the case's objects"),
+    ("      - {}", "a required field is missing: 'flows'"),
 ]
 
 

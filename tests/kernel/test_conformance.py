@@ -128,7 +128,7 @@ class TableSandbox:
 def _sync(proxy: Proxy, case: Case, state: State, workdir: str) -> None:
     source = os.path.join(workdir, "cluster.yaml")
     with open(source, "w") as f:
-        f.write("".join("---\n" + json.dumps(o) + "\n" for o in state.objects))
+        f.write("".join("---\n" + json.dumps(o) + "\n" for o in state.manifests(case.node)))
     proc = proxy.command("sync", "--source", source, "--hostname-override", case.node.name,
                          "--iptables-lock-timeout", "60s", *case.node.flags)
     assert proc.returncode == 0, f"netproxy sync of {case.table} {case.subtest} {state.name} exited " \
