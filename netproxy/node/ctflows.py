@@ -62,6 +62,9 @@ netproxy.node.conntrack's keys are."""
 
 Tail = Tuple[int, int, int, int]
 """(state, id, packets, bytes) from the attributes after the tuples."""
+Reader = Callable[[bytes, int, int, bytes, bytes, bytes], Optional[Flow]]
+"""A plan's reader: (message, where its attributes after the tuples start, and the tuples' protocol,
+client, service and endpoint) → the whole flow, in one tuple; None when laid out otherwise."""
 
 _HDR = struct.Struct("=IHHII")
 _ATTR = struct.Struct("=HH")
@@ -87,7 +90,7 @@ class _Shape:
 _SHAPES: Dict[int, _Shape] = {family: _Shape(family) for family in _ADDR_LEN}
 
 
-def _unseen(data: bytes, p: int) -> Optional[Tail]:
+def _unseen(data: bytes, p: int, proto: int, client: bytes, dst: bytes, ep: bytes) -> Optional[Flow]:
     """The plans' marker for a layout not seen yet (None there: one not to plan, walked)."""
     return None
 
@@ -122,7 +125,7 @@ class _Plan:
         self.struct = struct.Struct(fmt)
         self.headers = tuple(headers)
 
-    def reader(self) -> Callable[[bytes, int], Optional[Tail]]:
+    def reader(self) -> Reader:
         """The reading function of this plan (one per layout: no branch or loop in the common cases)."""
         unpack, headers = self.struct.unpack_from, self.headers
         state_at = self.slots.get("state", [-1])[0]
@@ -130,24 +133,24 @@ class _Plan:
         packets_at, bytes_at = self.slots.get("packets", []), self.slots.get("bytes", [])
         if state_at >= 0 and id_at >= 0 and not packets_at:  # TCP, SCTP: no accounting
 
-            def stateful(data: bytes, p: int) -> Optional[Tail]:
+            def stateful(data: bytes, p: int, proto: int, client: bytes, dst: bytes, ep: bytes) -> Optional[Flow]:
                 v = unpack(data, p)
-                return (v[state_at], v[id_at], 0, 0) if v[0::2] == headers else None
+                return (proto, client, dst, ep, v[state_at], v[id_at], 0, 0) if v[0::2] == headers else None
 
             return stateful
         if id_at >= 0 and not packets_at:  # UDP: no accounting
 
-            def stateless(data: bytes, p: int) -> Optional[Tail]:
+            def stateless(data: bytes, p: int, proto: int, client: bytes, dst: bytes, ep: bytes) -> Optional[Flow]:
                 v = unpack(data, p)
-                return (0, v[id_at], 0, 0) if v[0::2] == headers else None
+                return (proto, client, dst, ep, 0, v[id_at], 0, 0) if v[0::2] == headers else None
 
             return stateless
 
-        def counted(data: bytes, p: int) -> Optional[Tail]:
+        def counted(data: bytes, p: int, proto: int, client: bytes, dst: bytes, ep: bytes) -> Optional[Flow]:
             v = unpack(data, p)
             if v[0::2] != headers:
                 return None  # laid out otherwise: walk this one
-            return (v[state_at] if state_at >= 0 else 0, v[id_at] if id_at >= 0 else 0,
+            return (proto, client, dst, ep, v[state_at] if state_at >= 0 else 0, v[id_at] if id_at >= 0 else 0,
                     sum(v[i] for i in packets_at), sum(v[i] for i in bytes_at))
 
         return counted
@@ -159,7 +162,7 @@ def flows(ct: Ctnetlink) -> Iterator[Flow]:
     ct._seq += 1
     seq = ct._seq
     sock.send(_message(IPCTNL_MSG_CT_GET, NLM_F_REQUEST | NLM_F_DUMP, socket.AF_UNSPEC, b"", seq))
-    plans: Dict[int, Optional[Callable[[bytes, int], Optional[Tail]]]] = {}
+    plans: Dict[int, Optional[Reader]] = {}
     shapes: Dict[int, _Shape] = {int(family): shape for family, shape in _SHAPES.items()}
     unpack_header = _HDR.unpack_from
     while True:
@@ -183,10 +186,9 @@ def flows(ct: Ctnetlink) -> Iterator[Flow]:
                         read = plans.get(key, _UNSEEN)
                         if read is _UNSEEN:
                             read = plans[key] = _Plan(data, p, end).reader() if len(plans) < _PLANS else None
-                        tail = read(data, p) if read is not None else None
-                        if tail is None:
-                            tail = _after_tuples(data, p, end)
-                        yield (proto, client, dst + dport, src + sport) + tail
+                        flow = read(data, p, proto, client, dst + dport, src + sport) if read is not None else None
+                        yield flow if flow is not None else \
+                            (proto, client, dst + dport, src + sport) + _after_tuples(data, p, end)
                         off += (length + 3) & ~3
                         continue
                 found = _flow_slowly(data[off:end], socket.AF_INET if data[off + 16] == socket.AF_INET

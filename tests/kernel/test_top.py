@@ -31,11 +31,12 @@ from netproxy_lab.checks import TIME_SCALE, wait_for
 from netproxy_lab.manifests import Manifest, endpoint_slice, port, service
 from netproxy_lab.proxy import Proxy
 from netproxy_lab.pytest_plugin import require
-from netproxy_lab.topology import NODE_NAME, Pod, Sandbox, netproxy_command
+from netproxy_lab.topology import NODE_NAME, Pod, Sandbox, kernel_has_sctp, netproxy_command
 
 pytestmark = [pytest.mark.kernel, pytest.mark.quick_combos("nftables", "iptables-legacy/restore")]
 
 WEB_IP, WEB_IP6, STICKY_IP, DRAIN_IP = "10.96.4.80", "fd00:10:96::4:80", "10.96.4.81", "10.96.4.82"
+DGRAM_IP = "10.96.4.83"
 HOLD = 9090
 RATE, COUNT = 20.0, 60
 """The client's known rate (connections a second, one at a time) and how many it opens: 3 s."""
@@ -44,7 +45,8 @@ WINDOW = 6.0 * TIME_SCALE
 
 @pytest.fixture(scope="module")
 def sandbox(kernel_env: None, combo: Any) -> Iterator[Sandbox]:
-    with Sandbox(pods=3, tcp_ports=(8080,), udp_ports=(), hold_ports=(HOLD,)) as sb:
+    sctp = (8080,) if kernel_has_sctp() is None else ()
+    with Sandbox(pods=3, tcp_ports=(8080,), udp_ports=(8080,), hold_ports=(HOLD,), sctp_ports=sctp) as sb:
         yield sb
 
 
@@ -144,6 +146,24 @@ def test_an_affinity_service_puts_a_clients_connections_on_one_endpoint(proxy: P
     assert seen[chosen.ip]["clients"] == [[sandbox.client_ip, seen[chosen.ip]["connections"]]], seen[chosen.ip]
     assert all(e["connections"] == 0 for ip, e in seen.items() if ip != chosen.ip), seen
     assert doc["ports"][0]["imbalance"] == pytest.approx(2 / 3, abs=0.01)
+
+
+@pytest.mark.parametrize("protocol", ["UDP", "SCTP"])
+def test_udp_and_sctp_flows_are_counted_per_endpoint(proxy: Proxy, sandbox: Sandbox, protocol: str) -> None:
+    """The other two protocols of the dump: UDP flows (each established by being there) and SCTP
+    associations, each endpoint's count what the client's answers say it sent there."""
+    if protocol == "SCTP":
+        require(kernel_has_sctp() is None, str(kernel_has_sctp()))
+    proto = protocol.lower()
+    proxy.sync([service("dgram", DGRAM_IP, [port(53, 8080, name=proto, protocol=protocol)]),
+                endpoint_slice("dgram", sandbox.pods[:3], [{"port": 8080, "name": proto, "protocol": protocol}])])
+    sent = sandbox.connect(DGRAM_IP, 53, proto=proto, count=30, timeout=5.0, concurrency=8)
+    assert sent.answered == 30, sent.errors
+    seen = endpoints(top(proxy, "--service", "default/dgram"), f"default/dgram:{proto}")
+    for pod in sandbox.pods[:3]:
+        assert seen[pod.ip]["connections"] == sent.counts.get(pod.name, 0), (seen, sent.counts)
+    if protocol == "UDP":
+        assert all(e["established"] == e["connections"] for e in seen.values()), seen
 
 
 def _drain(pods: Sequence[Pod], terminating: Sequence[Pod]) -> List[Manifest]:
