@@ -209,7 +209,7 @@ class Tmux:
         self.socket = name
         self._tmux("new-session", "-d", "-x", "80", "-y", "24", "-s", "top", " ".join(argv))
         self._tmux("set-option", "-t", "top", "remain-on-exit", "on")
-        self.pid = int(self._tmux("display-message", "-p", "-t", "top", "#{pid}").strip())
+        self.pid, self.path = self._tmux("display-message", "-p", "-t", "top", "#{pid} #{socket_path}").split()
 
     def _tmux(self, *args: str) -> str:
         proc = subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=10)
@@ -243,7 +243,9 @@ class Tmux:
     def close(self) -> None:
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=10)
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)  # the server, by the pid it reported
+            os.kill(int(self.pid), signal.SIGKILL)  # the server, by the pid it reported
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # a killed server leaves its socket behind
 
 
 def shows(term: Tmux, *wanted: str, absent: Sequence[str] = ()) -> None:
