@@ -58,6 +58,10 @@ def test_the_token_never_reaches_the_logs(api: ApiServer, tmp_path: Path, inline
         deadline = time.monotonic() + 40
         while time.monotonic() < deadline and "synced" not in log.read_text():
             time.sleep(0.2)
+        # "synced" is logged once the lists are in: the watches open after them.  Wait for them (a
+        # loaded machine opened fewer than three by then), then drop them.
+        while time.monotonic() < deadline and watch_requests(api) < 3:
+            time.sleep(0.1)
         # Dropped watches, logged as they reconnect: wait until every one was opened again (a fixed
         # sleep could end before the reconnects and their log lines, leaving nothing to look at).
         opened = watch_requests(api)
