@@ -215,14 +215,13 @@ def _count(text: str) -> int:
 
 
 def _add_source(p: argparse.ArgumentParser, file_help: str = "manifest file or directory",
-                verb: str = "list") -> None:
+                verb: str = "list", neither: str = "in a pod without either flag: its service account") -> None:
     """Where the cluster comes from, the same for every command that reads it: manifests, or the API
     (a kubeconfig, or the pod's service account when neither flag is given inside a cluster)."""
     src = p.add_mutually_exclusive_group()
     src.add_argument("--source", help=file_help)
     src.add_argument("--kubeconfig", action=_Store,
-                     help=f"{verb} the Kubernetes API with this kubeconfig (in a pod without either flag: "
-                          "its service account)")
+                     help=f"{verb} the Kubernetes API with this kubeconfig ({neither})")
     p.add_argument("--use-endpoints", action="store_true", help="read v1 Endpoints instead of EndpointSlices")
 
 
@@ -242,7 +241,7 @@ def service_name(text: str) -> str:
 
 def _add_top(sub: Any) -> None:
     p = sub.add_parser("top", help="where each service port's connections go, live, from conntrack")
-    _add_source(p, "manifest file or directory (neither this nor --kubeconfig: names from the kernel's rules)")
+    _add_source(p, "manifest file or directory", neither="neither flag: the names of netproxy's rules in the kernel")
     p.add_argument("--interval", type=interval, default=1.0, metavar="DURATION", help="refresh period (default 1s)")
     p.add_argument("--once", action="store_true", help="print the figures of one interval and exit")
     p.add_argument("-o", "--output", default="table", choices=["table", "json"], help="with --once")

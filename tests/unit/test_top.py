@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import socket
 import struct
+from pathlib import Path
 from typing import Any, List, Optional, Sequence, Set, Tuple
 
 import pytest
@@ -26,6 +28,8 @@ TCP, UDP, SCTP = 6, 17, 132
 V4, V6 = socket.AF_INET, socket.AF_INET6
 SVC, SVC6 = "10.96.0.10", "fd00:10:96::10"
 PODS = ("10.244.1.1", "10.244.1.2", "10.244.1.3")
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples",
+                       "cluster.yaml")
 
 
 # ---- the reader ---------------------------------------------------------------------------------
@@ -383,5 +387,38 @@ def test_bad_flags_exit_1(argv: List[str], capsys: Any) -> None:
 
 
 def test_the_live_view_without_a_terminal_exits_1(capsys: Any) -> None:
-    assert main(["top", "--source", "examples/cluster.yaml"]) == 1
+    assert main(["top", "--source", EXAMPLE]) == 1
     assert "needs a terminal" in capsys.readouterr().err
+
+
+class FakeSampler:
+    """The sampler without ctnetlink: refreshes of an empty table."""
+
+    def __init__(self, smap: traffic.ServiceMap, clients: int = 0, always: Tuple[str, ...] = ()) -> None:
+        self.smap, self.always = smap, always
+
+    def refresh(self) -> traffic.Report:
+        report, _ = traffic.aggregate([], self.smap, set(), 0.1, always=self.always)
+        return report
+
+    def close(self) -> None:
+        pass
+
+
+def test_exit_codes_follow_the_cli_contract(tmp_path: Any, monkeypatch: Any, capsys: Any) -> None:
+    """0 shown; 1 an unreadable source or an unknown --service; 2 objects rejected (named), the rest shown."""
+    from netproxy.cli import top as top_mod
+
+    monkeypatch.setattr(top_mod, "Sampler", FakeSampler)
+    once = ["top", "--once", "--interval", "100ms", "--backend", "nftables"]
+    assert main([*once, "--source", str(tmp_path / "missing.yaml")]) == 1
+    assert main([*once, "--source", EXAMPLE, "--service", "nowhere/none"]) == 1
+    assert "no such service port" in capsys.readouterr().err
+    assert main([*once, "--source", EXAMPLE, "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ports"] == []
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(Path(EXAMPLE).read_text() + "\n---\napiVersion: v1\nkind: Service\nmetadata: "
+                   "{name: Bad_Name, namespace: default}\nspec: {clusterIP: 10.96.0.9, ports: [{port: 80}]}\n")
+    assert main([*once, "--source", str(bad), "--service", "default/web"]) == 2
+    captured = capsys.readouterr()
+    assert "rejected Service default/Bad_Name" in captured.err and "default/web" in captured.out
