@@ -73,7 +73,7 @@ def _wanted(smap: traffic.ServiceMap, service: str) -> Tuple[str, ...]:
 def cmd_top(args: argparse.Namespace) -> int:
     """0 shown; 1 conntrack or the rules unreadable, or no terminal for the live view; 2 some objects
     of the source rejected (named), the figures shown with the rest."""
-    if not args.once and not sys.stdout.isatty():
+    if not args.once and not (sys.stdout.isatty() and sys.stdin.isatty()):
         print("netproxy top: the live view needs a terminal; use --once for a script", file=sys.stderr)
         return EXIT_FAILED
     smap, errors = service_map(args)

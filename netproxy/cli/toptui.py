@@ -107,5 +107,7 @@ def run(refresh: Callable[[], traffic.Report], interval: float, sort: str, text:
                     for ch in os.read(fd, 64).decode(errors="replace"):
                         view.key(ch)
                     live.update(screen(report, view, interval), refresh=True)
+    except KeyboardInterrupt:
+        pass  # Ctrl-C quits as q does (cbreak mode leaves the terminal's signals on)
     finally:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)

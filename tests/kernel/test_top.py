@@ -299,3 +299,11 @@ def test_the_live_view_in_a_terminal_sorts_filters_and_quits(proxy: Proxy, sandb
         assert "SERVICE PORT" not in term.screen()  # the alternate screen is gone: the shell's is back
     finally:
         term.close()
+    term = Tmux(f"np-top-{sandbox.id}-2", argv)  # Ctrl-C quits as q does: no traceback, status 0
+    try:
+        shows(term, "default/web:http")
+        term.keys("C-c")
+        wait_for(lambda: None if term.dead() is not None else f"still running:\n{term.screen()}", timeout=10)
+        assert term.dead() == 0 and "Traceback" not in term.screen(), term.screen()
+    finally:
+        term.close()
