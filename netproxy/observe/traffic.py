@@ -22,7 +22,7 @@ from __future__ import annotations
 import ipaddress
 import struct
 from dataclasses import dataclass, field
-from typing import AbstractSet, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from netproxy.core.endpoints import cluster_endpoints, external_endpoints
 from netproxy.core.model import Endpoint, IPAddress, Snapshot
@@ -232,59 +232,97 @@ def aggregate(flows: Iterable[Flow], smap: ServiceMap, previous: Optional[Set[in
     (None: the first), ``interval`` the seconds since it.  Returns the report and this refresh's ids
     (the next call's ``previous``).  ``clients``: how many top clients per endpoint; ``always``:
     port names reported even without a flow (``--service``)."""
+    groups, sums, who = _group(flows, accounting, clients)
     accs: List[Dict[bytes, _Acc]] = [{} for _ in smap.ports]
     per_front = [0] * len(smap.fronts)
     unanswered = [0] * len(smap.ports)
-    who: Dict[Tuple[int, bytes], Dict[bytes, int]] = {}
     ids: Set[int] = set()
-    add = ids.add
-    before: AbstractSet[int] = previous or frozenset()
     seen = 0
-    # Per front end, what its flows add to, looked up once per entry: (the port's endpoints,
-    # the front's index, the port's index, the ESTABLISHED state of its protocol (0: UDP's every entry)).
-    Hit = Tuple[Dict[bytes, _Acc], int, int, int]
-    hits: Dict[int, Dict[bytes, Hit]] = {}
-    node_hits: Dict[int, Dict[bytes, Hit]] = {}
-    for tables, out in ((smap.by_address, hits), (smap.by_node_port, node_hits)):
-        for proto, fronts in tables.items():
-            est = ESTABLISHED.get(proto, 0)
-            out[proto] = {k: (accs[f.port.index], f.index, f.port.index, est) for k, f in fronts.items()}
-    nothing: Dict[bytes, Hit] = {}
-    for proto, client, dst, ep, state, fid, packets, nbytes in flows:
-        seen += 1
-        add(fid)
-        hit = hits.get(proto, nothing).get(dst)
-        if hit is None:
-            hit = node_hits.get(proto, nothing).get(bytes([len(dst) - 2]) + dst[-2:])
-            if hit is None:
-                continue
-        acc_of, front, index, est = hit
+    for (proto, dst, ep, state), ids_of in groups.items():
+        n = len(ids_of)
+        seen += n
+        ids.update(ids_of)
+        front = _front(smap, proto, dst)
+        if front is None:
+            continue  # not a service's
+        index = front.port.index
         if ep == dst:
-            unanswered[index] += 1
+            unanswered[index] += n
             continue
-        per_front[front] += 1
-        acc = acc_of.get(ep)
+        per_front[front.index] += n
+        acc = accs[index].get(ep)
         if acc is None:
-            acc = acc_of[ep] = [0, 0, 0, 0, 0]
-        acc[0] += 1
-        if state == est:
-            acc[1] += 1
-        if fid not in before:
-            acc[2] += 1
+            acc = accs[index][ep] = [0, 0, 0, 0, 0]
+        acc[0] += n
+        if state == ESTABLISHED.get(proto, 0):  # UDP: every entry
+            acc[1] += n
+        if previous is not None:
+            acc[2] += n - len(previous.intersection(ids_of))
         if accounting:
-            acc[3] += packets
-            acc[4] += nbytes
-        if clients:
-            tally = who.setdefault((index, ep), {})
-            tally[client] = tally.get(client, 0) + 1
+            acc[3] += sums[(proto, dst, ep, state)][0]
+            acc[4] += sums[(proto, dst, ep, state)][1]
+    tallies: Dict[Tuple[int, bytes], Dict[bytes, int]] = {}
+    for (proto, dst, ep), tally in who.items():  # per port: its front ends' clients together
+        front = _front(smap, proto, dst)
+        if front is not None:
+            merged = tallies.setdefault((front.port.index, ep), {})
+            for client, count in tally.items():
+                merged[client] = merged.get(client, 0) + count
     report = Report(seen, interval, accounting)
     wanted = set(always)
     for port in smap.ports:
         acc_of = accs[port.index]
         if acc_of or unanswered[port.index] or port.name in wanted:
             report.ports.append(_figures(port, acc_of, smap, per_front, unanswered[port.index], previous is not None,
-                                         interval, accounting, clients, who))
+                                         interval, accounting, clients, tallies))
     return report, ids
+
+
+_Key = Tuple[int, bytes, bytes, int]
+"""(protocol, service address + port, endpoint address + port, state): a group of entries."""
+
+
+def _group(flows: Iterable[Flow], accounting: bool, clients: int
+           ) -> Tuple[Dict[_Key, List[int]], Dict[_Key, List[int]], Dict[Tuple[int, bytes, bytes], Dict[bytes, int]]]:
+    """Each entry into its group, with one dict lookup an entry: the service map is then asked once a
+    group, and a group's new entries are found by one set operation (in C), not an entry at a time.
+    Returns the entry ids by group, [packets, bytes] by group (with accounting), and client counts
+    by (protocol, service, endpoint) (with ``clients``).  Against looking each entry up in the map: 0.28-0.29 s
+    against 0.30-0.32 s of CPU over 100,000 entries at best, median 0.35 against 0.36-0.38 (by hand,
+    12 alternating rounds each, load 19-21)."""
+    groups: Dict[_Key, List[int]] = {}
+    sums: Dict[_Key, List[int]] = {}
+    who: Dict[Tuple[int, bytes, bytes], Dict[bytes, int]] = {}
+    if not accounting and not clients:  # the common case, in the tightest loop
+        get = groups.get
+        for proto, _client, dst, ep, state, fid, _packets, _nbytes in flows:
+            key = (proto, dst, ep, state)
+            ids_of = get(key)
+            if ids_of is None:
+                ids_of = groups[key] = []
+            ids_of.append(fid)
+    else:
+        for proto, client, dst, ep, state, fid, packets, nbytes in flows:
+            key = (proto, dst, ep, state)
+            ids_of = groups.get(key)
+            if ids_of is None:
+                ids_of = groups[key] = []
+                sums[key] = [0, 0]
+            ids_of.append(fid)
+            if accounting:
+                total = sums[key]
+                total[0] += packets
+                total[1] += nbytes
+            if clients:
+                tally = who.setdefault((proto, dst, ep), {})
+                tally[client] = tally.get(client, 0) + 1
+    return groups, sums, who
+
+
+def _front(smap: ServiceMap, proto: int, dst: bytes) -> Optional[Front]:
+    """The front end of an entry's original destination: its address and port, else its NodePort."""
+    found = smap.by_address.get(proto, {}).get(dst)
+    return found if found is not None else smap.by_node_port.get(proto, {}).get(bytes([len(dst) - 2]) + dst[-2:])
 
 
 def _figures(port: PortInfo, acc_of: Dict[bytes, _Acc], smap: ServiceMap, per_front: List[int], unanswered: int,
