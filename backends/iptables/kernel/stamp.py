@@ -253,21 +253,9 @@ def generation_stamp() -> Optional[Stamp]:
     (then nothing is skipped).  Unlike the legacy fingerprint it cannot check the tables' rule
     counts: the window in which another commit is taken for ours is the time between our write and
     this read, bounded as the fingerprint's is by the backend's MAX_SKIPS."""
-    from netproxy.backends.nftables import wire
-    from netproxy.backends.nftables.kernel.nlsocket import NlSocket
+    # The guard's GETGEN (it watches the same generation between syncs); imported here because the
+    # guard imports this module's blob reader.
+    from netproxy.backends.iptables.guard import generation
 
-    try:
-        sock = NlSocket()
-    except OSError as exc:
-        log.debug("cannot open a netfilter netlink socket: %s", exc)
-        return None
-    try:
-        attrs = sock.get(wire.GETGEN, socket.AF_UNSPEC)
-    except OSError as exc:
-        log.debug("cannot read the nf_tables generation: %s", exc)
-        return None
-    finally:
-        sock.close()
-    gen = attrs.get(wire.GEN_ID)
-    return {GENERATION_KEY: gen} if gen is not None else None
-
+    gen = generation()
+    return {GENERATION_KEY: gen.to_bytes(4, "big")} if gen is not None else None
