@@ -5,12 +5,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BACKEND ?= auto
 
-.PHONY: setup demo test test-all test-unit test-kernel test-vm bench bench-smoke lint image clean
+.PHONY: setup demo test test-all test-unit test-kernel test-vm bench bench-smoke lint image clean control-plane
 
 setup: $(STAMP)
 	@scripts/setup-system.sh
 	@# promtool for deploy/monitoring/'s rule tests: from Debian's prometheus package, without installing it.
 	@scripts/install-promtool $(VENV)/bin
+	@# Go builds the real control plane the tests start (make control-plane): say now if it cannot.
+	@scripts/build-control-plane --check || echo "setup: WARNING: make control-plane cannot build here; its tests will fail" >&2
 
 $(STAMP): pyproject.toml lab/pyproject.toml
 	@scripts/setup-system.sh
@@ -57,6 +59,12 @@ test:
 # the whole QEMU matrix. Run it before resolving a change to a backend.
 test-all:
 	@$(PYTHON) scripts/run-tests full
+
+# kube-apiserver, kube-controller-manager and etcd at the release lab/controlplane/go.mod pins, built
+# from Go modules into /var/cache/netproxy-controlplane (Go >= 1.26; a cold build is long, a warm one
+# seconds: docs/testing.md); prints their paths and versions. Test infrastructure only.
+control-plane:
+	@scripts/build-control-plane
 
 # The image the DaemonSets name, localhost/netproxy:<pyproject.toml's version>, built here without a
 # container registry: a Debian base from mmdebstrap (cached in /var/cache/netproxy-image), the wheels
