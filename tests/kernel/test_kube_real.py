@@ -130,7 +130,7 @@ class Cluster:
                     out[addr] = {k: bool(v) for k, v in (ep.get("conditions") or {}).items()}
         return out
 
-    def wait_endpoints(self, service: str, want: Dict[str, Dict[str, bool]], timeout: float = 60) -> None:
+    def wait_endpoints(self, service: str, want: Dict[str, Dict[str, bool]], timeout: float = 90) -> None:
         """Until the controller's slices hold exactly ``want`` (address → the conditions asked about)."""
         def check() -> Optional[str]:
             got = self.endpoints(service)
@@ -298,18 +298,18 @@ def test_traffic_follows_the_controllers_slices_through_readiness_and_terminatio
             wait_for(answered_by(sandbox, ip, [a, b, c_]), timeout=60)
             c.ready(c_, False)
             c.wait_endpoints("web", {a.ip: READY, b.ip: READY, c_.ip: {"ready": False, "serving": False}})
-            wait_for(answered_by(sandbox, ip, [a, b]), timeout=30)
+            wait_for(answered_by(sandbox, ip, [a, b]), timeout=60)
 
             c.delete_pod(b, grace=300)
             c.wait_endpoints("web", {a.ip: READY, b.ip: {"ready": False, "serving": True, "terminating": True},
                                      c_.ip: {"ready": False}})
-            wait_for(answered_by(sandbox, ip, [a]), timeout=30)
+            wait_for(answered_by(sandbox, ip, [a]), timeout=60)
             assert_only_and_all(sandbox.connect(ip, 80, count=60), [a], total=60)
 
             c.delete_pod(a, grace=300)
             c.wait_endpoints("web", {a.ip: {"ready": False, "serving": True, "terminating": True},
                                      b.ip: {"terminating": True}, c_.ip: {"ready": False}})
-            wait_for(answered_by(sandbox, ip, [a, b]), timeout=30)
+            wait_for(answered_by(sandbox, ip, [a, b]), timeout=60)
 
             for pod in (a, b):
                 c.ready(pod, False)
@@ -319,10 +319,10 @@ def test_traffic_follows_the_controllers_slices_through_readiness_and_terminatio
             def refused() -> Optional[str]:
                 res = sandbox.connect(ip, 80, count=5, timeout=0.5)
                 return None if res.answered == 0 else f"answered by {res.counts}"
-            wait_for(refused, timeout=30)
+            wait_for(refused, timeout=60)
 
             c.ready(c_, True)
-            wait_for(answered_by(sandbox, ip, [c_]), timeout=30)
+            wait_for(answered_by(sandbox, ip, [c_]), timeout=60)
             for pod in (a, b):  # the kubelet's last word: the containers are gone
                 c.delete_pod(pod, grace=0)
             c.wait_endpoints("web", {c_.ip: READY})
@@ -390,7 +390,7 @@ def test_traffic_distribution_keeps_traffic_in_the_nodes_zone(
         run = start(sandbox, combo, sa_kubeconfig, tmp_path)
         try:
             wait_for(answered_by(sandbox, plain_ip, [*here, there]), timeout=60)
-            wait_for(answered_by(sandbox, ip, here), timeout=30)
+            wait_for(answered_by(sandbox, ip, here), timeout=60)
             assert_only_and_all(sandbox.connect(ip, 80, count=90), here, total=90, at_least=20)
         finally:
             run.stop()
@@ -467,7 +467,7 @@ def test_apiserver_restart_and_compacted_history_relist_and_keep_traffic(
             cp.start_apiserver("apiserver")
             wait_for(answered_by(sandbox, new_ip, [c_]), timeout=120)
             wait_for(lambda: None if sandbox.connect(gone_ip, 80, count=2, timeout=0.5).answered == 0
-                     else "the deleted Service still answers", timeout=30)
+                     else "the deleted Service still answers", timeout=60)
             res = sandbox.connect(change_ip, 81, count=20, timeout=0.5)
             assert_only_and_all(res, [b], total=20)
             sampled = pending.result()
