@@ -4,8 +4,7 @@ opens no watch on the host's tables (tests that need one set ``backend._watch`` 
 
 from __future__ import annotations
 
-import sys
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 
@@ -18,10 +17,3 @@ def _fake_ipsets(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(iptables_backend, "KernelIpsets", FakeIpsets)
     monkeypatch.setattr(iptables_backend.IptablesBackend, "_open_watch", lambda self: None)
     yield
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """The fault suite's figures measured by unit tests (tests/faults/figures.py prints each once)."""
-    figures = sys.modules.get("tests.faults.figures")
-    if figures is not None:
-        figures.pytest_terminal_summary(terminalreporter)
