@@ -60,7 +60,15 @@ measure YAML parsing), the API storm changes any of them."""
 HOT = min(50, SERVICES)
 CYCLES = int(knob("NETPROXY_STORM_CYCLES", quick=100, full=1000))
 MIN_SYNC = 1.0
-RSS_SLACK_KB = 10 * 1024
+RSS_PER_CYCLE_KB = 10 * 1024 / 10_000
+"""The target's budget: 10 MB over 10,000 cycles."""
+RSS_NOISE_KB = 2 * 1024
+"""What RSS moves by without a leak (allocator arenas, page granularity): +0.5 MB over 100 cycles on
+nftables (2026-12-06, tests/faults/test_storm.py -k rss)."""
+RSS_SLACK_KB = RSS_NOISE_KB + CYCLES * RSS_PER_CYCLE_KB
+"""The growth allowed over this run's cycles: the budget of the cycles run, not of 10,000 (10 MB over
+100 cycles let a 100 KB-a-cycle leak pass), plus the noise.  A quick run of 100 cycles so judges a
+leak of about 20 KB a cycle and more; the full tier's 1,000 cycles, about 3 KB."""
 
 
 def final_pods(sandbox: Sandbox, objects: List[Dict[str, Any]], service: str) -> List[Pod]:
@@ -157,7 +165,8 @@ def test_a_file_storm_coalesces_and_ends_exact(proxy: Proxy, sandbox: Sandbox, c
 
 def test_rss_stays_flat_over_sync_cycles(proxy: Proxy, sandbox: Sandbox, combo: Combo) -> None:
     """Every cycle renames a service (a name never seen before): a cache that keeps every name ever
-    seen grows with the cycles; memory after the last cycle must stay within 10 MB of after the first."""
+    seen grows with the cycles; memory after the last cycle must stay within RSS_SLACK_KB of after the
+    first (the target's 1 KB a cycle for the cycles run, and the noise)."""
     pods = [p.ip for p in sandbox.pods[:3]]
     objects = cluster(HOT, pods)
     run = start_on_directory(proxy, sandbox, combo, objects, "--min-sync-period", "0s")
@@ -191,8 +200,9 @@ def test_rss_stays_flat_over_sync_cycles(proxy: Proxy, sandbox: Sandbox, combo: 
     figure(f"RSS over sync cycles, {combo.name}",
            f"{rss_first / 1024:.1f} MB after the first cycle, {rss_end / 1024:.1f} MB after {CYCLES:,} "
            f"({(rss_end - rss_first) / 1024:+.1f} MB), {SERVICES:,} services, one renamed each cycle",
-           "growth <= 10 MB over 10,000 cycles")
-    assert rss_end - rss_first <= RSS_SLACK_KB, f"RSS grew {(rss_end - rss_first) / 1024:.1f} MB over {CYCLES} cycles"
+           f"growth <= 10 MB over 10,000 cycles: here <= {RSS_SLACK_KB / 1024:.1f} MB over {CYCLES:,}")
+    assert rss_end - rss_first <= RSS_SLACK_KB, \
+        f"RSS grew {(rss_end - rss_first) / 1024:.1f} MB over {CYCLES} cycles (allowed {RSS_SLACK_KB / 1024:.1f} MB)"
 
 
 
