@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Collection, Dict, Optional, Sequence
 
 from netproxy_lab.topology import Pod
 from netproxy_lab.traffic import ConnectResult
@@ -46,3 +46,32 @@ def assert_only_and_all(result: ConnectResult, pods: Sequence[Pod], *, total: in
     assert result.answered == total
     low = {pod: n for pod, n in result.counts.items() if n < at_least}
     assert not low, f"endpoints below {at_least} of {total}: {low} (all: {result.counts})"
+
+
+NOT_SERVED_TIMEOUT = 2.0 * TIME_SCALE
+"""Seconds per attempt of a batch that must not be served: a slow answer on a loaded machine is then
+still an answer, and fails the check, instead of a timeout that reads as "not served".  (A refusal
+comes back at once whatever the timeout; only a silent drop costs it, once per batch.)"""
+
+DROPPED = "timeout"
+"""The outcome of an attempt nothing answered nor refused: a silent drop."""
+
+
+def outcomes(result: ConnectResult) -> Dict[str, int]:
+    """How the batch's attempts ended that were not answered: each refusal by what sent it
+    (:func:`netproxy_lab.client.refusal_kind`: ``icmp port-unreachable``, ``rst`` ...) and
+    :data:`DROPPED` for those that timed out."""
+    out = dict(result.refusals)
+    if result.errors.get("timeout"):
+        out[DROPPED] = result.errors["timeout"]
+    return out
+
+
+def assert_not_served(result: ConnectResult, total: int, kinds: Collection[str], what: str = "") -> None:
+    """Not one of ``total`` attempts answered, and each ended as one of ``kinds`` (see :func:`outcomes`):
+    a REJECT's ICMP error is not a reset, and neither is a silent drop."""
+    seen = outcomes(result)
+    where = f"{what}: " if what else ""
+    assert result.answered == 0, f"{where}expected no answer ({sorted(kinds)}), got {result.counts}"
+    assert sum(seen.values()) == total and set(seen) <= set(kinds), \
+        f"{where}expected {total} attempts ended by {sorted(kinds)}, got {seen} (errors {result.errors})"

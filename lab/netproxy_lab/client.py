@@ -10,15 +10,25 @@ Output (one JSON object on stdout)::
     {"counts": {"pod-0": 201, ...},            # answers per pod name
      "sources": {"pod-0": {"10.244.1.2": 201}}, # the source address each pod saw
      "errors": {"timeout": 3, "refused": 1},   # failed attempts by kind
+     "refusals": {"icmp port-unreachable": 1},  # how each failure that came back was sent (below)
      "sequence": ["pod-0", "!timeout", ...],    # every attempt in start order
      "elapsed": 0.21,
-     "first_start": 1796000000.1, "last_start": 1796000000.3}  # wall clock (time.time()) of the
+     "first_start": 1796000000.1, "last_start": 1796000000.3,  # wall clock (time.time()) of the
                                                 # first and the last attempt's start
+     "starts": [1796000000.1, ...]}            # and of every attempt's, in start order
 
 SIGUSR1 stops a batch early: no attempt starts after it, those in flight finish, and the result
 covers the attempts started (a loop kept running until a test saw what it waited for).
 ``--announce`` writes ``started`` on stderr once the first attempt has finished, so that a test
-can wait for a loop to be under way before it changes what the loop goes through.
+can wait for a loop to be under way before it changes what the loop goes through; ``--progress``
+writes every attempt's outcome there as it ends (``pod-0``, ``!timeout``), one a line, so that a
+test can wait for what a paced flow has seen so far (read them: a full pipe would stall the flow).
+
+A failure that came back (not a timeout) is told apart by what refused the attempt: the ICMP error
+the kernel queued for the socket (``IP_RECVERR``: ``icmp port-unreachable``, ``icmp6
+admin-prohibited``, ``icmp host-unreachable`` ...) or, with none queued, a TCP reset (``rst``).  A
+REJECT rule, a closed port, a missing route and a pod's RST all read "refused" or "unreachable" in
+``errors``; ``refusals`` says which.
 
 ``--proto sctp`` opens one-to-one SCTP associations (``SOCK_STREAM``, ``IPPROTO_SCTP``) and reads
 them as TCP connections: the pod's line, then its SHUTDOWN as the end.
@@ -56,6 +66,37 @@ _ERRNO_KIND = {
 }
 
 
+IP_RECVERR, IPV6_RECVERR = 11, 25  # <linux/in.h>, <linux/in6.h> (not in Python's socket module)
+SO_EE_ORIGIN_ICMP, SO_EE_ORIGIN_ICMP6 = 2, 3
+_EXTENDED_ERR = struct.Struct("=IBBBB")  # struct sock_extended_err: errno, origin, type, code, pad
+_ICMP_NAMES = {
+    (SO_EE_ORIGIN_ICMP, 3): {0: "net-unreachable", 1: "host-unreachable", 3: "port-unreachable",
+                             9: "admin-prohibited", 10: "admin-prohibited", 13: "admin-prohibited"},
+    (SO_EE_ORIGIN_ICMP6, 1): {0: "no-route", 1: "admin-prohibited", 3: "addr-unreachable",
+                              4: "port-unreachable", 5: "admin-prohibited", 6: "reject-route"},
+}
+
+
+def refusal_kind(sock: socket.socket, outcome: str) -> str:
+    """What refused an attempt on ``sock`` (opened with the RECVERR option): the ICMP error its
+    error queue holds; else ``rst`` (a connection refused or reset with no ICMP error: a TCP reset),
+    or ``local`` (any other error: this host's own, e.g. no route)."""
+    fallback = "rst" if outcome in ("refused", "reset") else "local"
+    try:
+        _data, ancillary, _flags, _addr = sock.recvmsg(1, 512, socket.MSG_ERRQUEUE)
+    except OSError:  # EAGAIN: nothing queued
+        return fallback
+    for _level, _type, data in ancillary:
+        if len(data) < _EXTENDED_ERR.size:
+            continue
+        _errno, origin, icmp_type, code, _pad = _EXTENDED_ERR.unpack_from(data)
+        if origin in (SO_EE_ORIGIN_ICMP, SO_EE_ORIGIN_ICMP6):
+            prefix = "icmp" if origin == SO_EE_ORIGIN_ICMP else "icmp6"
+            name = _ICMP_NAMES.get((origin, icmp_type), {}).get(code, f"type {icmp_type} code {code}")
+            return f"{prefix} {name}"
+    return fallback
+
+
 def error_kind(err: OSError) -> str:
     """A short word for a socket error, stable across kernels (tests compare these)."""
     if isinstance(err, socket.timeout):
@@ -77,12 +118,14 @@ class Result:
     counts: Dict[str, int] = field(default_factory=dict)
     sources: Dict[str, Dict[str, int]] = field(default_factory=dict)
     errors: Dict[str, int] = field(default_factory=dict)
+    refusals: Dict[str, int] = field(default_factory=dict)
     sequence: List[str] = field(default_factory=list)
     elapsed: float = 0.0
     first_start: float = 0.0
     last_start: float = 0.0
+    starts: List[float] = field(default_factory=list)
 
-    def record(self, index: int, outcome: str, answer: bytes = b"") -> None:
+    def record(self, index: int, outcome: str, answer: bytes = b"", how: str = "") -> None:
         if outcome == "ok":
             parts = answer.decode(errors="replace").split()
             pod = parts[0] if parts else "?"
@@ -94,11 +137,13 @@ class Result:
         else:
             self.errors[outcome] = self.errors.get(outcome, 0) + 1
             self.sequence[index] = "!" + outcome
+            if how:
+                self.refusals[how] = self.refusals.get(how, 0) + 1
 
     def as_dict(self) -> Dict[str, object]:
-        return {"counts": self.counts, "sources": self.sources, "errors": self.errors,
+        return {"counts": self.counts, "sources": self.sources, "errors": self.errors, "refusals": self.refusals,
                 "sequence": self.sequence, "elapsed": round(self.elapsed, 4),
-                "first_start": self.first_start, "last_start": self.last_start}
+                "first_start": self.first_start, "last_start": self.last_start, "starts": self.starts}
 
 
 def _family(address: str) -> int:
@@ -138,6 +183,13 @@ def _socket(proto: str, address: str) -> socket.socket:
 
 def _open(proto: str, address: str, port: int, bind: Optional[Tuple[str, int]]) -> socket.socket:
     sock = _socket(proto, address)
+    if proto != "sctp":
+        # ICMP errors queued on the socket: refusal_kind tells a REJECT's ICMP from a reset.  Only on a
+        # batch's short-lived attempts: on a long-lived session it would also make soft ICMP errors fatal.
+        if _family(address) == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, IPV6_RECVERR, 1)
+        else:
+            sock.setsockopt(socket.IPPROTO_IP, IP_RECVERR, 1)
     if bind is not None:
         # A fixed source port (or address) is reused attempt after attempt (the UDP "same flow" case).
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -151,9 +203,9 @@ class Batch:
 
     def __init__(self, proto: str, address: str, port: int, *, count: int, timeout: float, concurrency: int,
                  interval: float = 0.0, bind: Optional[Tuple[str, int]] = None,
-                 sources: Sequence[str] = (), announce: bool = False) -> None:
+                 sources: Sequence[str] = (), announce: bool = False, progress: bool = False) -> None:
         self.proto, self.address, self.port = proto, address, port
-        self.announce = announce
+        self.announce, self.progress = announce, progress
         self.stopping = False  # set by SIGUSR1 (main): start no more attempts
         self.count, self.timeout, self.interval, self.bind = count, timeout, interval, bind
         # Attempt i leaves from sources[i % len(sources)]: many "clients" in one batch (affinity tests).
@@ -188,6 +240,7 @@ class Batch:
         index = self.started
         self.started += 1
         self.result.last_start = time.time()
+        self.result.starts.append(self.result.last_start)
         if index == 0:
             self.result.first_start = self.result.last_start
         bind = self.bind
@@ -202,7 +255,8 @@ class Batch:
         if self.proto in STREAMS:
             code = sock.connect_ex((self.address, self.port))
             if code not in (0, errno.EINPROGRESS):
-                self._finish(attempt, error_kind(OSError(code, "")), registered=False)
+                kind = error_kind(OSError(code, ""))
+                self._finish(attempt, kind, registered=False, how=refusal_kind(sock, kind))
                 return
             self.sel.register(sock, selectors.EVENT_WRITE, attempt)
         else:
@@ -210,7 +264,8 @@ class Batch:
                 sock.connect((self.address, self.port))  # connected UDP: ICMP errors come back as errno
                 sock.send(b"who\n")
             except OSError as err:
-                self._finish(attempt, error_kind(err), registered=False)
+                kind = error_kind(err)
+                self._finish(attempt, kind, registered=False, how=refusal_kind(sock, kind))
                 return
             attempt.connected = True
             self.sel.register(sock, selectors.EVENT_READ, attempt)
@@ -221,7 +276,8 @@ class Batch:
         if not attempt.connected:
             code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if code:
-                self._finish(attempt, error_kind(OSError(code, "")))
+                kind = error_kind(OSError(code, ""))
+                self._finish(attempt, kind, how=refusal_kind(sock, kind))
                 return
             attempt.connected = True
             self.sel.modify(sock, selectors.EVENT_READ, attempt)
@@ -231,7 +287,8 @@ class Batch:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as err:
-            self._finish(attempt, error_kind(err))
+            kind = error_kind(err)
+            self._finish(attempt, kind, how=refusal_kind(sock, kind))
             return
         attempt.data += chunk
         # TCP, SCTP: the pod closes after its line (EOF); UDP: one datagram is the whole answer.
@@ -239,18 +296,21 @@ class Batch:
             if attempt.data:
                 self._finish(attempt, "ok")
             else:
-                self._finish(attempt, "reset")
+                self._finish(attempt, "reset", how="closed")
 
     def _expire(self, now: float) -> None:
         for attempt in [a for a in self.live.values() if a.deadline <= now]:
             self._finish(attempt, "timeout")
 
-    def _finish(self, attempt: Attempt, outcome: str, registered: bool = True) -> None:
+    def _finish(self, attempt: Attempt, outcome: str, registered: bool = True, how: str = "") -> None:
         if registered:
             self.sel.unregister(attempt.sock)
         attempt.sock.close()
         self.live.pop(attempt.index, None)
-        self.result.record(attempt.index, outcome, attempt.data)
+        self.result.record(attempt.index, outcome, attempt.data, how)
+        if self.progress:
+            sys.stderr.write(self.result.sequence[attempt.index] + "\n")
+            sys.stderr.flush()
         if self.announce:
             self.announce = False
             sys.stderr.write("started\n")
@@ -310,6 +370,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--bind", default=None, help="source ADDRESS:PORT (or :PORT) for every attempt")
     parser.add_argument("--sources", default="", help="comma-separated source addresses, used round-robin")
     parser.add_argument("--announce", action="store_true", help="'started' on stderr after the first attempt")
+    parser.add_argument("--progress", action="store_true", help="each attempt's outcome on stderr as it ends")
     parser.add_argument("--session", action="store_true", help="one connection kept open: stdin lines out, "
                         "answers in (see the module)")
     args = parser.parse_args(argv)
@@ -322,7 +383,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return session(args.proto, args.address, args.port, args.timeout, bind)
     batch = Batch(args.proto, args.address, args.port, count=args.count, timeout=args.timeout,
                   concurrency=args.concurrency, interval=args.interval, bind=bind,
-                  sources=[a for a in args.sources.split(",") if a], announce=args.announce)
+                  sources=[a for a in args.sources.split(",") if a], announce=args.announce,
+                  progress=args.progress)
     signal.signal(signal.SIGUSR1, lambda _sig, _frame: setattr(batch, "stopping", True))
     json.dump(batch.run().as_dict(), sys.stdout)
     sys.stdout.write("\n")

@@ -22,7 +22,7 @@ import importlib.util
 import os
 import signal
 import subprocess
-from typing import Any, Iterator, Optional
+from typing import Any, Generator, Iterator, Optional
 
 import pytest
 
@@ -82,6 +82,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, interrupt)
+
+
+CALL_REPORT = pytest.StashKey[pytest.TestReport]()
+"""The report of a test's call phase, kept on its item for fixtures' teardown (did the test pass?)."""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport,
+                                                                                           pytest.TestReport]:
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_REPORT] = report
+    return report
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

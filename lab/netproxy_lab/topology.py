@@ -358,13 +358,17 @@ class Sandbox:
     def start_connect(self, address: str, port: int, *, proto: str = "tcp", count: int = 1,
                       source: Optional[str] = None, timeout: float = 1.0, concurrency: int = 32,
                       interval: float = 0.0, bind: Optional[str] = None,
-                      sources: Sequence[str] = (), announce: bool = False) -> PendingConnect:
+                      sources: Sequence[str] = (), announce: bool = False,
+                      progress: bool = False) -> PendingConnect:
         """:meth:`connect` in the background (e.g. a paced UDP flow while a test changes endpoints);
-        ``announce``: :meth:`PendingConnect.wait_started` can wait for its first attempt."""
+        ``announce``: :meth:`PendingConnect.wait_started` can wait for its first attempt; ``progress``:
+        :meth:`PendingConnect.wait_outcome` for what it has seen so far."""
         argv = [sys.executable, CLIENT, address, str(port), "--proto", proto, "--count", str(count),
                 "--timeout", str(timeout), "--concurrency", str(concurrency), "--interval", str(interval)]
         if announce:
             argv.append("--announce")
+        if progress:
+            argv.append("--progress")
         if bind:
             argv += ["--bind", bind]
         if sources:

@@ -9,8 +9,9 @@ import json
 import select
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Callable, Dict, List
 
 from netproxy_lab.client import Result
 
@@ -58,6 +59,24 @@ class PendingConnect:
         if line.strip() != b"started":
             raise SandboxError(f"the client did not start within {timeout:.0f}s: {line!r}")
 
+    def wait_outcome(self, wanted: Callable[[str], bool], timeout: float = 60.0) -> List[str]:
+        """Read the outcomes a batch started with ``progress=True`` reports (``pod-0``, ``!timeout``) until
+        one is ``wanted``; those read.  AssertionError if the batch ends or ``timeout`` passes first."""
+        assert self.proc.stderr is not None
+        deadline = time.monotonic() + timeout
+        seen: List[str] = []
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stderr], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            line = self.proc.stderr.readline().decode(errors="replace").strip()
+            if not line:
+                raise AssertionError(f"the batch ended before the outcome waited for; it saw {seen}")
+            seen.append(line)
+            if wanted(line):
+                return seen
+        raise AssertionError(f"not within {timeout:.0f}s: the outcome waited for; the batch saw {seen}")
+
     def stop(self) -> bool:
         """Start no more attempts (those in flight finish); False if the batch had already ended."""
         if self.proc.poll() is not None:
@@ -79,8 +98,10 @@ class PendingConnect:
             raise SandboxError(f"client failed ({self.proc.returncode}): {err.decode(errors='replace').strip()}")
         data = json.loads(out)
         return ConnectResult(counts=data["counts"], sources=data["sources"], errors=data["errors"],
+                             refusals=data.get("refusals", {}),
                              sequence=data["sequence"], elapsed=data["elapsed"],
-                             first_start=data.get("first_start", 0.0), last_start=data.get("last_start", 0.0))
+                             first_start=data.get("first_start", 0.0), last_start=data.get("last_start", 0.0),
+                             starts=data.get("starts", []))
 
 
 class Session:

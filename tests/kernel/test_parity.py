@@ -21,20 +21,27 @@ import json
 import logging
 import os
 import re
-import shutil
 import sys
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import pytest
 
-from netproxy_lab.checks import assert_only_and_all, wait_for
+from netproxy_lab.checks import (
+    DROPPED,
+    NOT_SERVED_TIMEOUT,
+    TIME_SCALE,
+    assert_not_served,
+    assert_only_and_all,
+    wait_for,
+)
 from netproxy_lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
 from netproxy_lab.proxy import Proxy
 from netproxy_lab.refuse import WritesRefused
 from netproxy_lab.topology import CLIENT4, CLIENT6, EXT4, GATEWAY4, NODE_EXT4, NODE_NAME, REMOTE_NODE_NAME, Pod, Sandbox
 from netproxy_lab.traffic import ConnectResult
 from tests.kernel import kernel_services, traced
+from tests.kernel.test_conntrack import REPLY_TIMEOUT, assert_moved_losing_nothing_else, require_conntrack_tool
 
 pytestmark = pytest.mark.kernel
 log = logging.getLogger(__name__)
@@ -48,6 +55,16 @@ NODE_PORT = 30080
 UDP_NODE_PORT = 30053
 HC_PORT = 30999
 ZONE_LABEL = "topology.kubernetes.io/zone"
+KINDS: Dict[str, Tuple[str, ...]] = {
+    # A NodePort on an address it is not served on reaches the node's own closed port: its reset.
+    "localhost-nodeport": ("rst",),
+    "localhost-off": ("rst",),
+    "unlisted-nodeport": ("rst",),
+    # An external IP no rule takes (AllowServiceExternalIPs=false): routed nowhere, dropped.
+    "external-gate-off": ("timeout",),
+}
+"""How each kind of unserved connection ends (seen on every combination, 2026-12-06), besides
+:data:`REJECTED` and a silent drop (:func:`assert_dropped`)."""
 NODE_ADDRESSES = {NODE_EXT4, GATEWAY4}
 """What a masqueraded connection's source is: one of the node's own IPv4 addresses."""
 
@@ -63,9 +80,8 @@ def sandbox(kernel_env: None, combo: Any) -> Any:
 def trace_equals_traffic(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
     """Trace equals traffic: each batch of connections below is traced with ``netproxy trace --kernel`` in the
     node, and the trace must predict what the batch saw (tests/kernel/traced.py)."""
-    traced.install(request, monkeypatch)
     before = traced.traced_count()
-    yield
+    yield from traced.install(request, monkeypatch)
     log.info("%d batches traced", traced.traced_count() - before)
 
 
@@ -142,18 +158,20 @@ def assert_preserved(res: ConnectResult, client: str) -> None:
     assert sources_of(res) == {client}, f"pods saw sources {res.sources}: expected the client's own {client}"
 
 
+REJECTED = ("icmp port-unreachable", "icmp6 port-unreachable")
+"""How kube-proxy's REJECT (iptables ``-j REJECT``, nftables ``reject``) refuses: an ICMP port
+unreachable, whatever the protocol; a TCP reset would be a pod's or the node's own socket."""
+
+
 def assert_dropped(res: ConnectResult, total: int) -> None:
-    """Not answered and not refused: every attempt timed out (a DROP, not a REJECT)."""
-    assert res.answered == 0, f"expected no answer, got {res.counts} (sources {res.sources})"
-    assert res.errors == {"timeout": total}, f"expected {total} timeouts (dropped), got {res.errors}"
+    """Not answered and not refused: every attempt timed out (a DROP, not a REJECT).  Sent with
+    :data:`DROP_TIMEOUT`, well above an answer's time, so that a slow answer still counts as one."""
+    assert_not_served(res, total, (DROPPED,), "expected a silent drop")
 
 
 def assert_refused(res: ConnectResult, total: int, timeout: float) -> None:
-    """Refused at once (ICMP port-unreachable or a reset), not left to time out."""
-    assert res.answered == 0, f"expected a refusal, got answers {res.counts}"
-    kinds = set(res.errors)
-    assert kinds <= {"refused", "reset"} and res.failed == total, \
-        f"expected {total} refused at once, got {res.errors} (timeout = not refused)"
+    """Refused at once by a REJECT rule (ICMP port-unreachable), not reset, not left to time out."""
+    assert_not_served(res, total, REJECTED, "expected a REJECT")
     assert res.elapsed < timeout, f"took {res.elapsed:.2f}s: not refused at once"
 
 
@@ -177,8 +195,10 @@ def refused_check(sb: Sandbox, address: str, port_number: int, *, proto: str = "
     assert_refused(res, count, timeout)
 
 
-DROP_TIMEOUT = 0.6
-"""Seconds an attempt may take before it counts as dropped (answers in the sandbox take milliseconds)."""
+DROP_TIMEOUT = NOT_SERVED_TIMEOUT
+"""Seconds an attempt may take before it counts as dropped: answers in the sandbox take milliseconds,
+but on a loaded machine a one-thread pod can take hundreds, and a slow answer must fail a "dropped"
+check, not pass it."""
 
 
 def dropped_check(sb: Sandbox, address: str, port_number: int, *, source: Optional[str] = None,
@@ -271,11 +291,12 @@ def test_nodeport_on_node_addresses_from_outside_and_from_the_node(proxy: Proxy,
     # 127.0.0.1: kube-proxy's iptables mode answers (--iptables-localhost-nodeports, default true),
     # its nftables mode does not (test_parity_node.py has both sides and the flag).
     served = proxy.combo.backend == "iptables"
-    res = sandbox.connect("127.0.0.1", NODE_PORT, count=30 if served else 2, timeout=0.5, source=sandbox.node)
+    res = sandbox.connect("127.0.0.1", NODE_PORT, count=30 if served else 2, source=sandbox.node,
+                          timeout=ANSWER_TIMEOUT if served else NOT_SERVED_TIMEOUT)
     if served:
         assert_only_and_all(res, pods, total=30)
     else:
-        assert res.answered == 0, f"127.0.0.1:{NODE_PORT} answered {res.counts}"
+        assert_not_served(res, 2, KINDS["localhost-nodeport"], f"127.0.0.1:{NODE_PORT} on nftables")
 
 
 def test_many_nodeports_through_the_nodeport_tree(proxy: Proxy, sandbox: Sandbox) -> None:
@@ -323,8 +344,8 @@ def test_nodeport_addresses(proxy: Proxy, sandbox: Sandbox) -> None:
     assert answers(NODE_EXT4, sandbox.node) is None
     # 10.244.1.1 is the node's too, but outside --nodeport-addresses.
     for source in (sandbox.client, sandbox.node):
-        res = sandbox.connect(GATEWAY4, NODE_PORT, count=2, timeout=0.5, source=source)
-        assert res.answered == 0, f"{GATEWAY4}:{NODE_PORT} (not listed) answered {res.counts} from {source}"
+        res = sandbox.connect(GATEWAY4, NODE_PORT, count=2, timeout=NOT_SERVED_TIMEOUT, source=source)
+        assert_not_served(res, 2, KINDS["unlisted-nodeport"], f"{GATEWAY4}:{NODE_PORT} (not listed) from {source}")
     assert_only_and_all(sandbox.connect(SVC_IP, 80, count=90), pods, total=90)  # the ClusterIP is unaffected
     assert answers(added, sandbox.ext) is not None, f"{added} is not a node address yet, and answered"
     sandbox.exec(sandbox.node, ["ip", "addr", "add", f"{added}/32", "dev", "ext0"], check=True)
@@ -419,6 +440,7 @@ def test_etp_local(proxy: Proxy, sandbox: Sandbox) -> None:
     assert_dropped(results[5], 2)
 
 
+@pytest.mark.untraced  # its only traffic is HTTP to the health check port, inside wait loops
 def test_health_check_node_port(proxy: Proxy, sandbox: Sandbox) -> None:
     """netproxy run: healthCheckNodePort answers 200 with the local count, 503 with none; /healthz 200."""
     here, there = local(sandbox)[:2], remote(sandbox)[:1]
@@ -570,7 +592,7 @@ def test_allow_service_external_ips_false_serves_everything_but_external_ips(pro
         (EXTERNAL_IP, 80, {"count": 2, "timeout": DROP_TIMEOUT, "source": sandbox.ext}))
     assert_only_and_all(cluster_ip, pods, total=30)
     assert_only_and_all(lb_ip, pods, total=30)
-    assert external.answered == 0, f"the external IP was served with the gate off: {external.counts}"
+    assert_not_served(external, 2, KINDS["external-gate-off"], "the external IP with the gate off")
     # The same objects with the gate at its default: the external IP answers.
     proxy.sync(web(pods, type="LoadBalancer", externalIPs=[EXTERNAL_IP], load_balancer_ips=[LB_IP]))
     assert_only_and_all(sandbox.connect(EXTERNAL_IP, 80, count=30, source=sandbox.ext, timeout=ANSWER_TIMEOUT),
@@ -881,22 +903,25 @@ def dns(pods: Sequence[Pod], name: str = "dns", cluster_ip: str = UDP_IP) -> Lis
             endpoint_slice(name, [ep(p) for p in pods], [port(8080, name="dns", protocol="UDP")])]
 
 
-def flows_started(sb: Sandbox, ports: Sequence[int]) -> float:
-    """When the node's conntrack table first held a UDP flow from each of ``ports`` (the clients are
-    separate processes: their first packet comes a process start after the call)."""
-    if not shutil.which("conntrack"):
-        time.sleep(2.0)  # a generous process start instead
-        return time.monotonic() - 1.0
+def flows_started(sb: Sandbox, ports: Sequence[int], answered: Sequence[int] = ()) -> None:
+    """Until the node's conntrack table holds a UDP flow from each of ``ports`` (the clients are
+    separate processes: their first packet comes a process start after the call), and a reply has
+    come back on each flow of ``answered`` (its entry no longer ``[UNREPLIED]``)."""
+    require_conntrack_tool()
 
     def seen() -> Optional[str]:
-        listed = sb.exec(sb.node, ["conntrack", "-L", "-p", "udp"]).stdout
-        missing = [p for p in ports if f"sport={p} " not in listed]
-        return f"no conntrack entry from UDP ports {missing} yet" if missing else None
+        listed = sb.exec(sb.node, ["conntrack", "-L", "-p", "udp"]).stdout.splitlines()
+        missing = [p for p in ports if not any(f"sport={p} " in ln for ln in listed)]
+        unreplied = [p for p in answered
+                     if not any(f"sport={p} " in ln and "UNREPLIED" not in ln for ln in listed)]
+        if missing or unreplied:
+            return f"no conntrack entry from UDP ports {missing}, none answered from {unreplied} yet"
+        return None
 
-    wait_for(seen, timeout=10, step=0.05)
-    return time.monotonic()
+    wait_for(seen, timeout=30, step=0.05)
 
 
+@pytest.mark.untraced  # fixed source ports and wait loops only: conntrack, not the rules alone, decides those
 def test_udp_conntrack(proxy: Proxy, sandbox: Sandbox) -> None:
     """Two fixed-source-port UDP clients sending every 100 ms, through one edit of the source:
     - one whose endpoint is deleted is answered by the new endpoint within about a sync;
@@ -910,36 +935,40 @@ def test_udp_conntrack(proxy: Proxy, sandbox: Sandbox) -> None:
         return None if res.counts == {old.name: 1} else f"{res.counts} {res.errors}"
 
     run_wait(proxy, answered_by_old, timeout=15)
-    count, fresh_timeout = 40, 0.3
-    moving = sandbox.start_connect(UDP_IP, 53, proto="udp", count=count, interval=UDP_INTERVAL, timeout=0.5,
-                                   bind=":40053")
+    # Each answer may take REPLY_TIMEOUT on a loaded machine; the flows run until well past the edit.
+    count, fresh_timeout = 60, 1.0
+    moving = sandbox.start_connect(UDP_IP, 53, proto="udp", count=count, interval=UDP_INTERVAL,
+                                   timeout=REPLY_TIMEOUT, bind=":40053")
     reviving = sandbox.start_connect(FRESH_IP, 53, proto="udp", count=count // 2, interval=UDP_INTERVAL,
                                      timeout=fresh_timeout, bind=":40054")
-    started = flows_started(sandbox, (40053, 40054))
-    time.sleep(0.6)
-    edited = time.monotonic() - started
+    # Both flows under way, the moving one answered by the old endpoint: then the edit.
+    flows_started(sandbox, (40053, 40054), answered=(40053,))
+    edited = time.time()  # the client stamps each attempt's start with the same clock
     write_manifests(proxy.source, dns([new]) + dns([fresh], name="dns2", cluster_ip=FRESH_IP))
     moved, revived = moving.result(), reviving.result()
 
     seq = moved.sequence
-    assert set(seq[:4]) == {old.name}, f"the flow was not on {old.name} before the edit: {seq}"
-    assert moved.errors == {}, f"the flow lost packets: {moved.errors}: {seq}"
-    last_old = max(i for i, who in enumerate(seq) if who == old.name)
-    assert last_old < count - 5, f"still answered by the deleted endpoint at the end: {seq}"
-    assert set(seq[last_old + 1:]) == {new.name}, f"the flow did not settle on {new.name}: {seq}"
-    moved_after = (last_old + 1) * UDP_INTERVAL - edited
+    before = [who for who, at in zip(seq, moved.starts) if at < edited]
+    assert before and set(before) == {old.name}, f"the flow was not on {old.name} before the edit: {seq}"
+    # At most LOST_AT_SWITCH datagrams lost, only between the last answer from the old endpoint and
+    # the first from the new one (a reply in flight when the entry went: test_conntrack.py).
+    assert_moved_losing_nothing_else(seq, old, new)
+    first_new = seq.index(new.name)
+    moved_after = moved.starts[first_new] - edited
     log.info("%s: UDP flow moved %.2fs after the edit", proxy.combo.name, moved_after)
-    assert moved_after < 2.5, f"the flow moved {moved_after:.1f}s after its endpoint was deleted: {seq}"
+    assert moved_after < 2.5 * TIME_SCALE, f"the flow moved {moved_after:.1f}s after its endpoint was deleted: {seq}"
 
     seq = revived.sequence
     assert seq[0].startswith("!"), f"answered before the service existed: {seq}"
     answered = [i for i, who in enumerate(seq) if not who.startswith("!")]
     assert answered, f"never answered after the service got its endpoint: {revived.errors}: {seq}"
     assert set(seq[answered[0]:]) == {fresh.name}, f"not steadily answered once it started: {seq}"
-    # Unanswered attempts cost `fresh_timeout` each: about when did answers start?
-    waited = answered[0] * fresh_timeout - edited
+    # By the clock: the first answered datagram left this long after the edit (it left at most one
+    # attempt, fresh_timeout + UDP_INTERVAL, after the rules were in).
+    waited = revived.starts[answered[0]] - edited
     log.info("%s: new UDP service answered %.2fs after the edit", proxy.combo.name, waited)
-    assert waited < 2.5, f"answers started {waited:.1f}s after the service got its endpoint: {seq}"
+    assert waited < 2.5 * TIME_SCALE + fresh_timeout + UDP_INTERVAL, \
+        f"answers started {waited:.1f}s after the service got its endpoint: {seq}"
 
 
 # ---- hairpin -----------------------------------------------------------------------------------

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+
+import pytest
 
 from netproxy_lab.checks import SETTLING, TIME_SCALE
 from netproxy_lab.proxy import Proxy
+from netproxy_lab.pytest_plugin import CALL_REPORT
 from netproxy_lab.topology import CLIENT4, CLIENT6, EXT4, EXT6, GATEWAY4, GATEWAY6, NODE_EXT4, NODE_EXT6, Sandbox
 from netproxy_lab.traffic import ConnectResult, PendingConnect
 
@@ -35,14 +38,24 @@ def traced_count() -> int:
     return _state["traced"]
 
 
-def install(request: Any, monkeypatch: Any) -> None:
-    """Trace every batch the test's sandbox sends from now on (the test's monkeypatch undoes it).
-    A test that uses no ``proxy`` is left alone: asking for one here would tie it to a combination."""
+def install(request: Any, monkeypatch: Any) -> Iterator[None]:
+    """Trace every batch the test's sandbox sends (the test's monkeypatch undoes it), and, once the
+    test passed, require that at least one was traced: a check that never ran would otherwise pass
+    unseen (a skipped or failed test is not asked).  A test that uses no ``proxy`` is left alone:
+    asking for one here would tie it to a combination; one marked ``untraced`` says why in its
+    marker's comment.  A generator for an autouse fixture to ``yield from``."""
     if "proxy" not in request.fixturenames or request.node.get_closest_marker("untraced") is not None:
+        yield
         return
     proxy, sb = request.getfixturevalue("proxy"), request.getfixturevalue("sandbox")
     _state["this_test"] = 0
     monkeypatch.setattr(sb, "start_connect", TracedSandbox(proxy, sb).start_connect)
+    before = _state["traced"]
+    yield
+    report = request.node.stash.get(CALL_REPORT, None)
+    if report is not None and report.passed and _state["traced"] == before:
+        pytest.fail("trace equals traffic: not one batch of this test was traced (only untraceable batches: "
+                    "mark it untraced and say why)", pytrace=False)
 
 
 def _trace_args(sb: Sandbox, address: str, kw: Any) -> Optional[List[str]]:
