@@ -468,6 +468,7 @@ def test_health_check_node_port(proxy: Proxy, sandbox: Sandbox) -> None:
     log.info("%s: health check turned 503 after %.2fs", proxy.combo.name, took)
 
 
+@pytest.mark.untraced  # its only traffic is HTTP to the health check port, inside wait loops
 def test_health_check_node_port_passes_a_dropping_input_policy(proxy: Proxy, sandbox: Sandbox) -> None:
     """A node whose firewall drops what it does not allow (INPUT policy DROP, established traffic
     accepted) still answers its load balancer's health checks: the iptables backend accepts the

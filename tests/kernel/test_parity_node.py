@@ -195,6 +195,7 @@ def test_node_cidr_run_exits_when_the_pod_cidrs_change(proxy: Proxy, sandbox: Sa
         return None if sources_of(res) == {pod.ip} else f"sources {res.sources}, errors {res.errors}"
 
     run_wait(proxy, preserved, timeout=15)
+    assert preserved() is None  # settled: one batch outside the wait loop, traced (trace equals traffic)
     write_manifests(proxy.source, [*objects, node_object(["10.244.2.0/24"])])
     try:
         code = proc.wait(timeout=10 * TIME_SCALE)
