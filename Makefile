@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BACKEND ?= auto
 
-.PHONY: setup demo test test-all test-unit test-kernel test-vm bench bench-smoke lint image clean control-plane
+.PHONY: setup demo test test-all test-unit test-kernel test-vm bench bench-smoke lint image clean control-plane mutation
 
 setup: $(STAMP)
 	@scripts/setup-system.sh
@@ -29,13 +29,24 @@ demo: setup
 
 lint: setup
 	$(VENV)/bin/ruff check netproxy backends lab tests bench vagrant scripts/run-tests scripts/lint-structure \
-		scripts/lint-types scripts/installed_layout.py scripts/types_probe.py
+		scripts/lint-types scripts/installed_layout.py scripts/types_probe.py scripts/mutation
 	@# mypy over the layout the wheel installs (backends/ as netproxy.backends), with a probe: scripts/lint-types.
 	$(PY) scripts/lint-types
 	@# The lint scripts themselves; --scripts-are-modules, else mypy names both extension-less scripts __main__.
-	$(VENV)/bin/mypy --scripts-are-modules scripts/lint-structure scripts/lint-types scripts/installed_layout.py
+	$(VENV)/bin/mypy --scripts-are-modules scripts/lint-structure scripts/lint-types scripts/installed_layout.py \
+		scripts/mutation
 	@# The import layers (pyproject's [tool.importlinter]) and dead code (vulture): scripts/lint-structure.
 	$(PY) scripts/lint-structure
+
+# Mutation testing of the pure modules (scripts/mutation, docs/testing.md), not part of make test:
+# each group's score and its survivors' diffs in build/mutation/report.txt. MUTATION_ARGS: groups,
+# --sample N (a fixed sample per group), --jobs N (default 2).
+mutation: $(VENV)/.mutation-installed
+	$(PY) scripts/mutation $(MUTATION_ARGS)
+
+$(VENV)/.mutation-installed: $(STAMP)
+	$(PY) -m pip install -q -e '.[mutation]'
+	@touch $@
 
 test-unit: setup
 	$(VENV)/bin/pytest -q -n 2 tests/unit tests/conformance

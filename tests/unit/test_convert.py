@@ -484,3 +484,41 @@ def test_ipv4_shortcut_takes_a_plain_slice_whole_and_stops_at_the_first_odd_endp
         f"10.244.2.{i}:8080" for i in (1, 2, 9, 8, 3, 4, 5)]
     assert rejected(lambda o: parse_endpoint_slice(o, cache=False), endpoint_slice(endpoints=odd)).field_path == \
         "endpoints[2].conditions.ready"
+
+
+# ---- pinned by mutation testing (scripts/mutation, docs/testing.md) ------------------------------
+
+
+@pytest.mark.parametrize("extra", [
+    {}, {"conditions": {}}, {"conditions": {"ready": False}}, {"conditions": {"serving": False, "terminating": True}},
+    {"conditions": {"ready": True, "serving": True, "terminating": False}}, {"nodeName": "node-a"},
+    {"zone": "zone-a"}, {"nodeName": "node-b", "zone": "zone-b", "conditions": {"ready": False, "terminating": True}},
+])
+def test_the_ipv4_shortcut_converts_an_endpoint_as_the_general_path(extra: Dict[str, Any]) -> None:
+    """The shortcut (_plain_v4_endpoints) takes a plain endpoint; an empty ``hints`` sends the same
+    endpoint through the general conversion. Both give the API's defaults and the node and zone."""
+    endpoint = {"addresses": ["10.244.1.7"], **extra}
+    fast = parse_endpoint_slice(endpoint_slice(endpoints=[endpoint])).endpoints
+    general = parse_endpoint_slice(endpoint_slice(endpoints=[{**endpoint, "hints": {}}])).endpoints
+    assert fast == general
+    (e,) = fast
+    cond = extra.get("conditions", {})
+    assert (e.ip, e.port) == (ip("10.244.1.7"), 8080)
+    assert (e.ready, e.serving, e.terminating) == (
+        cond.get("ready", True), cond.get("serving", True), cond.get("terminating", False))
+    assert (e.node_name, e.zone) == (extra.get("nodeName"), extra.get("zone"))
+
+
+def test_a_hostname_only_ingress_is_skipped_not_the_end_of_the_list() -> None:
+    obj = service(type="LoadBalancer")
+    obj["status"] = {"loadBalancer": {"ingress": [{"hostname": "lb.example"}, {"ip": "198.51.100.7"},
+                                                  {"ip": "198.51.100.8", "ipMode": "Proxy"}]}}
+    (p,) = parse_service(obj)
+    assert p.load_balancer_ips == (ip("198.51.100.7"),) and p.proxy_load_balancer_ips == (ip("198.51.100.8"),)
+
+
+def test_absent_optional_fields_take_their_defaults() -> None:
+    (p,) = parse_service(service())
+    assert (p.health_check_node_port, p.traffic_distribution, p.load_balancer_ips) == (0, "", ())
+    (q,) = parse_service(service(trafficDistribution="PreferClose", healthCheckNodePort=30999))
+    assert (q.health_check_node_port, q.traffic_distribution) == (30999, "PreferClose")

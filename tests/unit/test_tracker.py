@@ -314,3 +314,138 @@ def test_the_first_sync_waits_for_expected_node_addresses() -> None:
     plain.services_synced()
     plain.endpoints_synced()
     assert plain.ready  # nothing expected: services and endpoints are enough
+
+
+# ---- pinned by mutation testing (scripts/mutation, docs/testing.md): each test names what a
+# surviving mutant of netproxy/core/tracker.py changed without any test failing ----------------
+
+
+def test_a_fresh_tracker_is_not_ready_has_nothing_pending_and_counted_nothing() -> None:
+    t = ChangeTracker()
+    assert t.ready is False and t.pending() is False
+    assert (t.service_changes, t.endpoint_changes, t.pending_changes()) == (0, 0, (0, 0))
+    assert t.last_trigger_times == ()
+    snap, changes = t.take()
+    assert changes.full is False and changes.services == frozenset() and snap.node.addresses == ()
+    t.set_node_addresses(())  # no addresses, as before: no change
+    assert t.pending() is False
+    t.services_synced()
+    assert t.ready is False, "endpoints not yet synced"
+    t.update_service("default", "web", ())  # a service with no ports that was never there: no change
+    t.update_service_cidr("never-seen", None)  # deleting an unknown ServiceCIDR: no change, no error
+    assert t.service_changes == 0 and t.pending() is False
+
+
+def test_changes_are_counted_once_each_and_pending_until_taken() -> None:
+    t = ChangeTracker()
+    web = svc("web", "http")
+    t.update_service("default", "web", web)
+    t.update_service("default", "web", web)  # the same object again: no change
+    t.update_service("default", "api", svc("api", cluster_ip="10.96.0.2"))
+    t.update_endpoints("default", "web-1", eps("web", "10.0.0.1", port_names=("http",)))
+    t.update_endpoints("default", "web-1", eps("web", "10.0.0.1", port_names=("http",)))  # equal: no change
+    t.update_endpoints("default", "api-1", eps("api", "10.0.1.1"))
+    assert (t.service_changes, t.endpoint_changes, t.pending_changes()) == (2, 2, (2, 2))
+    t.take()
+    assert t.pending_changes() == (0, 0) and (t.service_changes, t.endpoint_changes) == (2, 2)
+    t.update_service("default", "api", None)
+    t.update_service("default", "gone", None)  # never seen: no change
+    assert (t.service_changes, t.pending_changes()) == (3, (1, 0))
+
+
+def test_every_update_calls_on_change() -> None:
+    calls: List[str] = []
+    t = ChangeTracker(on_change=lambda: calls.append("x"))
+    t.update_service("default", "web", svc("web"))
+    t.update_endpoints("default", "web-1", eps("web", "10.0.0.1"))
+    t.services_synced()
+    t.endpoints_synced()
+    assert len(calls) == 4 and t.ready is True
+
+
+def test_node_addresses_reach_the_snapshot_and_ask_for_a_full_sync_once() -> None:
+    t = ChangeTracker(node=NodeInfo("node-a"))
+    t.expect_node_addresses()
+    t.services_synced()
+    t.endpoints_synced()
+    assert t.ready is False, "the first sync waits for the expected addresses"
+    t.take()
+    addresses = (ip("192.0.2.1"), ip("2001:db8::1"))
+    t.set_node_addresses(addresses)
+    assert t.ready is True and t.pending() is True
+    snap, changes = t.take()
+    assert changes.full is True and snap.node == NodeInfo("node-a", addresses=addresses)
+    t.set_node_addresses(addresses)
+    assert t.pending() is False
+    assert t.take()[1].full is False
+
+
+def test_a_node_keeps_its_own_addresses_until_some_are_set() -> None:
+    own = (ip("192.0.2.5"),)
+    assert ChangeTracker(node=NodeInfo("node-a", addresses=own)).take()[0].node.addresses == own
+
+
+def test_external_ips_are_kept_unless_the_gate_drops_them() -> None:
+    def external(t: ChangeTracker) -> Tuple[object, ...]:
+        port = service_port("web", "default", "", cluster_ip="10.96.0.1", external_ips=(ip("192.0.2.9"),))
+        t.update_service("default", "web", (port,))
+        return t.take()[0].services[port.name].external_ips
+
+    assert external(ChangeTracker()) == (ip("192.0.2.9"),)
+    assert external(ChangeTracker(external_ips=False)) == ()
+
+
+@pytest.mark.parametrize("ready_first", [True, False])
+def test_an_address_in_two_slices_counts_once_and_the_ready_copy_wins(ready_first: bool) -> None:
+    t = ChangeTracker()
+    t.update_service("default", "web", svc("web"))
+    ready, not_ready = eps("web", "10.0.0.1"), eps("web", "10.0.0.1", ready=False)
+    t.update_endpoints("default", "web-a", ready if ready_first else not_ready)
+    t.update_endpoints("default", "web-b", not_ready if ready_first else ready)
+    (only,) = t.take()[0].endpoints_of(ServicePortName("default", "web", ""))
+    assert only.ready is True
+
+
+def test_of_two_not_ready_copies_the_first_slices_stays() -> None:
+    t = ChangeTracker()
+    t.update_service("default", "web", svc("web"))
+    ports = (SlicePort("", "TCP", 8080),)
+    for name, node in (("web-a", "node-a"), ("web-b", "node-b")):
+        endpoint = Endpoint(ip("10.0.0.1"), 0, False, False, node_name=node)
+        t.update_endpoints("default", name, EndpointSet("default", "web", ports, (endpoint,)))
+    (only,) = t.take()[0].endpoints_of(ServicePortName("default", "web", ""))
+    assert only.node_name == "node-a"
+
+
+def test_a_trigger_time_at_the_start_counts_and_one_before_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("netproxy.core.tracker.time.time", lambda: 1000.0)
+    t = ChangeTracker()
+    ports = (SlicePort("", "TCP", 8080),)
+    for name, stamp in (("a", 1000.0), ("b", 999.5)):
+        t.update_endpoints("default", name, EndpointSet("default", "web", ports, (Endpoint(ip("10.0.0.1"), 0),),
+                                                        trigger_time=stamp))
+    t.take()
+    assert t.last_trigger_times == (1000.0,)
+
+
+def test_service_cidr_objects_join_the_flag_in_order_and_leave() -> None:
+    calls: List[str] = []
+    net = ipaddress.ip_network
+    t = ChangeTracker(service_cidrs=(net("10.96.0.0/16"),), on_change=lambda: calls.append("x"))
+    t.update_service_cidr("b", (net("fd00::/108"), net("10.0.0.0/16")))
+    t.update_service_cidr("a", (net("10.0.0.0/8"),))
+    snap, changes = t.take()
+    assert snap.service_cidrs == (net("10.0.0.0/8"), net("10.0.0.0/16"), net("10.96.0.0/16"), net("fd00::/108"))
+    assert changes.full is True and len(calls) == 2
+    t.update_service_cidr("a", (net("10.0.0.0/8"),))  # the same again: nothing to sync
+    assert len(calls) == 2 and t.pending() is False
+    t.update_service_cidr("b", None)
+    assert t.take()[0].service_cidrs == (net("10.0.0.0/8"), net("10.96.0.0/16")) and len(calls) == 3
+
+
+def test_a_rejection_is_logged_with_its_error_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    t = ChangeTracker()
+    t.reject(ValidationError("Service", "ns/web", "spec.ports[0].port", "must be 1-65535"))
+    assert t.rejected == 1
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("ERROR", "rejected Service ns/web: field spec.ports[0].port: must be 1-65535")]
