@@ -61,6 +61,11 @@ def rows(name: str, cell: Dict[str, Any]) -> List[Tuple[str, str, str, str]]:
     failed = "; ".join(str(cell[k]["error"]) for k in ("start", "source", "burst", "sync")
                        if isinstance(cell.get(k), dict) and "error" in cell[k])
     row(f"{name}: start → last service answering (s)", start, "{:.2f}", START_TARGET.get(name), failed)
+    real: Dict[str, Any] = cell["real"] if isinstance(cell.get("real"), dict) else {}
+    row(f"{name}: the same start against a real kube-apiserver (s)", _get(cell, "real", "seconds"), "{:.2f}",
+        None, str(real.get("error", "")))
+    row(f"{name}: creating the objects through the real server (s)", _get(cell, "real", "load_seconds"), "{:.1f}",
+        None, str(real.get("error", "")))
     row(f"{name}: `run --source` of the same objects (s)", source, "{:.2f}", None, failed)
     row(f"{name}: API ÷ file", start / source if start and source else None, "{:.2f}×", RATIO_TARGET, failed)
     row(f"{name}: `netproxy sync` of the same file, a new process (s)", _get(cell, "sync", "seconds"), "{:.2f}",

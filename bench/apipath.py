@@ -1,4 +1,5 @@
-"""The API path: ``netproxy run --kubeconfig`` against the lab's API stand-in, at N services.
+"""The API path: ``netproxy run --kubeconfig`` against the lab's API stand-in (and a real
+kube-apiserver beside it), at N services.
 
 What a real node does at start and under churn, measured from outside the process:
 
@@ -11,6 +12,8 @@ What a real node does at start and under churn, measured from outside the proces
   the last one gives service N-2 (whose endpoints answered nothing) the sandbox's real pods, so
   "converged" is that service answering, timed from the moment the last PUT was answered; the RSS
   (VmRSS) before the burst and 3 s after convergence;
+- ``real``: ``start`` against a real etcd and kube-apiserver holding the same objects
+  (:func:`measure_real`);
 - ``source``: ``netproxy run --source`` of the same objects in a file, started → the last service
   answering: the same proxy without the API, for the ratio;
 - ``sync``: ``netproxy sync`` of that file into the emptied node, a new process (``bench.rss``): what
@@ -173,6 +176,7 @@ def measure(sandbox: Any, combo: Any, n: int, client: Sequence[str], workdir: st
 
         out["start"], out["burst"] = _timed_run(sandbox, combo, client, n, ["--kubeconfig", kubeconfig],
                                                 os.path.join(workdir, f"netproxy-run-api-{tag}.log"), timeout, burst)
+    out["real"] = measure_real(sandbox, combo, n, client, workdir, objects, timeout)
     out["source"], _ = _timed_run(sandbox, combo, client, n, ["--source", source],
                                   os.path.join(workdir, f"netproxy-run-source-{tag}.log"), timeout)
     # The node is empty again (_timed_run resets it): `netproxy sync` of the same file, a new process.
@@ -180,6 +184,40 @@ def measure(sandbox: Any, combo: Any, n: int, client: Sequence[str], workdir: st
                                    node_name=gen.LOCAL_NODE)
     sandbox.reset_netfilter()
     return out
+
+
+def measure_real(sandbox: Any, combo: Any, n: int, client: Sequence[str], workdir: str,
+                 objects: Dict[str, List[gen.Obj]], timeout: float) -> Dict[str, Any]:
+    """``start`` again, against a real etcd and kube-apiserver (``make control-plane``) in the node
+    namespace holding the same objects, created through it (the slices written directly, as
+    another controller would: the controller manager is off).  Its figure sits beside the
+    stand-in's in the same run; ``load_seconds`` is the creation through the API, not netproxy's."""
+    from netproxy_lab.controlplane import BuildFailed, ControlPlane, Unavailable
+
+    try:
+        cp = ControlPlane(sandbox.node, controllers=False, workdir=workdir)
+    except (Unavailable, BuildFailed) as err:
+        return {"error": f"no real control plane: {err}"}
+    with cp:
+        items = []
+        for svc in objects["services"]:
+            svc = json.loads(json.dumps(svc))
+            if svc["spec"]["clusterIP"] == "10.96.0.1":
+                # The `kubernetes` Service holds the range's first address: let the server pick.
+                del svc["spec"]["clusterIP"], svc["spec"]["clusterIPs"]
+            items.append((f"/api/v1/namespaces/{gen.NAMESPACE}/services", svc))
+        items += [(f"/apis/discovery.k8s.io/v1/namespaces/{gen.NAMESPACE}/endpointslices", sl)
+                  for sl in objects["endpointslices"]]
+        t0 = time.monotonic()
+        cp.ensure_namespace(gen.NAMESPACE, wait_for_account=False)
+        cp.admin.create_many([("/api/v1/nodes", node) for node in objects["nodes"]] + items)
+        load = time.monotonic() - t0
+        start, _ = _timed_run(sandbox, combo, client, n, ["--kubeconfig", cp.admin_kubeconfig],
+                              os.path.join(workdir, f"netproxy-run-real-{combo.name.replace('/', '-')}-{n}.log"),
+                              timeout)
+    start["load_seconds"] = load
+    start["server"] = ", ".join(f"{k} {v}" for k, v in sorted(cp.bins.versions.items()))
+    return start
 
 
 def _timed_run(sandbox: Any, combo: Any, client: Sequence[str], n: int, args: Sequence[str], log_path: str,

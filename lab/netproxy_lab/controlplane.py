@@ -339,13 +339,16 @@ class ControlPlane:
                                     "spec": {"expirationSeconds": 3600}})
         return write_kubeconfig(path, server or self.server, self.path("ca.crt"), token=review["status"]["token"])
 
-    def ensure_namespace(self, name: str) -> None:
+    def ensure_namespace(self, name: str, wait_for_account: bool = True) -> None:
+        """Namespace ``name``, and (unless told not to: no controllers, no Pods) its default ServiceAccount."""
         try:
             self.admin.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
                                                      "metadata": {"name": name}})
         except ApiError as err:
             if err.status != 409:
                 raise
+        if not wait_for_account:
+            return
         # Pods need the namespace's default ServiceAccount (the ServiceAccount admission plugin).
         deadline = time.monotonic() + 60
         while self.admin.call("GET", f"/api/v1/namespaces/{name}/serviceaccounts/default", expect=())[0] != 200:

@@ -164,6 +164,42 @@ class Client:
     def delete(self, path: str, **query: Any) -> Any:
         return self.call("DELETE", path, query=query, expect=(200, 202, 404))
 
+    def create_many(self, items: Sequence[Tuple[str, Obj]], workers: int = 8) -> None:
+        """POST each ``(collection path, object)``, ``workers`` at a time, each worker on one kept-alive
+        connection (a TLS handshake per object would cost more than the object); ApiError on the
+        first refusal."""
+        import threading
+
+        errors: List[BaseException] = []
+        lock = threading.Lock()
+        todo = list(reversed(items))
+
+        def worker() -> None:
+            conn = self._connection(self.timeout)
+            try:
+                while not errors:
+                    with lock:
+                        if not todo:
+                            return
+                        path, obj = todo.pop()
+                    conn.request("POST", path, body=json.dumps(obj).encode(), headers=self._headers("application/json"))
+                    resp = conn.getresponse()
+                    raw = resp.read()
+                    if resp.status not in (200, 201):
+                        raise ApiError("POST", path, resp.status, _json_or_text(raw))
+            except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+                errors.append(err)
+            finally:
+                conn.close()
+
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, workers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
     def watch(self, path: str, *, timeout: float = 30, **query: Any) -> Iterator[Obj]:
         """The events of a watch (``watch=true`` is added) as they come; ends when the server ends
         the stream or nothing comes for ``timeout`` seconds (socket.timeout)."""
