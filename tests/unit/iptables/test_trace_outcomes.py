@@ -11,8 +11,20 @@ import pytest
 
 from netproxy.backends import base
 from netproxy.backends.iptables import trace
-from netproxy.backends.iptables.trace import Packet
-from tests.unit.iptables.test_parity_trace import CLIENT, CLUSTER_IP, LOCAL_EP, NODE_IP, POD, REMOTE_EP, service, tracer
+from netproxy.backends.iptables.trace import Packet, Tracer
+from netproxy.core.config import ProxyConfig
+from tests.unit.iptables.test_parity_trace import (
+    CLIENT,
+    CLUSTER_IP,
+    LOCAL_EP,
+    NODE_IP,
+    POD,
+    REMOTE_EP,
+    endpoints,
+    ruleset,
+    service,
+    tracer,
+)
 
 PATH = ("nat/KUBE-SERVICES", "nat/KUBE-SVC-CDGGSHYLG3RE2FKL", "nat/KUBE-MARK-MASQ", "filter/KUBE-SERVICES",
         "nat/KUBE-POSTROUTING")
@@ -53,3 +65,11 @@ def test_mark_targets_change_the_mark_as_the_kernel_does(opts: Dict[str, str], b
 def test_an_unknown_mark_target_is_refused_by_name() -> None:
     with pytest.raises(AssertionError, match="MARK .*--and-mark"):
         trace._mark(0, {"--and-mark": "0x1"})
+
+
+@pytest.mark.parametrize("iif, masqueraded", [("veth1a2b", False), ("veth", False), ("vetz0", True), ("eth0", True)])
+def test_an_interface_prefix_matches_names_that_start_with_it(iif: str, masqueraded: bool) -> None:
+    """--detect-local-mode InterfaceNamePrefix: ``! -i veth+`` masquerades what did not come from a pod."""
+    config = ProxyConfig(hostname="node", detect_local_mode="InterfaceNamePrefix", pod_interface_name_prefix="veth")
+    t = Tracer(ruleset([service()], endpoints(LOCAL_EP), config=config), local_addresses=(NODE_IP,))
+    assert {o.masquerade for o in t.trace(Packet(CLIENT, CLUSTER_IP, 80, iif=iif))} == {masqueraded}
