@@ -18,6 +18,7 @@ from tests.unit.iptables.test_parity_trace import (
     CLUSTER_IP,
     LOCAL_EP,
     NODE_IP,
+    NODE_PORT,
     POD,
     REMOTE_EP,
     endpoints,
@@ -73,3 +74,15 @@ def test_an_interface_prefix_matches_names_that_start_with_it(iif: str, masquera
     config = ProxyConfig(hostname="node", detect_local_mode="InterfaceNamePrefix", pod_interface_name_prefix="veth")
     t = Tracer(ruleset([service()], endpoints(LOCAL_EP), config=config), local_addresses=(NODE_IP,))
     assert {o.masquerade for o in t.trace(Packet(CLIENT, CLUSTER_IP, 80, iif=iif))} == {masqueraded}
+
+
+def test_the_health_check_node_port_is_accepted_for_the_load_balancer_and_nothing_else() -> None:
+    """externalTrafficPolicy Local: the healthCheckNodePort (TCP, on the node's addresses) is let past
+    the node's INPUT policy ("allow"), whether or not an endpoint is local; other ports and UDP are not."""
+    svc = service(service_type="LoadBalancer", node_port=NODE_PORT, external_traffic_policy="Local",
+                  health_check_node_port=30999)
+    for eps in (endpoints(LOCAL_EP), endpoints(REMOTE_EP)):
+        t = Tracer(ruleset([svc], eps), local_addresses=(NODE_IP,))
+        assert t.trace(Packet(CLIENT, NODE_IP, 30999)) == {base.Outcome("allow", None, False)}
+        assert t.trace(Packet(CLIENT, NODE_IP, 30998)) == {base.Outcome("accept", None, False)}
+        assert t.trace(Packet(CLIENT, NODE_IP, 30999, proto="udp")) == {base.Outcome("accept", None, False)}
