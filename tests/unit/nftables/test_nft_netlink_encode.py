@@ -273,3 +273,9 @@ def test_verdict_elements_with_comments_encode_as_the_general_path() -> None:
             inner += wire.attr(wire.ELEM_USERDATA, wire.udata((0, wire.udata_strz(names.comment(e.comment)))))
         want.append(wire.nest(wire.LIST_ELEM, inner))
     assert body.endswith(wire.nest(wire.SET_ELEM_LIST_ELEMENTS, *want))
+
+
+def test_a_goto_statement_is_nfts_immediate_verdict() -> None:
+    """Rendered for the affinity exemption of a Local-policy service (render._affinity_rules); its
+    expression had no unit test (a mutant dropping the chain survived mutation testing)."""
+    assert _debug([st.goto("affinity-tcp-exempt")]) == ["[ immediate reg 0 goto -> affinity-tcp-exempt ]"]
