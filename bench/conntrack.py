@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 ENTRIES = 100_000
 SERVICES = 1_000
@@ -164,10 +164,17 @@ def markdown(cell: Dict[str, Any]) -> List[str]:
     return lines
 
 
-if __name__ == "__main__":
+def main(name: str, child_: Callable[[int], Dict[str, Any]], measure_: Callable[[], Dict[str, Any]],
+         entries: int) -> None:
+    """A conntrack bench module as a program: ``--child [N]`` (inside its namespace) prints one pass's
+    figures; without it, the whole measurement (root: it creates the namespace)."""
     if len(sys.argv) >= 2 and sys.argv[1] == "--child":
-        print(json.dumps(child(int(sys.argv[2]) if len(sys.argv) > 2 else ENTRIES)))
+        print(json.dumps(child_(int(sys.argv[2]) if len(sys.argv) > 2 else entries)))
     else:
         if os.geteuid() != 0:
-            sys.exit("bench.conntrack: needs root (it creates a network namespace)")
-        print(json.dumps(measure(), indent=1))
+            sys.exit(f"bench.{name}: needs root (it creates a network namespace)")
+        print(json.dumps(measure_(), indent=1))
+
+
+if __name__ == "__main__":
+    main("conntrack", child, measure, ENTRIES)

@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any, Dict, List, Tuple
 
-from bench.conntrack import _status
+from bench.conntrack import _status, main
 
 ENTRIES = 100_000
 SERVICES = 1_000
@@ -182,9 +182,4 @@ def markdown(cell: Dict[str, Any]) -> List[str]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) >= 2 and sys.argv[1] == "--child":
-        print(json.dumps(child(int(sys.argv[2]) if len(sys.argv) > 2 else ENTRIES)))
-    else:
-        if os.geteuid() != 0:
-            sys.exit("bench.top: needs root (it creates a network namespace)")
-        print(json.dumps(measure(), indent=1))
+    main("top", child, measure, ENTRIES)
