@@ -7,13 +7,13 @@ import gc
 import ipaddress
 import logging
 import sys
-from typing import FrozenSet, List, Sequence, Tuple
+from typing import Callable, FrozenSet, List, Optional, Sequence, Tuple
 
 from netproxy.backends.base import Backend, BackendError, Packet
 from netproxy.cli.args import EXIT_FAILED, EXIT_OK, EXIT_REJECTED
 from netproxy.cli.settings import choose_backend, kube_client, make_backend, proxy_config, set_conntrack_sysctls
 from netproxy.core.config import ProxyConfig
-from netproxy.core.model import Changes, NodeInfo, Snapshot, ValidationError, forget_parsed_addresses
+from netproxy.core.model import Changes, IPAddress, NodeInfo, Snapshot, ValidationError, forget_parsed_addresses
 from netproxy.core.tracker import ChangeTracker
 from netproxy.node import skew
 from netproxy.node.nodeconfig import ensure_localhost_nodeports, hostname
@@ -41,17 +41,26 @@ def _load(args: argparse.Namespace) -> Loaded:
     return kube.load_once(kube_client(args), hostname(args), use_endpoints=args.use_endpoints)
 
 
-def _snapshot(loaded: Loaded, config: ProxyConfig) -> Tuple[Snapshot, List[ValidationError]]:
-    """The loaded --source as the snapshot a one-shot command syncs, plans or traces."""
+Addresses = Callable[[], Sequence[IPAddress]]
+
+
+def snapshot_of(loaded: Loaded, config: ProxyConfig,
+                node_addresses: Optional[Addresses] = None) -> Tuple[Snapshot, List[ValidationError]]:
+    """The loaded --source as the snapshot a one-shot command syncs, plans or traces.
+    ``node_addresses``: the node's addresses inside ``--nodeport-addresses`` (default: this node's
+    own, read from the kernel; the conformance suite gives a table's node's)."""
     tracker = ChangeTracker(NodeInfo(name=config.hostname), service_cidrs=config.service_cidrs,
                             external_ips=config.gate("AllowServiceExternalIPs"))
     tracker.replace_service_cidrs(loaded.service_cidrs)
     if loaded.node is not None:
         tracker.set_node(loaded.node)
     if config.nodeport_addresses:
-        from netproxy.node.nodeaddr import local_addresses
+        if node_addresses is None:
+            from netproxy.node.nodeaddr import local_addresses
 
-        tracker.set_node_addresses(local_addresses(config.nodeport_addresses))
+            tracker.set_node_addresses(local_addresses(config.nodeport_addresses))
+        else:
+            tracker.set_node_addresses(tuple(node_addresses()))
     tracker.replace_services(loaded.services)
     tracker.replace_endpoints(loaded.endpoints)
     forget_parsed_addresses()  # no reload follows: the memory goes to the sync instead
@@ -64,7 +73,7 @@ def _ready_to_write(args: argparse.Namespace) -> Tuple[Backend, ProxyConfig, Sna
     args.one_shot = True
     loaded = _load(args)
     backend, config = make_backend(args, loaded.node)
-    snapshot, errors = _snapshot(loaded, config)
+    snapshot, errors = snapshot_of(loaded, config)
     backend.probe()
     ensure_localhost_nodeports(backend.name, config)
     return backend, config, snapshot, errors
@@ -100,7 +109,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"netproxy: source: {err}", file=sys.stderr)
         return EXIT_REJECTED  # with --diff, 1 means "differs": bad input is 2, as diff's trouble
     backend, config = make_backend(args, loaded.node)
-    snapshot, errors = _snapshot(loaded, config)
+    snapshot, errors = snapshot_of(loaded, config)
     if args.diff:
         return _plan_diff(backend, config, snapshot, errors)
     sys.stdout.write(backend.plan(snapshot))
@@ -163,7 +172,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"netproxy trace: --to: {err}", file=sys.stderr)
         return EXIT_FAILED
-    snapshot, errors = _snapshot(loaded, config)
+    snapshot, errors = snapshot_of(loaded, config)
     local = frozenset(args.node_address)
     if args.kernel and not local:
         # The kernel's rules are this node's: so are its addresses, unless the caller names others.

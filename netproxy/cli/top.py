@@ -50,13 +50,13 @@ class Sampler:
 def service_map(args: argparse.Namespace) -> Tuple[traffic.ServiceMap, List[Exception]]:
     """From the cluster when a source is named, else from the kernel's rules; (map, rejected objects)."""
     if args.source or args.kubeconfig:
-        from netproxy.cli.oneshot import _load, _snapshot
+        from netproxy.cli.oneshot import _load, snapshot_of
         from netproxy.cli.settings import proxy_config
 
         loaded = _load(args)
         gc.enable()  # _load turns the collector off for one-shot commands; the live view runs on
         config = proxy_config(args, "nftables" if args.backend == "auto" else args.backend, "legacy", loaded.node)
-        snapshot, errors = _snapshot(loaded, config)
+        snapshot, errors = snapshot_of(loaded, config)
         return traffic.from_snapshot(snapshot), list(errors)
     from netproxy.backends import listing
     from netproxy.cli.settings import choose_backend, proxy_config

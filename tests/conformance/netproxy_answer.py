@@ -14,11 +14,11 @@ import ipaddress
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from netproxy.backends.base import Backend, Outcome, Packet
+from netproxy.cli import oneshot
 from netproxy.cli.args import build_parser
 from netproxy.cli.settings import make_backend
 from netproxy.core.config import ProxyConfig
-from netproxy.core.model import NodeInfo, Snapshot
-from netproxy.core.tracker import ChangeTracker
+from netproxy.core.model import IPAddress, NodeInfo, Snapshot
 from netproxy.source.files import Loaded, flatten, parse_objects
 from tests.conformance.tables import Answer, Case, Flow, Node, State
 
@@ -50,21 +50,14 @@ def load(node: Node, state: State) -> Loaded:
 
 
 def snapshot(config: ProxyConfig, node: Node, loaded: Loaded) -> Snapshot:
-    """The loaded state as the snapshot a one-shot command takes (``netproxy.cli.oneshot``); the
-    NodePort addresses are the table's node addresses inside ``--nodeport-addresses``."""
-    tracker = ChangeTracker(NodeInfo(name=config.hostname), service_cidrs=config.service_cidrs,
-                            external_ips=config.gate("AllowServiceExternalIPs"))
-    tracker.replace_service_cidrs(loaded.service_cidrs)
-    if loaded.node is not None:
-        tracker.set_node(loaded.node)
-    if config.nodeport_addresses:
+    """The loaded state as the snapshot a one-shot command takes (``netproxy.cli.oneshot``'s own), the
+    NodePort addresses being the table's node addresses inside ``--nodeport-addresses``."""
+    def addresses() -> List[IPAddress]:
         addrs = [ipaddress.ip_address(a) for a in local_addresses(node)]
-        tracker.set_node_addresses(tuple(sorted(
-            (a for a in addrs if any(a.version == n.version and a in n for n in config.nodeport_addresses)),
-            key=lambda a: (a.version, a))))
-    tracker.replace_services(loaded.services)
-    tracker.replace_endpoints(loaded.endpoints)
-    return tracker.take()[0]
+        return sorted((a for a in addrs if any(a.version == n.version and a in n for n in config.nodeport_addresses)),
+                      key=lambda a: (a.version, a))
+
+    return oneshot.snapshot_of(loaded, config, addresses)[0]
 
 
 def packet(node: Node, flow: Flow) -> Packet:
