@@ -314,10 +314,18 @@ class Reflector:
     def watch_once(self, resource_version: str) -> None:
         """One watch request from ``resource_version``; returns when the server ends it."""
         timeout = int(self.settings.watch_timeout * (1.0 + self.rand()))
-        resp = self.list_func(**dict(
-            self.list_kwargs, watch=True, resource_version=resource_version, allow_watch_bookmarks=True,
-            timeout_seconds=max(1, timeout), _preload_content=False,
-            _request_timeout=(self.settings.connect_timeout, timeout + self.settings.read_slack)))
+        try:
+            resp = self.list_func(**dict(
+                self.list_kwargs, watch=True, resource_version=resource_version, allow_watch_bookmarks=True,
+                timeout_seconds=max(1, timeout), _preload_content=False,
+                _request_timeout=(self.settings.connect_timeout, timeout + self.settings.read_slack)))
+        except Exception as err:
+            # A server may refuse the version with the request's status rather than an ERROR event in
+            # a 200 stream (kube-apiserver v1.36 sends the event; client-go takes both): relist, as
+            # for the event.  Retrying the same version would be refused forever.
+            if api_status(err) == 410:
+                raise Expired(f"watch expired: {_describe(err)}") from None
+            raise
         with self._resp_lock:
             self._resp = resp
         self.watches += 1

@@ -203,6 +203,21 @@ def test_bookmark_moves_the_resume_point(running: KubeSource, api: ApiServer, tr
     assert svc_reflector.lists == 1
 
 
+def test_a_watch_refused_with_http_410_relists(running: KubeSource, api: ApiServer,
+                                               tracker: RecordingTracker) -> None:
+    """410 as the watch request's own status (not an ERROR event in the stream): a relist, not a
+    failure retried with the same, forever too old, resourceVersion."""
+    svc_reflector = running.reflectors[0]
+    lists, errors = svc_reflector.lists, svc_reflector.errors
+    api.fail_next(410, path="/api/v1/services?", watch_only=True)
+    api.drop_watches()
+    api.create("services", service("svc9", "10.0.0.9"))
+    wait_for(lambda: "default/svc9:http" in services_of(tracker), what="svc9 after the 410")
+    assert svc_reflector.lists == lists + 1, "the 410 did not relist"
+    # The dropped stream may count as one failed watch; the 410 itself is a relist, not a failure.
+    assert svc_reflector.errors <= errors + 1, "a 410 is a relist, not a failure"
+
+
 def test_server_errors_back_off_exponentially(running: KubeSource, api: ApiServer,
                                               tracker: RecordingTracker) -> None:
     svc_reflector = running.reflectors[0]
