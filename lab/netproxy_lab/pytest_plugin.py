@@ -44,6 +44,22 @@ def require(condition: bool, reason: str) -> None:
     pytest.skip(reason)
 
 
+def require_sctp(what: str = "SCTP") -> None:
+    """SCTP in this kernel, or the one reason a test may go without it.  The VM guests, whose kernels
+    have it, set NETPROXY_REQUIRE_SCTP=1 (vagrant/guest-test): a missing SCTP fails there.  On a host
+    without it the test skips only when this run's guests test SCTP through the proxy
+    (NETPROXY_SCTP_IN_GUESTS=1, set by scripts/run-tests when it boots them); otherwise CI=true
+    fails it, as any missing capability."""
+    why = kernel_has_sctp()
+    if why is None:
+        return
+    if os.environ.get("NETPROXY_REQUIRE_SCTP") == "1":
+        pytest.fail(f"NETPROXY_REQUIRE_SCTP=1 and {why}", pytrace=False)
+    if os.environ.get("NETPROXY_SCTP_IN_GUESTS") == "1":
+        pytest.skip(f"{what}: {why}; this run's QEMU guests test SCTP (NETPROXY_SCTP_IN_GUESTS=1)")
+    require(False, f"{why}, and no guest of this run tests SCTP (NETPROXY_SCTP_IN_GUESTS unset)")
+
+
 def _netns_works() -> Optional[str]:
     probe = f"np-probe-{os.getpid()}"
     try:

@@ -29,8 +29,8 @@ from netproxy_lab.checks import (
 from netproxy_lab.combos import has_iptables, selected
 from netproxy_lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
 from netproxy_lab.proxy import Proxy
-from netproxy_lab.pytest_plugin import require
-from netproxy_lab.topology import CLIENT6, GATEWAY4, NODE_EXT4, Pod, Sandbox, kernel_has_sctp
+from netproxy_lab.pytest_plugin import require, require_sctp
+from netproxy_lab.topology import CLIENT6, GATEWAY4, NODE_EXT4, Pod, Sandbox
 from tests.kernel import traced
 
 # The behavioural suite is the one traffic suite that runs on the fallback writers (libiptc,
@@ -110,18 +110,9 @@ SCTP_IP = "10.96.0.30"
 
 def test_sctp(proxy: Proxy, sandbox: Sandbox) -> None:
     """SCTP to a ClusterIP reaches only and all of its endpoints (one-to-one associations, answered by
-    the pods), on every backend.  Only where the kernel has SCTP.  The VM guests, whose kernels have
-    it, set NETPROXY_REQUIRE_SCTP=1 (vagrant/guest-test): a missing SCTP fails there.  On a host
-    without it the test skips only when this run's guests test SCTP (NETPROXY_SCTP_IN_GUESTS=1,
-    set by scripts/run-tests when it boots them); otherwise CI=true fails it, as any missing
-    capability."""
-    why = kernel_has_sctp()
-    if why is not None:
-        if os.environ.get("NETPROXY_REQUIRE_SCTP") == "1":
-            pytest.fail(f"NETPROXY_REQUIRE_SCTP=1 and {why}", pytrace=False)
-        if os.environ.get("NETPROXY_SCTP_IN_GUESTS") == "1":
-            pytest.skip(f"{why}; this run's QEMU guests test SCTP (NETPROXY_SCTP_IN_GUESTS=1)")
-        require(False, f"{why}, and no guest of this run tests it (NETPROXY_SCTP_IN_GUESTS unset)")
+    the pods), on every backend.  Only where the kernel has SCTP (require_sctp: the guests test it where
+    the host cannot)."""
+    require_sctp()
     assert sandbox.sctp_ports == (8080,), "the sandbox's pods answer SCTP where the kernel has it"
     pods = endpoints_of(sandbox, 3)
     proxy.sync([service("assoc", SCTP_IP, [port(7777, 8080, name="assoc", protocol="SCTP")]),
