@@ -43,3 +43,17 @@ def fresh_dumps(snapshot: Snapshot, config: Optional[ProxyConfig] = None) -> Dic
 
 def dumps(fake: FakeNft) -> Dict[str, str]:
     return {fam: fake.dump(fam) for fam in ("ip", "ip6")}
+
+
+def mixed_snapshot() -> Snapshot:
+    """The mixed cluster of the golden file (tests/unit/nftables/golden/mixed.nft) and of nft's own
+    netlink bytes (nft_netlink_capture.py): external and LB IPs, UDP, affinity, no endpoints, IPv6."""
+    return snap(
+        (svc("web", "10.96.0.10", external=["192.0.2.10"], lb=["198.51.100.10"]),
+         eps("10.1.0.2", "10.1.0.1", "10.1.0.3")),
+        (svc("dns", "10.96.0.53", 53, proto="UDP", port_name="dns"), eps("10.1.0.7", port=53)),
+        (svc("sticky", "10.96.0.20", affinity=True, timeout=60), eps("10.1.0.4", "10.1.0.5")),
+        (svc("empty", "10.96.0.30"), ()),
+        (svc("v6", "fd00::10"), eps("fd01::1", "fd01::2")),
+    )
+

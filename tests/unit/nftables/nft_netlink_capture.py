@@ -29,7 +29,7 @@ from netproxy.backends.nftables import serialise
 from netproxy.backends.nftables.serialise import Op
 from netproxy.core.config import ProxyConfig, parse_cidrs
 from netproxy.core.model import Changes
-from tests.unit.nftables.nft_helpers import backend, eps, snap, svc
+from tests.unit.nftables.nft_helpers import backend, eps, mixed_snapshot, snap, svc
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "nft-netlink.json")
 NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END = 16, 17
@@ -38,14 +38,7 @@ NLA_F_NESTED, NLA_F_NET_BYTEORDER = 0x8000, 0x4000
 
 def transactions() -> List[List[Op]]:
     """The backend's two transactions: a first full sync, then an incremental one."""
-    first = snap(
-        (svc("web", "10.96.0.10", external=["192.0.2.10"], lb=["198.51.100.10"]),
-         eps("10.1.0.2", "10.1.0.1", "10.1.0.3")),
-        (svc("dns", "10.96.0.53", 53, proto="UDP", port_name="dns"), eps("10.1.0.7", port=53)),
-        (svc("sticky", "10.96.0.20", affinity=True, timeout=60), eps("10.1.0.4", "10.1.0.5")),
-        (svc("empty", "10.96.0.30"), ()),
-        (svc("v6", "fd00::10"), eps("fd01::1", "fd01::2")),
-    )
+    first = mixed_snapshot()
     second = snap(
         (svc("dns", "10.96.0.53", 53, proto="UDP", port_name="dns"), eps("10.1.0.8", "10.1.0.9", port=53)),
         (svc("sticky", "10.96.0.20", affinity=True, timeout=60), eps("10.1.0.4", "10.1.0.5")),

@@ -12,7 +12,7 @@ import pytest
 from netproxy.backends.nftables import names, render
 from netproxy.core.config import ProxyConfig, parse_cidrs
 from netproxy.core.model import Changes, Endpoint, NodeInfo
-from tests.unit.nftables.nft_helpers import backend, eps, snap, svc
+from tests.unit.nftables.nft_helpers import backend, eps, mixed_snapshot, snap, svc
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
@@ -32,26 +32,15 @@ def _golden(name: str, text: str) -> None:
     assert text == want, f"rendered plan differs from {path}:\n{diff}"
 
 
-def _mixed_snapshot():  # type: ignore[no-untyped-def]
-    return snap(
-        (svc("web", "10.96.0.10", external=["192.0.2.10"], lb=["198.51.100.10"]),
-         eps("10.1.0.2", "10.1.0.1", "10.1.0.3")),
-        (svc("dns", "10.96.0.53", 53, proto="UDP", port_name="dns"), eps("10.1.0.7", port=53)),
-        (svc("sticky", "10.96.0.20", affinity=True, timeout=60), eps("10.1.0.4", "10.1.0.5")),
-        (svc("empty", "10.96.0.30"), ()),
-        (svc("v6", "fd00::10"), eps("fd01::1", "fd01::2")),
-    )
-
-
 def test_plan_matches_golden() -> None:
     b, _ = backend(ProxyConfig(hostname="node-a", cluster_cidrs=parse_cidrs("10.0.0.0/8")))
-    _golden("mixed.nft", b.plan(_mixed_snapshot()))
+    _golden("mixed.nft", b.plan(mixed_snapshot()))
 
 
 def test_plan_is_a_pure_function_of_the_snapshot() -> None:
     b, fake = backend()
-    first = b.plan(_mixed_snapshot())
-    assert b.plan(_mixed_snapshot()) == first
+    first = b.plan(mixed_snapshot())
+    assert b.plan(mixed_snapshot()) == first
     assert fake.transactions == [] and fake.tables == {}, "plan must not touch the kernel"
 
 
