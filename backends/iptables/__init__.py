@@ -306,7 +306,9 @@ class IptablesBackend:
         filled()  # idempotent: returns at once when the writer already waited
         self._written[family] = {t: dict(ruleset.chains(t)) for t in TABLES}
         self._sets.after_write(self.ipsets, ruleset, full)
-        if full and not self.config.one_shot:
+        if full and not self.config.one_shot and self.config.iptables_flavour != "nft":
+            # (iptables-nft: one generation for both families, read once after the sync's last
+            # write in _sync_tables; reading it here too was a GETGEN per family thrown away.)
             # Right after this family's write (the window in which another writer's change would be
             # taken for ours is this read), and only if the tables hold our chains with our rule
             # counts: a write that went elsewhere (nf_tables behind a "legacy" name) is not trusted.
