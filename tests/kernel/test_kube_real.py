@@ -424,12 +424,6 @@ def test_apiserver_restart_and_compacted_history_relist_and_keep_traffic(
     keep_ip, change_ip, gone_ip, new_ip = "10.96.0.30", "10.96.0.31", "10.96.0.32", "10.96.0.33"
     a, b, c_ = sandbox.pods[:3]
     other = cp.start_apiserver("apiserver-2")
-    # Two API servers on their own ports rewrite the `kubernetes` Service's targetPort in turn, every
-    # reconcile of either (a change each time, as many as the test's length allows): labelled for
-    # another proxy, netproxy leaves it out (the informers' filter), and the counts below are the
-    # test's own changes only.
-    cp.admin.merge_patch("/api/v1/namespaces/default/services/kubernetes",
-                         {"metadata": {"labels": {"service.kubernetes.io/service-proxy-name": "not-netproxy"}}})
     kubeconfig = cp.service_account_kubeconfig(str(tmp_path / "sa.kubeconfig"), "kube-system", "netproxy")
     with cluster(cp, sandbox, "np-restart") as c:
         c.service("keep", keep_ip)
