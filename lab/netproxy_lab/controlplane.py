@@ -340,7 +340,11 @@ class ControlPlane:
         return write_kubeconfig(path, server or self.server, self.path("ca.crt"), token=review["status"]["token"])
 
     def ensure_namespace(self, name: str, wait_for_account: bool = True) -> None:
-        """Namespace ``name``, and (unless told not to: no controllers, no Pods) its default ServiceAccount."""
+        """Namespace ``name``, and (unless told not to: no controllers, no Pods) its default ServiceAccount.
+
+        A namespace of the same name still terminating (an earlier test's) is waited out first: its
+        objects' deletions would otherwise reach the proxy under test as changes of its own."""
+        self.wait_namespace_gone(name, only_terminating=True)
         try:
             self.admin.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
                                                      "metadata": {"name": name}})
@@ -355,6 +359,31 @@ class ControlPlane:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"namespace {name}: no default ServiceAccount after 60s")
             time.sleep(0.2)
+
+    def delete_namespace(self, name: str, timeout: float = 120) -> None:
+        """Delete namespace ``name`` and wait until the namespace controller has removed it and
+        everything in it, so that the next test's proxy sees none of those deletions."""
+        status, got = self.admin.call("DELETE", f"/api/v1/namespaces/{name}", expect=())
+        if status not in (200, 202, 404):
+            raise ApiError("DELETE", f"/api/v1/namespaces/{name}", status, got)
+        self.wait_namespace_gone(name, timeout=timeout)
+
+    def wait_namespace_gone(self, name: str, timeout: float = 120, only_terminating: bool = False) -> None:
+        """Until namespace ``name`` is gone (404); with ``only_terminating``, only if it is being deleted."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status, got = self.admin.call("GET", f"/api/v1/namespaces/{name}", expect=())
+            if status == 404:
+                return
+            if status != 200:
+                raise ApiError("GET", f"/api/v1/namespaces/{name}", status, got)
+            terminating = isinstance(got, dict) and bool((got.get("metadata") or {}).get("deletionTimestamp"))
+            if only_terminating and not terminating:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"namespace {name}: still there {timeout:.0f}s after its deletion "
+                                   f"(status {(got.get('status') if isinstance(got, dict) else got)!r})")
+            time.sleep(0.3)
 
     def node(self, name: str, zone: str = "") -> Obj:
         """A Node (as a kubelet registers it), labelled with ``zone``; created or updated."""

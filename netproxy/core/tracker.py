@@ -221,8 +221,10 @@ class ChangeTracker:
                 del self._services[key]
                 self._dirty.add(key)
                 self._count_service()
+                log.debug("service %s/%s deleted", *key)
             return
         if old != ports:
+            log.debug("service %s/%s %s", *key, "added" if old is None else "changed")
             self._services[key] = ports
             self._dirty.add(key)
             self._count_service()
@@ -235,6 +237,7 @@ class ChangeTracker:
         old = self._slices.get(key)
         if old is eps or old == eps:
             return
+        log.debug("endpoint slice %s/%s %s", *key, "added" if old is None else "deleted" if eps is None else "changed")
         self.endpoint_changes += 1
         self._pending_endpoints += 1
         stamp = eps.trigger_time if eps is not None else None
