@@ -13,7 +13,7 @@ import shutil
 import sys
 from typing import List, Optional, Sequence
 
-from bench import installed, report, targets
+from bench import installed, report, targets, targets_scale
 from bench.run import Bench, combo_record, new_workdir
 from netproxy_lab import combos as combos_mod
 from netproxy_lab import netns
@@ -43,15 +43,24 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    "fails if any measure cannot be taken")
     p.add_argument("--budget", type=float, default=0.0,
                    help="wall-clock budget in seconds (default 1140 = 19 min; scaled up for --max-services > 10000)")
-    p.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for JSON, markdown and PNG")
+    p.add_argument("--scale", type=int, default=0, metavar="N",
+                   help="only the control-plane phase at N services × 10 (e.g. 100000), nftables and "
+                   "iptables-legacy/restore unless --backends says; writes to results/<N/1000>k unless --out")
+    p.add_argument("--out", default="", help="directory for JSON, markdown and PNG (default bench/results)")
     p.add_argument("--keep-workdir", action="store_true", help="keep payloads and logs (kept anyway on errors)")
     args = p.parse_args(argv)
     if args.max_services < 100:
         p.error("--max-services must be at least 100")
+    if args.scale and (args.scale < 1000 or args.smoke):
+        p.error("--scale takes N >= 1000 and no --smoke")
+    if not args.out:
+        args.out = os.path.join(HERE, "results", f"{args.scale // 1000}k" if args.scale else "")
     return args
 
 
 def choose(args: argparse.Namespace) -> List[combos_mod.Combo]:
+    if args.scale and not args.backends:
+        return [combos_mod.COMBOS["nftables"], combos_mod.COMBOS["iptables-legacy/restore"]]
     if args.smoke and not args.backends:
         return [combos_mod.COMBOS["nftables"], combos_mod.COMBOS["iptables-legacy/restore"]]
     return combos_mod.parse(args.backends)
@@ -78,11 +87,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     netns.install_handlers()
     installed.precompile()
-    sizes = sizes_for(args.max_services, args.smoke)
-    budget = args.budget or (1140.0 * max(1.0, args.max_services / 10000) if not args.smoke else 300.0)
+    sizes = [args.scale] if args.scale else sizes_for(args.max_services, args.smoke)
+    budget = args.budget or (300.0 if args.smoke else 0.03 * args.scale * len(wanted) + 600 if args.scale
+                             else 1140.0 * max(1.0, args.max_services / 10000))
     workdir = new_workdir()
-    bench = Bench(wanted, sizes, args.smoke, budget, workdir)
-    if args.smoke:
+    bench = Bench(wanted, sizes, args.smoke, budget, workdir, scale=bool(args.scale))
+    if args.scale:
+        bench.progress(f"scale run: N = {args.scale:,}, backends {', '.join(c.name for c in wanted)}, "
+                       f"budget {budget:.0f} s")
+    elif args.smoke:
         bench.progress("smoke run: N=100, the first available of nftables, iptables-legacy/restore")
     else:
         bench.progress(f"full run: N in {sizes}, backends {', '.join(c.name for c in wanted)}, budget {budget:.0f} s")
@@ -98,12 +111,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             bench.combos = chosen
             bench.results["unavailable"] = {}
             bench.results["meta"]["combos"] = [combo_record(c) for c in chosen]
-        results = bench.run()
+        results = bench.run_scale() if args.scale else bench.run()
     finally:
         netns.cleanup_all()
     results["meta"]["duration"] = bench.budget_used()
     results["meta"].setdefault("loadavg", []).append(os.getloadavg()[0])
-    results["targets"] = targets.check(results)
+    results["targets"] = targets_scale.check(results) if args.scale else targets.check(results)
     stem = "smoke" if args.smoke else "latest"
     json_path, md_path, png_path = report.write(results, args.out, stem)
     print(report.markdown(results))

@@ -25,7 +25,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 START_TARGET = {"nftables": 3.0, "iptables-legacy/restore": 3.5}
 RATIO_TARGET = 1.2
-RSS_TARGET = 180.0
+RSS_TARGET = 150.0
+"""MB (10**6 bytes), as the issue's targets are written; the cells hold MiB."""
+LARGE = 100000
+"""At and past this N the start and RSS targets are the 100k ones (issue 40: start → last service
+answering ≤ 12 s, RSS ≤ 700 MB, nftables)."""
+LARGE_START_TARGET = {"nftables": 12.0}
+LARGE_RSS_TARGET = 700.0
 CONVERGE_TARGET = 2.0
 GROWTH_TARGET = 5.0
 SOURCE_SYNC_TARGET = 1.1
@@ -46,13 +52,17 @@ def source_vs_sync(cell: Dict[str, Any]) -> Optional[float]:
     return source / sync if source and sync else None
 
 
-def rows(name: str, cell: Dict[str, Any]) -> List[Tuple[str, str, str, str]]:
-    """(measure, figure, target, verdict) lines for one backend's cell."""
+def rows(name: str, cell: Dict[str, Any], services: int = 10000) -> List[Tuple[str, str, str, str]]:
+    """(measure, figure, target, verdict) lines for one backend's cell at ``services``."""
+    start_target = (LARGE_START_TARGET if services >= LARGE else START_TARGET).get(name)
+    rss_target = LARGE_RSS_TARGET if services >= LARGE else RSS_TARGET
     out: List[Tuple[str, str, str, str]] = []
 
     def row(what: str, value: Optional[float], fmt: str, target: Optional[float], why: str = "") -> None:
         if value is None:
-            out.append((what, why or "not measured", "" if target is None else f"≤ {target:g}", "MISSED"))
+            # No figure misses a target; a row without a target (an aside) only says why it is empty.
+            out.append((what, why or "not measured", "" if target is None else f"≤ {target:g}",
+                        "" if target is None else "MISSED"))
             return
         verdict = "" if target is None else ("met" if value <= target else "MISSED")
         out.append((what, fmt.format(value), "" if target is None else f"≤ {target:g}", verdict))
@@ -60,20 +70,21 @@ def rows(name: str, cell: Dict[str, Any]) -> List[Tuple[str, str, str, str]]:
     start, source = _get(cell, "start", "seconds"), _get(cell, "source", "seconds")
     failed = "; ".join(str(cell[k]["error"]) for k in ("start", "source", "burst", "sync")
                        if isinstance(cell.get(k), dict) and "error" in cell[k])
-    row(f"{name}: start → last service answering (s)", start, "{:.2f}", START_TARGET.get(name), failed)
+    row(f"{name}: start → last service answering (s)", start, "{:.2f}", start_target, failed)
     real: Dict[str, Any] = cell["real"] if isinstance(cell.get("real"), dict) else {}
+    real_why = str(real.get("error") or (f"skipped: {real['skipped']}" if "skipped" in real else ""))
     row(f"{name}: the same start against a real kube-apiserver (s)", _get(cell, "real", "seconds"), "{:.2f}",
-        None, str(real.get("error", "")))
+        None, real_why)
     row(f"{name}: creating the objects through the real server (s)", _get(cell, "real", "load_seconds"), "{:.1f}",
-        None, str(real.get("error", "")))
+        None, real_why)
     row(f"{name}: `run --source` of the same objects (s)", source, "{:.2f}", None, failed)
     row(f"{name}: API ÷ file", start / source if start and source else None, "{:.2f}×", RATIO_TARGET, failed)
     row(f"{name}: `netproxy sync` of the same file, a new process (s)", _get(cell, "sync", "seconds"), "{:.2f}",
         None, failed)
     row(f"{name}: `run --source` ÷ `sync` of the same file", source_vs_sync(cell), "{:.2f}×", SOURCE_SYNC_TARGET,
         failed)
-    row(f"{name}: `run` peak RSS (MiB)", _get(cell, "burst", "maxrss_mib") or _get(cell, "start", "maxrss_mib"),
-        "{:.0f}", RSS_TARGET)
+    mib = _get(cell, "burst", "maxrss_mib") or _get(cell, "start", "maxrss_mib")
+    row(f"{name}: `run` peak RSS (MB)", None if mib is None else mib * 1.048576, "{:.0f}", rss_target)
     row(f"{name}: 2,000 slice updates: converged after the last (s)", _get(cell, "burst", "converged_seconds"),
         "{:.2f}", CONVERGE_TARGET, failed)
     row(f"{name}: RSS growth after the burst (MiB)", _get(cell, "burst", "rss_growth_mib"), "{:+.1f}",
@@ -95,6 +106,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--backends", default="nftables,iptables-legacy/restore")
     p.add_argument("--burst", type=int, default=apipath.BURST)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--no-real", action="store_true",
+                   help="leave out the start against a real kube-apiserver (at 100k its object creation alone "
+                   "takes many minutes)")
     args = p.parse_args(argv)
     from netproxy_lab.topology import Sandbox
 
@@ -106,7 +120,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with Sandbox(pods=10, udp_ports=()) as sb:
         for combo in combos.parse(args.backends):
             print(f"bench.api: {combo.name} N={args.services:,} …", flush=True)
-            cell = apipath.measure(sb, combo, args.services, client, workdir, burst_count=args.burst)
+            cell = apipath.measure(sb, combo, args.services, client, workdir, burst_count=args.burst,
+                                   timeout=max(120.0, 0.003 * args.services), real=not args.no_real)
             results["cells"][combo.name] = cell
             print(json.dumps(cell), flush=True)
     lines = [f"# The API path (`python -m bench.api`, commit {results['commit']}, "
@@ -114,7 +129,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              "| measure | figure | target | |", "|---|---|---|---|"]
     missed = 0
     for name, cell in results["cells"].items():
-        for what, figure, target, verdict in rows(name, cell):
+        for what, figure, target, verdict in rows(name, cell, args.services):
             lines.append(f"| {what} | {figure} | {target} | {verdict} |")
             missed += verdict == "MISSED"
     text = "\n".join(lines) + "\n"

@@ -156,7 +156,7 @@ def _python_in(sandbox: Any, args: Sequence[str], timeout: float) -> Dict[str, A
 
 
 def measure(sandbox: Any, combo: Any, n: int, client: Sequence[str], workdir: str,
-            timeout: float = 120.0, burst_count: int = BURST) -> Dict[str, Any]:
+            timeout: float = 120.0, burst_count: int = BURST, real: bool = True) -> Dict[str, Any]:
     """The five measures above for ``combo`` at ``n`` services; a failed step says so in its cell."""
     pods = [(p.ip, 8080) for p in sandbox.pods]
     tag = f"{combo.name.replace('/', '-')}-{n}"
@@ -176,7 +176,8 @@ def measure(sandbox: Any, combo: Any, n: int, client: Sequence[str], workdir: st
 
         out["start"], out["burst"] = _timed_run(sandbox, combo, client, n, ["--kubeconfig", kubeconfig],
                                                 os.path.join(workdir, f"netproxy-run-api-{tag}.log"), timeout, burst)
-    out["real"] = measure_real(sandbox, combo, n, client, workdir, objects, timeout)
+    out["real"] = measure_real(sandbox, combo, n, client, workdir, objects, timeout) if real else \
+        {"skipped": "--no-real"}
     out["source"], _ = _timed_run(sandbox, combo, client, n, ["--source", source],
                                   os.path.join(workdir, f"netproxy-run-source-{tag}.log"), timeout)
     # The node is empty again (_timed_run resets it): `netproxy sync` of the same file, a new process.

@@ -329,12 +329,15 @@ def markdown(results: Results) -> str:
         head.append(f"- {key}: not measured — {why}")
     if results.get("unavailable"):
         head.append("")
-    body = (control_tables(results) + ratio_table(results) + mixed_table(results) + floor_table(results)
-            + dataplane_table(results)
-            + latency_table(results) + rss_table(results) + objects.markdown(results.get("objects") or {})
-            + conntrack.markdown(results.get("conntrack") or {})
-            + top.markdown(results.get("top") or {})
-            + target_lines(results))
+    if meta.get("scale"):  # `--scale N`: phase A at one N only; the other tables would be empty
+        body = control_tables(results) + floor_table(results) + rss_table(results) + target_lines(results)
+    else:
+        body = (control_tables(results) + ratio_table(results) + mixed_table(results) + floor_table(results)
+                + dataplane_table(results)
+                + latency_table(results) + rss_table(results) + objects.markdown(results.get("objects") or {})
+                + conntrack.markdown(results.get("conntrack") or {})
+                + top.markdown(results.get("top") or {})
+                + target_lines(results))
     failed = results.get("dataplane_failures", [])
     if failed:
         body += ["### Data-plane failures (the run fails on these)", ""] + [f"- {f}" for f in failed] + [""]

@@ -91,10 +91,10 @@ def full_syncs(r: Results) -> List[Target]:
 
 def peak_rss(r: Results) -> Target:
     n = _n(r)
-    name, target = "legacy, peak RSS of `netproxy sync`, uniform / mixed", "≤ 150 MB / ≤ 250 MB"
+    name, target = "legacy, peak RSS of `netproxy sync`, uniform / mixed", "≤ 100 MB / ≤ 160 MB"
     figs: List[str] = []
     oks: List[Optional[bool]] = []
-    for key, limit, variant in ((LEGACY, 150, "uniform"), (LEGACY + MIXED_SUFFIX, 250, "mixed")):
+    for key, limit, variant in ((LEGACY, 100, "uniform"), (LEGACY + MIXED_SUFFIX, 160, "mixed")):
         cell = r["rss"].get(key, {}).get(str(n), {})
         x = cell.get("maxrss_mib") if "seconds" in cell else None
         if x is None:
@@ -121,14 +121,14 @@ def restart(r: Results) -> Target:
     if y is not None:
         first = cell.get("seconds")
         extra = f" (the first `netproxy sync` of the node: {first:.2f} s)" if first else ""
-        return _t(name, "≤ 3.0 s", y <= 3.0, f"{y:.2f} s{extra}{_where(n)}")
+        return _t(name, "≤ 1.5 s", y <= 1.5, f"{y:.2f} s{extra}{_where(n)}")
     if res:
         why = _why(res)
     elif "seconds" not in cell:  # the restart follows the first `netproxy sync` (the RSS measure)
         why = "the first `netproxy sync` has no figure (" + _reason(r, LEGACY, cell) + ")"
     else:
         why = "not measured"
-    return _t(name, "≤ 3.0 s", None, why + _where(n))
+    return _t(name, "≤ 1.5 s", None, why + _where(n))
 
 
 def floors(r: Results) -> Target:

@@ -105,14 +105,14 @@ def peak_rss(r: Results) -> Target:
     n = _n(r)
     uni = r["rss"].get(NFT, {}).get(str(n), {}).get("maxrss_mib")
     mix = r["rss"].get(NFT + MIXED_SUFFIX, {}).get(str(n), {}).get("maxrss_mib")
-    name, target = "peak RSS of `netproxy sync`, uniform / mixed", "≤ 150 MB / ≤ 200 MB"
+    name, target = "peak RSS of `netproxy sync`, uniform / mixed", "≤ 100 MB / ≤ 160 MB"
     if uni is None and mix is None:
         return _t(name, target, None, "not measured" + _where(n))
 
     def mb(x: Optional[float]) -> str:
         return "not measured" if x is None else f"{x / MB:.0f} MB"
 
-    ok = None if uni is None or mix is None else (uni / MB <= 150 and mix / MB <= 200)
+    ok = None if uni is None or mix is None else (uni / MB <= 100 and mix / MB <= 160)
     text = r["rss"].get(TEXT, {}).get(str(n), {}).get("maxrss_mib")
     return _t(name, target, ok, f"{mb(uni)} / {mb(mix)}; libnftables writer uniform {mb(text)}{_where(n)}")
 
@@ -133,7 +133,7 @@ def churn(r: Results) -> Target:
 
 
 def large(r: Results) -> Target:
-    name, target = f"{BIG:,} services × 10, `--max-services {BIG}`", "full ≤ 4 s, RSS ≤ 400 MB"
+    name, target = f"{BIG:,} services × 10, `--max-services {BIG}`", "full ≤ 3 s, RSS ≤ 300 MB"
     cell = _cell(r, NFT, BIG, "cold")
     x = seconds(cell)
     if x is None:
@@ -141,7 +141,7 @@ def large(r: Results) -> Target:
             if str(BIG) not in [str(s) for s in r["meta"]["sizes"]] else _why(cell)
         return _t(name, target, None, why)
     mem = r["rss"].get(NFT, {}).get(str(BIG), {}).get("maxrss_mib")
-    ok = x <= 4.0 and (mem is not None and mem / MB <= 400)
+    ok = x <= 3.0 and (mem is not None and mem / MB <= 300)
     return _t(name, target, ok, f"{x:.3f} s, RSS {'not measured' if mem is None else f'{mem / MB:.0f} MB'}")
 
 
@@ -151,14 +151,14 @@ def process(r: Results) -> List[Target]:
     cell = r["rss"].get(NFT, {}).get(str(n), {})
     x = cell.get("seconds")
     text = r["rss"].get(TEXT, {}).get(str(n), {}).get("seconds")
-    out.append(_t("`netproxy sync` of the uniform 10k cluster as one new process (load, render, write)", "≤ 2.0 s",
-                  None if x is None else x <= 2.0,
+    out.append(_t("`netproxy sync` of the uniform 10k cluster as one new process (load, render, write)", "≤ 1.5 s",
+                  None if x is None else x <= 1.5,
                   ("not measured" if x is None else f"{x:.2f} s") + _vs_text(x, text) + _where(n)))
     restart = cell.get("restart", {})
     y = restart.get("seconds")
     text_restart = r["rss"].get(TEXT, {}).get(str(n), {}).get("restart", {}).get("seconds")
-    out.append(_t("restart: a new `sync` process with one endpoint changed on a node holding the ruleset", "≤ 2.0 s",
-                  None if y is None else y <= 2.0,
+    out.append(_t("restart: a new `sync` process with one endpoint changed on a node holding the ruleset", "≤ 1.2 s",
+                  None if y is None else y <= 1.2,
                   (_why(restart) if y is None else f"{y:.2f} s") + _vs_text(y, text_restart) + _where(n)))
     return out
 

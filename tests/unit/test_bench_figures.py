@@ -169,3 +169,61 @@ def test_versions_alternate_the_revisions_on_an_emptied_node(monkeypatch: Any) -
     assert turns == [("nft", "a"), ("nft", "b")] * 2 + [("legacy", "a"), ("legacy", "b")] * 2
     assert emptied == ["ns"] * (len(turns) + 1)
     assert versions._seconds(0.0025) == "2.50 ms" and versions._seconds(1.5) == "1.500 s"
+
+
+def test_the_iptables_nft_resync_line_reads_its_resync_step() -> None:
+    from bench import targets_floor
+
+    r = _floor_results()
+    r["meta"]["combos"].append({"key": "iptables-nft/restore"})
+    r["control"]["iptables-nft/restore"] = {"uniform": {"10000": {"resync": {"seconds": 0.235}}}}
+    got = targets_floor.nft_flavour_resync(r)
+    assert got["met"] is False and got["figure"] == "235.0 ms" and got["target"] == "≤ 50 ms"
+    r["control"]["iptables-nft/restore"]["uniform"]["10000"]["resync"]["seconds"] = 0.03
+    assert targets_floor.nft_flavour_resync(r)["met"] is True
+
+
+def _scale_results() -> Dict[str, Any]:
+    """A --scale 100000 run: nftables met on time, missed on memory; legacy's raw restore absent."""
+    nft = {"uniform": {"100000": {"cold": {"seconds": 6.0}, "raw-netlink": {"seconds": 5.0},
+                                  "endpoint": {"seconds": 0.004, "backend_seconds": 0.001}}}}
+    legacy = {"uniform": {"100000": {"cold": {"seconds": 30.0}, "raw": {"error": "exited 1"}}}}
+    return {"meta": {"sizes": [100000], "combos": [{"key": "nftables"}, {"key": "iptables-legacy/restore"}]},
+            "unavailable": {}, "control": {"nftables": nft, "iptables-legacy/restore": legacy},
+            "rss": {"nftables": {"100000": {"seconds": 7.5, "maxrss_mib": 700.0,
+                                            "restart": {"seconds": 6.2, "maxrss_mib": 650.0}}},
+                    "iptables-legacy/restore": {"100000": {"seconds": 40.0, "maxrss_mib": 500.0}}}}
+
+
+def test_the_scale_targets_say_met_missed_or_why_at_100k() -> None:
+    from bench import targets_scale
+
+    by = {t["name"].split(",")[0]: t for t in targets_scale.check(_scale_results())}
+    sync = by["nftables `netproxy sync` as a new process"]
+    assert sync["met"] is False  # 700 MiB = 734 MB > 600 MB, though 7.5 s ≤ 8 s
+    assert sync["figure"].startswith("7.50 s / 734 MB; the full sync alone, in process, 6.00 s")
+    restart = by["nftables restart: a new `sync` with one endpoint changed on the programmed node"]
+    assert restart["met"] is False and restart["figure"] == "6.20 s, peak RSS 682 MB"
+    endpoint = by["nftables one endpoint changed in the running process"]
+    assert endpoint["met"] is True and endpoint["figure"] == "4.00 ms (the write 1.00 ms)"
+    legacy = by["iptables-legacy `netproxy sync` as a new process"]
+    assert legacy["met"] is None and "the raw restore not measured (error: exited 1)" in legacy["figure"]
+    r = _scale_results()
+    r["control"]["iptables-legacy/restore"]["uniform"]["100000"]["raw"] = {"seconds": 25.0}
+    legacy = next(t for t in targets_scale.check(r) if t["name"].startswith("iptables-legacy"))
+    assert legacy["met"] is True and "40.00 s = 1.60× the raw restore (25.00 s) / 524 MB" in legacy["figure"]
+    assert all(t["group"] == "bench.targets_scale" for t in targets_scale.check(r))
+
+
+def test_the_api_rows_take_the_100k_targets_at_100k_and_say_why_the_real_server_is_absent() -> None:
+    from bench import api
+
+    cell = {"start": {"seconds": 11.0, "maxrss_mib": 650.0}, "real": {"skipped": "--no-real"}}
+    at_10k = {r[0]: r for r in api.rows("nftables", cell)}
+    at_100k = {r[0]: r for r in api.rows("nftables", cell, 100000)}
+    start = "nftables: start → last service answering (s)"
+    assert at_10k[start][2:] == ("≤ 3", "MISSED") and at_100k[start][2:] == ("≤ 12", "met")
+    rss = "nftables: `run` peak RSS (MB)"
+    assert at_10k[rss][1:] == ("682", "≤ 150", "MISSED") and at_100k[rss][1:] == ("682", "≤ 700", "met")
+    real = at_100k["nftables: the same start against a real kube-apiserver (s)"]
+    assert real[1:] == ("skipped: --no-real", "", "")
