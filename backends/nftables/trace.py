@@ -25,7 +25,10 @@ from netproxy.backends.nftables.objects import Rule, Set
 _PROTOS = {"tcp": 6, "udp": 17, "sctp": 132}
 _NAT_CHAINS = {"prerouting": names.NAT_PREROUTING, "output": names.NAT_OUTPUT}
 _FILTER_CHAINS = {"input": names.FILTER_INPUT, "forward": names.FILTER_FORWARD, "output": names.FILTER_OUTPUT}
-_MAX_STEPS = 10_000
+_MAX_DEPTH = 100
+"""Rule steps one path may take (each rule that does not end the path and each chain it enters is
+a step deeper): netproxy's rules go about ten deep. A loop is caught here, before Python's own
+recursion limit (about three frames a step) would end the trace with a RecursionError."""
 _IPS_DST_NAT = 0x20
 """``ct status``'s dnat bit (the kernel's IPS_DST_NAT)."""
 _MASQUERADED = "masquerade"
@@ -83,7 +86,7 @@ class Tracer:
             raise ValueError(f"no {family} netproxy table")
         self.table = t
         self.family = family
-        self.steps = 0
+        self.depth = 0
         self._lookups: Dict[str, Dict[bytes, Optional[str]]] = {}
 
     # --- the packet's bytes ------------------------------------------------------------------------
@@ -167,14 +170,19 @@ class Tracer:
         return self._rules(p, chain, 0, st, daddr, dport)
 
     def _rules(self, p: Packet, chain: str, index: int, st: _State, daddr: str, dport: int) -> List[Outcome]:
-        self.steps += 1
-        if self.steps > _MAX_STEPS:
+        # The depth of this path, not a count of every step: the count grew over every packet one
+        # tracer traced, and at 10,000 it was never reached (recursion ended the trace first).
+        if self.depth >= _MAX_DEPTH:
             # The kernel refuses loops, so a ruleset that gets here was not read right: stop, say so.
-            raise ValueError(f"trace: more than {_MAX_STEPS:,} rule steps from chain {chain}; is the ruleset looping?")
-        rules = self.table.rules.get(chain, [])
-        if index >= len(rules):
-            return [Outcome(_CONTINUE, chains=st.chains, share=st.share)]
-        return self._exprs(p, chain, index, rules[index], 0, st, daddr, dport)
+            raise ValueError(f"trace: more than {_MAX_DEPTH} rule steps deep at chain {chain}; is the ruleset looping?")
+        self.depth += 1
+        try:
+            rules = self.table.rules.get(chain, [])
+            if index >= len(rules):
+                return [Outcome(_CONTINUE, chains=st.chains, share=st.share)]
+            return self._exprs(p, chain, index, rules[index], 0, st, daddr, dport)
+        finally:
+            self.depth -= 1
 
     def _exprs(self, p: Packet, chain: str, index: int, rule: Rule, k: int, st: _State, daddr: str,
                dport: int) -> List[Outcome]:
