@@ -112,9 +112,7 @@ class Tracer:
             s = self._set(name)
             key = encode.Packer(encode._fields(s.key_type, s.typeof))
             got = {}
-            for e in self.table.elements[name].values():
-                if "interval" in s.flags:
-                    continue
+            for e in self.table.elements[name].values():  # not an interval set: _find sends those elsewhere
                 got[key(e.key)] = e.value
             self._lookups[name] = got
         return got

@@ -129,6 +129,9 @@ def test_a_mark_with_bit_31_set_is_set_and_read_back() -> None:
 def test_a_first_packet_is_exactly_new_and_not_yet_dnat_ed() -> None:
     assert verdicts({PRE: [[ex.Ct(ex.CT_STATE, 8), eq(8, u32(0x8)), DROP]]}) == ["drop"]
     assert verdicts({PRE: [[ex.Ct(ex.CT_STATUS, 8), eq(8, u32(0)), DROP]]}) == ["drop"]
+    # Its original destination port, a service port above 32767 (an unsigned 16-bit field).
+    high = dataclasses.replace(PACKET, dport=50000)
+    assert verdicts({PRE: [[ex.Ct(ex.CT_PROTO_DST, 8), eq(8, be16(50000)), DROP]]}, high) == ["drop"]
 
 
 def test_the_node_s_own_packets_have_no_input_interface() -> None:
@@ -209,6 +212,11 @@ def test_each_random_branch_keeps_its_share_and_path_to_the_end() -> None:
     chains: Dict[str, List[Exprs]] = {PRE: [[ex.Numgen(8, 4), eq(8, u32(0)), *IS_SERVICE, DROP]], FORWARD: []}
     assert run(chains) == [Outcome("drop", chains=(PRE,), share=0.25)] + [
         Outcome("accept", chains=(PRE, FORWARD), share=0.25)] * 3
+
+
+def test_a_reject_in_a_random_branch_keeps_its_share() -> None:
+    assert run({PRE: [[ex.Numgen(8, 2), eq(8, u32(1)), ex.Reject(3)]]}) == [
+        Outcome("accept", chains=(PRE,), share=0.5), Outcome("reject", chains=(PRE,), share=0.5)]
 
 
 def test_a_verdict_map_s_plain_verdict() -> None:
