@@ -102,7 +102,9 @@ def verdicts(chains: Dict[str, List[Exprs]], packet: Packet = PACKET) -> List[st
     [imm(10, b"\xbb" * 4), imm(9, b"\xaa" * 2), eq(9, b"\xaa\xaa\0\0" + b"\xbb" * 4)],
     # The 16-byte register 2 is the 32-bit registers 12 to 15.
     [imm(2, bytes(range(16))), eq(13, bytes(range(4, 8)))],
-], ids=["store-4-in-8", "pad-2-to-4", "concat", "concat-padded", "reg2-is-reg32-12"])
+    # The last 16-byte register, 4, is the 32-bit registers 20 to 23, the register file's end.
+    [imm(4, bytes(range(16))), eq(4, bytes(range(16))), eq(20, bytes(range(4)))],
+], ids=["store-4-in-8", "pad-2-to-4", "concat", "concat-padded", "reg2-is-reg32-12", "reg4-is-reg32-20"])
 def test_registers_hold_what_the_kernel_would(rule: List[object]) -> None:
     assert verdicts({PRE: [rule + [DROP]]}) == ["drop"]
 
