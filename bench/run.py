@@ -369,6 +369,7 @@ class Bench:
         self.dp_sizes = []
         with Sandbox(pods=10, udp_ports=(), ipv6=True) as sb:
             self.sandbox = sb
+            sb.reset_timeout = max(60.0, 0.01 * n)  # legacy at 100k: a minute and more to empty under load
             self.progress(f"sandbox up: node {sb.node}")
             for combo in self.available():
                 self.phase_control(combo, n)

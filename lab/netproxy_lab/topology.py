@@ -130,6 +130,8 @@ class Sandbox:
         self.hold_ports = tuple(hold_ports)
         """TCP ports whose connections the pods keep open (:meth:`open_session`)."""
         self.sctp_ports = tuple(sctp_ports)
+        self.reset_timeout = 60.0
+        """Seconds :meth:`reset_netfilter` may take (the bench's ``--scale`` run raises it)."""
         """SCTP ports the pods answer on (only where the kernel has SCTP: :func:`kernel_has_sctp`)."""
         self.ipv6 = ipv6
         self.pods: List[Pod] = []
@@ -428,7 +430,8 @@ class Sandbox:
             raise SandboxError(str(err)) from None
 
     def reset_netfilter(self, ns: Optional[str] = None) -> None:
-        """Empty every nft and legacy iptables table and the conntrack table in ``ns`` (default: node)."""
+        """Empty every nft and legacy iptables table and the conntrack table in ``ns`` (default: node),
+        within :attr:`reset_timeout` seconds (a legacy table of 100k services takes minutes to empty)."""
         ns = ns or self.node
         script = [
             "command -v nft >/dev/null && nft flush ruleset",
@@ -442,7 +445,7 @@ class Sandbox:
             f"{shlex.quote(sys.executable)} -m netproxy.backends.iptables.ipset destroy-all >/dev/null 2>&1",
             "true",
         ]
-        self.exec(ns, ["sh", "-c", "; ".join(script)], check=True)
+        self.exec(ns, ["sh", "-c", "; ".join(script)], check=True, timeout=self.reset_timeout)
 
 
 def netproxy_command() -> List[str]:
