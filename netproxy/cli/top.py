@@ -3,8 +3,9 @@
 The names come from the cluster (``--source``/``--kubeconfig``: endpoint states, and the expected
 share from the same endpoint selection the backends use) or, with neither, from netproxy's rules in
 the kernel (``status --kernel``'s listing).  Each refresh is one ctnetlink dump of every family and
-protocol (netproxy/node/ctflows.py) folded into figures by netproxy/observe/traffic.py; the only
-history kept is the previous refresh's entry ids.  The live view is netproxy/cli/toptui.py.
+protocol, counted into groups as it is read (netproxy/node/ctflows.py) and folded into figures by
+netproxy/observe/traffic.py; the only history kept is the previous refresh's entry ids.  The live
+view is netproxy/cli/toptui.py.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ class Sampler:
     def refresh(self) -> traffic.Report:
         now = time.monotonic()
         interval = now - self._at if self._previous is not None else None
-        report, self._previous = traffic.aggregate(ctflows.flows(self._ct), self.smap, self._previous, interval,
-                                                   ctflows.accounting(), self.clients, self.always)
+        accounting = ctflows.accounting()
+        groups, sums, who = ctflows.count(self._ct, accounting, self.clients > 0)
+        report, self._previous = traffic.fold(groups, sums, who, self.smap, self._previous, interval, accounting,
+                                              self.clients, self.always)
         self._at = now
         if self.always:  # --service: that service's ports only
             report.ports = [p for p in report.ports if p.name in self.always]

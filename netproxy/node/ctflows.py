@@ -1,35 +1,37 @@
-"""Every conntrack entry of the namespace as the few fields ``netproxy top`` counts, in one dump.
+"""Every conntrack entry of the namespace, counted as ``netproxy top`` folds them, in one dump.
 
 The reconciler's reader (ctnetlink.py) keeps four tuple fields of one protocol; ``top`` also needs
-who the client is (the original source address), the protocol, whether the connection is still
-open (the TCP or SCTP state), which entry it is from one refresh to the next (``CTA_ID``), and the
-packet and byte counters the kernel keeps when ``nf_conntrack_acct`` is on.
+the protocol, whether the connection is still open (the TCP or SCTP state), which entry it is from
+one refresh to the next (``CTA_ID``), and, when asked, who the client is (the original source
+address) and the packet and byte counters the kernel keeps when ``nf_conntrack_acct`` is on.
 
-- One dump of every family and protocol: the kernel walks its whole table for each dump request,
-  whatever the filter (an empty IPv6 dump beside 100,000 IPv4 entries cost 25 ms), so one walk
-  instead of six.
-- The tuples are read at the fixed offsets ctnetlink.py relies on (the kernel always writes them
-  ``IP{src,dst} PROTO{num,sport,dport}``).  The attributes after them come in an order that differs
-  between kernel versions, but entries of one protocol and length are laid out alike: the first such
-  entry is walked and the offsets it had are kept (a :class:`_Plan`, at most ``_PLANS`` of them); the
-  next entries are read with one unpack that also reads every attribute header it relies on, and an
-  entry whose headers differ is walked.  Walking every entry cost 0.5 s per 100,000.
+- One dump of every family and protocol (``Ctnetlink.dump`` unfiltered): the kernel walks its whole
+  table for each dump request, whatever the filter (an empty IPv6 dump beside 100,000 IPv4 entries
+  cost 25 ms), so one walk instead of six.
+- Counted as read: each entry goes straight into its group, (protocol, service address + port,
+  endpoint address + port, state) → the ids of its entries (and, when asked, [packets, bytes] and
+  the clients' counts), the groups netproxy/observe/traffic.py folds.  No object per entry but its
+  id; reading every entry into a tuple first and grouping them after cost about twice as much.
+- Entries of one length and family are laid out alike: the first such entry is walked and the
+  offsets of what ``top`` reads are kept (a :class:`_Plan`, at most ``_PLANS`` of them); the next are
+  read with one unpack that also reads every header those offsets rely on (the tuples', the
+  protocol number's and each read attribute's); an entry whose headers differ is walked.  The
+  tuples come at the fixed offsets ctnetlink.py relies on (the kernel always writes them
+  ``IP{src,dst} PROTO{num,sport,dport}``); the attributes after them in an order that differs
+  between kernel versions.
 - An entry laid out otherwise (a per-direction zone inside a tuple) is read attribute by attribute;
   one of a protocol without ports (ICMP) is skipped.
-Nothing is kept between entries: one tuple per entry, handed on at once.
 """
 
 from __future__ import annotations
 
-import errno
-import socket
 import struct
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from operator import itemgetter
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from netproxy.node.ctnetlink import (
     _ADDR_LEN,
     _IP_SRC,
-    _NEW_REPLY,
     CTA_PROTO_DST_PORT,
     CTA_PROTO_NUM,
     CTA_PROTO_SRC_PORT,
@@ -37,15 +39,8 @@ from netproxy.node.ctnetlink import (
     CTA_TUPLE_ORIG,
     CTA_TUPLE_PROTO,
     CTA_TUPLE_REPLY,
-    IPCTNL_MSG_CT_GET,
-    NLM_F_DUMP,
-    NLM_F_REQUEST,
-    NLMSG_DONE,
-    NLMSG_ERROR,
     Ctnetlink,
-    CtnetlinkError,
     Layout,
-    _message,
     _walk,
 )
 
@@ -55,153 +50,235 @@ CTA_COUNTERS_PACKETS, CTA_COUNTERS_BYTES = 1, 2
 _PLANS = 64
 
 Flow = Tuple[int, bytes, bytes, bytes, int, int, int, int]
-"""(IP protocol, client address, service address + port, endpoint address + port, protocol state
-(TCP's or SCTP's, 0 for UDP), entry id, packets, bytes (both directions; 0 without accounting)).
-Addresses and ports are packed as the kernel sends them (ports big-endian), as
-netproxy.node.conntrack's keys are."""
+"""One entry read attribute by attribute: (IP protocol, client address, service address + port,
+endpoint address + port, protocol state (TCP's or SCTP's, 0 for UDP), entry id, packets, bytes (both
+directions; 0 without accounting)).  Addresses and ports are packed as the kernel sends them (ports
+big-endian), as netproxy.node.conntrack's keys are."""
+
+Key = Tuple[int, bytes, bytes, int]
+"""A group of entries: (IP protocol, service address + port, endpoint address + port, state)."""
+Groups = Dict[Key, List[int]]
+"""Each group's entry ids."""
+Sums = Dict[Key, List[int]]
+"""Each group's [packets, bytes] (with accounting)."""
+Clients = Dict[Tuple[int, bytes, bytes], Dict[bytes, int]]
+"""(IP protocol, service, endpoint) → client address → entries (with ``clients``)."""
+Counted = Tuple[Groups, Sums, Clients]
 
 Tail = Tuple[int, int, int, int]
 """(state, id, packets, bytes) from the attributes after the tuples."""
-Reader = Callable[[bytes, int, int, bytes, bytes, bytes], Optional[Flow]]
-"""A plan's reader: (message, where its attributes after the tuples start, and the tuples' protocol,
-client, service and endpoint) → the whole flow, in one tuple; None when laid out otherwise."""
 
-_HDR = struct.Struct("=IHHII")
 _ATTR = struct.Struct("=HH")
-_ERR = struct.Struct("=i")
 _BE32 = struct.Struct("!I")
 _BE64 = struct.Struct("!Q")
-_RECV_SIZE = 1 << 16
 
-
-class _Shape:
-    """One unpack per entry for the netlink header, the family and the tuple fields ``top`` reads."""
-
-    def __init__(self, family: int) -> None:
-        a = _ADDR_LEN[family]
-        layout = Layout.of(family)
-        self.expected = layout.expected
-        self.tail = 20 + 2 * layout.tuple_len  # where the attributes after both tuples start
-        # Layout.whole, with the original source address and the protocol number read too.
-        whole = struct.Struct(f"=IHHI8x12s{a}s4x{a}s8xB11x4s2s2x12s{a}s{16 + a}x4s2s")
-        self.unpack, self.size = whole.unpack_from, whole.size
-
-
-_SHAPES: Dict[int, _Shape] = {family: _Shape(family) for family in _ADDR_LEN}
-
-
-def _unseen(data: bytes, p: int, proto: int, client: bytes, dst: bytes, ep: bytes) -> Optional[Flow]:
-    """The plans' marker for a layout not seen yet (None there: one not to plan, walked)."""
-    return None
-
-
-_UNSEEN = _unseen
+_Values = Tuple[Any, ...]
+"""One entry's unpack, as struct gives it (bytes, and ints for the id, state and counters)."""
+_Fast = Tuple[Callable[[bytes, int], _Values], Callable[[_Values], _Values], _Values,
+              Callable[[_Values], _Values], int, Dict[_Values, List[int]]]
+"""What the counting loop takes from a plan, unpacked at once: (unpack, the read headers' getter,
+those headers as the plan's first entry had them, the group key's getter, the id's slot, the groups)."""
 
 
 class _Plan:
-    """Where the attributes after the tuples were in an entry of one protocol and length: one unpack
-    reads each attribute's header (to check) and value; ``read`` gives None when a header differs."""
+    """Where ``top``'s fields were in the first entry of one length and family (``data[off:]``).
 
-    def __init__(self, data: bytes, p: int, end: int) -> None:
-        pieces: List[Tuple[int, int, str, str]] = []  # (header offset from p, header length, value format, slot)
-        for kind, start, stop in _walk(data, p, end):
-            hdr = start - 4 - p
+    One unpack reads them and the headers they rely on; ``fast`` is what the counting loop uses."""
+
+    def __init__(self, data: bytes, off: int, length: int, family: int, accounting: bool, clients: bool) -> None:
+        a = _ADDR_LEN[family]
+        reply = 20 + Layout.of(family).tuple_len
+
+        def address(at: int, role: str) -> List[Tuple[int, int, str, str]]:
+            # As integers (one, or two for IPv6): a group's key hashes them without hashing bytes.
+            return [(at + i, 8 if a == 16 else 4, "Q" if a == 16 else "I", role) for i in range(0, a, 8)]
+
+        # (offset in the reply, size, struct code, role): "check" bytes must be as in this entry.  They
+        # pin every offset read: the tuples' lengths, the protocol (whose ports come in one order) and
+        # the header of each attribute read after the tuples.
+        pieces: List[Tuple[int, int, str, str]] = [
+            (16, 16, "16s", "check"),  # nfgenmsg, then ORIG { IP { SRC's header
+            *address(36 + a, "dst"),
+            (36 + 2 * a, 16, "16s", "check"),  # PROTO { NUM (the protocol) and SRC_PORT's header
+            (60 + 2 * a, 2, "H", "dport"),
+            (reply, 12, "12s", "check"), *address(reply + 12, "ep"),  # REPLY { IP { SRC
+            (reply + 32 + 2 * a, 2, "H", "eport")]
+        if clients:
+            pieces.append((32, a, f"{a}s", "client"))
+        self.proto = data[off + 44 + 2 * a]
+        for kind, start, stop in _walk(data, off + 20 + 2 * (reply - 20), off + length):
+            hdr = start - 4 - off
             if kind == CTA_ID and stop - start == 4:
-                pieces.append((hdr, 4, "I", "id"))
+                pieces += [(hdr, 4, "4s", "check"), (hdr + 4, 4, "I", "id")]
             elif kind == CTA_PROTOINFO and stop - start >= 9 and \
                     _ATTR.unpack_from(data, start + 4)[1] == CTA_PROTOINFO_STATE:
-                pieces.append((hdr, 12, "B", "state"))  # PROTOINFO { TCP|SCTP { STATE u8 ...
-            elif kind in (CTA_COUNTERS_ORIG, CTA_COUNTERS_REPLY) and stop - start == 24 and \
-                    [k for k, _, _ in _walk(data, start, stop)] == [CTA_COUNTERS_PACKETS, CTA_COUNTERS_BYTES]:
-                pieces += [(hdr, 8, "Q", "packets"), (hdr + 16, 4, "Q", "bytes")]
+                pieces += [(hdr, 12, "12s", "check"), (hdr + 12, 1, "B", "state")]  # PROTOINFO { TCP|SCTP { STATE
+            elif accounting and kind in (CTA_COUNTERS_ORIG, CTA_COUNTERS_REPLY):
+                for leaf, l0, l1 in _walk(data, start, stop):
+                    if l1 - l0 == 8 and leaf in (CTA_COUNTERS_PACKETS, CTA_COUNTERS_BYTES):
+                        role = "packets" if leaf == CTA_COUNTERS_PACKETS else "bytes"
+                        pieces += [(l0 - 4 - off, 4, "4s", "check"), (l0 - off, 8, "Q", role)]
+        pieces.sort()
         fmt, at = "!", 0
-        headers: List[bytes] = []
-        self.slots: Dict[str, List[int]] = {}
-        for i, (hdr, size, value, slot) in enumerate(pieces):
-            fmt += f"{hdr - at}x{size}s{value}"
-            headers.append(data[p + hdr:p + hdr + size])
-            self.slots.setdefault(slot, []).append(2 * i + 1)
-            at = hdr + size + struct.calcsize("!" + value)
-        self.struct = struct.Struct(fmt)
-        self.headers = tuple(headers)
+        slots: Dict[str, List[int]] = {}
+        for i, (where, size, code, role) in enumerate(pieces):
+            fmt += f"{where - at}x{code}"
+            slots.setdefault(role, []).append(i)
+            at = where + size
+        self.ok = "id" in slots
+        """An entry without an id is not planned (every kernel writes one): walked."""
+        self.stateful = "state" in slots
+        keyed = [i for role in ("dst", "dport", "ep", "eport", "state") for i in slots.get(role, [])]
+        self.packed = struct.Struct("!QQH" if a == 16 else "!IH").pack
+        """An address and port of the key (integers) as the kernel sent them."""
+        self.width = a // 8 + 1 if a == 16 else 2
+        unpack = struct.Struct(fmt).unpack_from
+        checks = itemgetter(*slots["check"])
+        self.key = itemgetter(*keyed)
+        self.id_at = slots.get("id", [0])[0]
+        self.client_at = slots.get("client", [0])[0]
+        self.packets_at, self.bytes_at = tuple(slots.get("packets", ())), tuple(slots.get("bytes", ()))
+        self.groups: Dict[_Values, List[int]] = {}
+        self.sums: Dict[_Values, List[int]] = {}
+        self.who: Dict[_Values, Dict[bytes, int]] = {}
+        self.fast: _Fast = (unpack, checks, checks(unpack(data, off)), self.key, self.id_at, self.groups)
 
-    def reader(self) -> Reader:
-        """The reading function of this plan (one per layout: no branch or loop in the common cases)."""
-        unpack, headers = self.struct.unpack_from, self.headers
-        state_at = self.slots.get("state", [-1])[0]
-        id_at = self.slots.get("id", [-1])[0]
-        packets_at, bytes_at = self.slots.get("packets", []), self.slots.get("bytes", [])
-        if state_at >= 0 and id_at >= 0 and not packets_at:  # TCP, SCTP: no accounting
-
-            def stateful(data: bytes, p: int, proto: int, client: bytes, dst: bytes, ep: bytes) -> Optional[Flow]:
-                v = unpack(data, p)
-                return (proto, client, dst, ep, v[state_at], v[id_at], 0, 0) if v[0::2] == headers else None
-
-            return stateful
-        if id_at >= 0 and not packets_at:  # UDP: no accounting
-
-            def stateless(data: bytes, p: int, proto: int, client: bytes, dst: bytes, ep: bytes) -> Optional[Flow]:
-                v = unpack(data, p)
-                return (proto, client, dst, ep, 0, v[id_at], 0, 0) if v[0::2] == headers else None
-
-            return stateless
-
-        def counted(data: bytes, p: int, proto: int, client: bytes, dst: bytes, ep: bytes) -> Optional[Flow]:
-            v = unpack(data, p)
-            if v[0::2] != headers:
-                return None  # laid out otherwise: walk this one
-            return (proto, client, dst, ep, v[state_at] if state_at >= 0 else 0, v[id_at] if id_at >= 0 else 0,
-                    sum(v[i] for i in packets_at), sum(v[i] for i in bytes_at))
-
-        return counted
+    def merge(self, out: Counted) -> None:
+        """This plan's groups into ``out``, keyed as :data:`Key`."""
+        groups, sums, who = out
+        proto, stateful, packed, w = self.proto, self.stateful, self.packed, self.width
+        for found, into in ((self.groups, groups), (self.sums, sums)):
+            for k, got in found.items():
+                key = (proto, packed(*k[:w]), packed(*k[w:2 * w]), k[2 * w] if stateful else 0)
+                have = into.get(key)
+                if have is None:
+                    into[key] = got
+                elif into is groups:
+                    have += got
+                else:
+                    have[0] += got[0]
+                    have[1] += got[1]
+        for k, tally in self.who.items():
+            merged = who.setdefault((proto, packed(*k[:w]), packed(*k[w:2 * w])), {})
+            for client, n in tally.items():
+                merged[client] = merged.get(client, 0) + n
 
 
-def flows(ct: Ctnetlink) -> Iterator[Flow]:
-    """Every entry of the caller's namespace, one dump, in the kernel's order."""
-    sock = ct._sock
-    ct._seq += 1
-    seq = ct._seq
-    sock.send(_message(IPCTNL_MSG_CT_GET, NLM_F_REQUEST | NLM_F_DUMP, socket.AF_UNSPEC, b"", seq))
-    plans: Dict[int, Optional[Reader]] = {}
-    shapes: Dict[int, _Shape] = {int(family): shape for family, shape in _SHAPES.items()}
-    unpack_header = _HDR.unpack_from
-    while True:
-        data = sock.recv(_RECV_SIZE)
-        off, n = 0, len(data)
-        while off + 16 <= n:
-            length, kind, _flags, mseq, _pid = unpack_header(data, off)
-            if length < 16:
-                raise CtnetlinkError(errno.EPROTO, "conntrack dump: malformed netlink message")
-            if mseq != seq:
-                pass
-            elif kind == _NEW_REPLY:
-                # The loop a refresh spends its time in, kept inline (a call per entry cost 10 %).
-                end = off + length
-                shape = shapes.get(data[off + 16])
-                if shape is not None and off + shape.size <= end:
-                    _l, _k, _f, _s, oh, client, dst, proto, dh, dport, rh, src, sh, sport = shape.unpack(data, off)
-                    if (oh, dh, rh, sh) == shape.expected:
-                        p = off + shape.tail
-                        key = proto << 16 | (end - p)
-                        read = plans.get(key, _UNSEEN)
-                        if read is _UNSEEN:
-                            read = plans[key] = _Plan(data, p, end).reader() if len(plans) < _PLANS else None
-                        flow = read(data, p, proto, client, dst + dport, src + sport) if read is not None else None
-                        yield flow if flow is not None else \
-                            (proto, client, dst + dport, src + sport) + _after_tuples(data, p, end)
-                        off += (length + 3) & ~3
-                        continue
-                found = _flow_slowly(data[off:end], socket.AF_INET if data[off + 16] == socket.AF_INET
-                                     else socket.AF_INET6)
-                if found is not None:
-                    yield found
-            elif kind == NLMSG_DONE:
-                return
-            elif kind == NLMSG_ERROR:
-                code = -_ERR.unpack_from(data, off + 16)[0]
-                if code:
-                    raise CtnetlinkError(code, f"conntrack dump refused: {errno.errorcode.get(code, code)}")
-            off += (length + 3) & ~3
+def _usual(data: bytes, off: int, family: int) -> bool:
+    """Whether the entry's tuples are laid out as a plan expects (no zone inside them)."""
+    layout = Layout.of(family)
+    reply = off + 20 + layout.tuple_len
+    return data[off + 20:off + 32] == layout.orig_head and data[reply:reply + 12] == layout.reply_head
+
+
+def count(ct: Ctnetlink, accounting: bool = False, clients: bool = False) -> Counted:
+    """Every entry of the caller's namespace, one dump, counted into groups (see the module's
+    docstring); ``accounting``: sum packets and bytes; ``clients``: count each group's clients."""
+    plans: Dict[int, Optional[_Plan]] = {}
+    walked: List[Flow] = []
+    if not accounting and not clients:  # the common case, in the tightest loop
+        fast: Dict[int, _Fast] = {}
+        for data, off, length in ct.dump():
+            key = length << 8 | data[off + 16]
+            found = fast.get(key)
+            if found is not None:
+                unpack, checks, headers, group_of, id_at, groups = found
+                v = unpack(data, off)
+                if checks(v) == headers:
+                    k = group_of(v)
+                    ids = groups.get(k)
+                    if ids is None:
+                        ids = groups[k] = []
+                    ids.append(v[id_at])
+                    continue
+            elif key not in plans:
+                plan = _new_plan(data, off, length, plans, key, False, False)
+                if plan is not None:
+                    fast[key] = plan.fast
+                    continue
+            _walk_entry(data, off, length, walked)
+    else:
+        for data, off, length in ct.dump():
+            key = length << 8 | data[off + 16]
+            plan = plans.get(key)
+            if plan is None and key not in plans:
+                plan = _new_plan(data, off, length, plans, key, accounting, clients)
+                if plan is not None:
+                    continue
+            if plan is not None and _count_one(plan, data, off, accounting, clients):
+                continue
+            _walk_entry(data, off, length, walked)
+    out: Counted = ({}, {}, {})
+    for plan in plans.values():
+        if plan is not None:
+            plan.merge(out)
+    for flow in walked:
+        _add(out, flow, accounting, clients)
+    return out
+
+
+def _new_plan(data: bytes, off: int, length: int, plans: Dict[int, Optional[_Plan]], key: int,
+              accounting: bool, clients: bool) -> Optional[_Plan]:
+    """The plan of this entry's length and family, counting this entry; None (the entry not
+    counted) when it has none: more than ``_PLANS`` layouts, or tuples laid out otherwise."""
+    family = data[off + 16]
+    if family not in _ADDR_LEN or len(plans) >= _PLANS or not _usual(data, off, family):
+        return None
+    plan = _Plan(data, off, length, family, accounting, clients)
+    plans[key] = plan if plan.ok else None
+    if not plan.ok:
+        return None
+    _count_one(plan, data, off, accounting, clients)
+    return plan
+
+
+def _count_one(plan: _Plan, data: bytes, off: int, accounting: bool, clients: bool) -> bool:
+    """One entry into its plan's groups; False when its headers differ from the plan's."""
+    unpack, checks, headers, group_of, id_at, groups = plan.fast
+    v = unpack(data, off)
+    if checks(v) != headers:
+        return False
+    k = group_of(v)
+    ids = groups.get(k)
+    if ids is None:
+        ids = groups[k] = []
+    ids.append(v[id_at])
+    if accounting:
+        total = plan.sums.get(k)
+        if total is None:
+            total = plan.sums[k] = [0, 0]
+        for i in plan.packets_at:
+            total[0] += v[i]
+        for i in plan.bytes_at:
+            total[1] += v[i]
+    if clients:
+        tally = plan.who.setdefault(k, {})
+        client: bytes = v[plan.client_at]
+        tally[client] = tally.get(client, 0) + 1
+    return True
+
+
+def _walk_entry(data: bytes, off: int, length: int, walked: List[Flow]) -> None:
+    family = data[off + 16]
+    if family in _ADDR_LEN:
+        found = _flow_slowly(data[off:off + length], family)
+        if found is not None:
+            walked.append(found)
+
+
+def _add(out: Counted, flow: Flow, accounting: bool, clients: bool) -> None:
+    """One walked entry into the groups."""
+    groups, sums, who = out
+    proto, client, dst, ep, state, fid, packets, nbytes = flow
+    key = (proto, dst, ep, state)
+    groups.setdefault(key, []).append(fid)
+    if accounting:
+        total = sums.setdefault(key, [0, 0])
+        total[0] += packets
+        total[1] += nbytes
+    if clients:
+        tally = who.setdefault((proto, dst, ep), {})
+        tally[client] = tally.get(client, 0) + 1
 
 
 def _after_tuples(data: bytes, p: int, end: int) -> Tail:
@@ -262,4 +339,4 @@ def accounting(path: str = ACCT) -> bool:
         return False
 
 
-__all__: List[str] = ["Flow", "accounting", "flows"]
+__all__: List[str] = ["Clients", "Counted", "Groups", "Key", "Sums", "accounting", "count"]

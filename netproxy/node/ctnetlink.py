@@ -24,7 +24,7 @@ import contextlib
 import errno
 import socket
 import struct
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_CTNETLINK = 1
@@ -112,8 +112,6 @@ class Layout:
         self.fixed = struct.Struct(f"=12s{4 + a}x{a}s20x4s2s2x12s{a}s{16 + a}x4s2s")
         self.expected = (self.orig_head, _ATTR.pack(6, CTA_PROTO_DST_PORT), self.reply_head,
                          _ATTR.pack(6, CTA_PROTO_SRC_PORT))
-        # The same with the netlink header in front, for the dump loop: one unpack per entry.
-        self.whole = struct.Struct("=IHHI8x" + self.fixed.format[1:])
 
     @staticmethod
     def of(family: int) -> Layout:
@@ -126,9 +124,10 @@ class Layout:
         if (oh, dh, rh, sh) == self.expected:
             return dst + dport, dport, src + sport
         length = _HDR.unpack_from(msg, off)[0]
-        return self._keys_slowly(msg[off:off + length])
+        return self.keys_slowly(msg[off:off + length])
 
-    def _keys_slowly(self, msg: bytes) -> Optional[Keys]:
+    def keys_slowly(self, msg: bytes) -> Optional[Keys]:
+        """The compared fields of dump reply ``msg``, walked attribute by attribute (any layout)."""
         found = {}
         for kind, start, end in _walk(msg, 20, len(msg)):
             if kind in (CTA_TUPLE_ORIG, CTA_TUPLE_REPLY):
@@ -164,19 +163,34 @@ def delete_request(msg: bytes, family: int) -> bytes:
 _LAYOUTS: Dict[int, Layout] = {family: Layout(family) for family in _ADDR_LEN}
 
 
-class Ctnetlink:
-    """A ctnetlink socket in the caller's network namespace."""
+class NetlinkSocket(Protocol):
+    """What :class:`Ctnetlink` uses of its socket (a ``socket.socket``; a fake in unit tests)."""
 
-    def __init__(self) -> None:
-        self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
-        self._sock.bind((0, 0))
-        try:  # room for a batch's acks; FORCE needs CAP_NET_ADMIN, which a proxy has
-            self._sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 8 << 20)
-        except OSError:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        with contextlib.suppress(OSError):  # an old kernel echoes whole requests in acks: only slower
-            self._sock.setsockopt(SOL_NETLINK, NETLINK_CAP_ACK, 1)
+    def send(self, data: bytes, /) -> int: ...
+
+    def recv(self, size: int, /) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class Ctnetlink:
+    """A ctnetlink socket in the caller's network namespace (``sock``: one already open, for tests)."""
+
+    def __init__(self, sock: Optional[NetlinkSocket] = None) -> None:
+        self._sock = sock if sock is not None else self._open()
         self._seq = 0
+
+    @staticmethod
+    def _open() -> socket.socket:
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+        sock.bind((0, 0))
+        try:  # room for a batch's acks; FORCE needs CAP_NET_ADMIN, which a proxy has
+            sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 8 << 20)
+        except OSError:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        with contextlib.suppress(OSError):  # an old kernel echoes whole requests in acks: only slower
+            sock.setsockopt(SOL_NETLINK, NETLINK_CAP_ACK, 1)
+        return sock
 
     def close(self) -> None:
         self._sock.close()
@@ -187,69 +201,57 @@ class Ctnetlink:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def dump(self, family: int, proto: int) -> Iterator[Tuple[bytes, int, int]]:
-        """Every entry of ``family`` and ``proto``, as (received bytes, offset, length) of its dump
-        reply: slicing out every message would copy the whole table once more."""
+    def dump(self, family: int = socket.AF_UNSPEC, proto: Optional[int] = None) -> Iterator[Tuple[bytes, int, int]]:
+        """Every entry of ``family`` (AF_UNSPEC: both) and ``proto`` (None: every protocol, no filter),
+        as (received bytes, offset, length) of its dump reply: slicing out every message would copy
+        the whole table once more.  The one receive loop of every dump (:meth:`select`,
+        netproxy/node/ctflows.py): the callers read each reply where it lies."""
         self._seq += 1
         seq = self._seq
-        self._sock.send(self._dump_request(family, proto, seq))
+        if proto is None:
+            request = _message(IPCTNL_MSG_CT_GET, NLM_F_REQUEST | NLM_F_DUMP, family, b"", seq)
+        else:
+            request = self._dump_request(family, proto, seq)
+        self._sock.send(request)
+        unpack_header = _HDR.unpack_from
         while True:
             data = self._sock.recv(_RECV_SIZE)
             off, n = 0, len(data)
             while off + 16 <= n:
-                length, kind, _flags, mseq, _pid = _HDR.unpack_from(data, off)
-                if length < 16:
-                    raise CtnetlinkError(errno.EPROTO, "conntrack dump: malformed netlink message")
-                if mseq == seq:
-                    if kind == NLMSG_DONE:
-                        return
-                    if kind == NLMSG_ERROR:
-                        code = -_ERR.unpack_from(data, off + 16)[0]
-                        if code:
-                            raise CtnetlinkError(code, f"conntrack dump refused: {errno.errorcode.get(code, code)}")
-                    elif kind == _NEW_REPLY:
-                        yield data, off, length
-                off += (length + 3) & ~3
-
-    def select(self, family: int, proto: int, pick: Callable[[bytes, bytes, bytes], bool]) -> Tuple[int, List[bytes]]:
-        """One dump of ``family``/``proto``: (entries seen, the dump replies of those ``pick`` chose).
-        ``pick`` gets :data:`Keys`.  The loop a pass spends its time in: one unpack per entry reads
-        the header and the compared fields, no object per entry."""
-        layout = _LAYOUTS[family]
-        whole, expected = layout.whole, layout.expected
-        floor = whole.size
-        self._seq += 1
-        seq = self._seq
-        self._sock.send(self._dump_request(family, proto, seq))
-        seen, picked = 0, []
-        while True:
-            data = self._sock.recv(_RECV_SIZE)
-            off, n = 0, len(data)
-            while off + 16 <= n:
-                if off + floor <= n:
-                    length, kind, _f, mseq, oh, dst, dh, dport, rh, src, sh, sport = whole.unpack_from(data, off)
-                else:
-                    length, kind, _f, mseq, _p = _HDR.unpack_from(data, off)
-                    oh = None
+                length, kind, _flags, mseq, _pid = unpack_header(data, off)
                 if length < 16:
                     raise CtnetlinkError(errno.EPROTO, "conntrack dump: malformed netlink message")
                 if mseq == seq:
                     if kind == _NEW_REPLY:
-                        seen += 1
-                        if oh is not None and (oh, dh, rh, sh) == expected:
-                            if pick(dst + dport, dport, src + sport):
-                                picked.append(data[off:off + length])
-                        else:
-                            keys = layout.keys(data, off)
-                            if keys is not None and pick(*keys):
-                                picked.append(data[off:off + length])
+                        yield data, off, length
                     elif kind == NLMSG_DONE:
-                        return seen, picked
+                        return
                     elif kind == NLMSG_ERROR:
                         code = -_ERR.unpack_from(data, off + 16)[0]
                         if code:
                             raise CtnetlinkError(code, f"conntrack dump refused: {errno.errorcode.get(code, code)}")
                 off += (length + 3) & ~3
+
+    def select(self, family: int, proto: int, pick: Callable[[bytes, bytes, bytes], bool]) -> Tuple[int, List[bytes]]:
+        """One dump of ``family``/``proto``: (entries seen, the dump replies of those ``pick`` chose).
+        ``pick`` gets :data:`Keys`.  The loop a pass spends its time in: one unpack per entry reads
+        the compared fields, no object per entry."""
+        layout = _LAYOUTS[family]
+        fixed, expected = layout.fixed, layout.expected
+        floor = 20 + fixed.size
+        seen, picked = 0, []
+        for data, off, length in self.dump(family, proto):
+            seen += 1
+            if length >= floor:
+                oh, dst, dh, dport, rh, src, sh, sport = fixed.unpack_from(data, off + 20)
+                if (oh, dh, rh, sh) == expected:
+                    if pick(dst + dport, dport, src + sport):
+                        picked.append(data[off:off + length])
+                    continue
+            keys = layout.keys_slowly(data[off:off + length])
+            if keys is not None and pick(*keys):
+                picked.append(data[off:off + length])
+        return seen, picked
 
     @staticmethod
     def _dump_request(family: int, proto: int, seq: int) -> bytes:

@@ -196,6 +196,63 @@ def test_delete_request_carries_the_original_tuple_and_id_only() -> None:
     assert attrs[1][1] == struct.pack("!I", 99)
 
 
+class DumpSocket:
+    """A ctnetlink socket's side of one dump: the replies (numbered ``seq``) in buffers of two, with a
+    stray message of another request among them, then NLMSG_DONE (or ``end``)."""
+
+    def __init__(self, messages: Sequence[bytes], seq: int = 1, end: Optional[bytes] = None) -> None:
+        def numbered(msg: bytes, n: int) -> bytes:
+            return msg[:8] + struct.pack("=I", n) + msg[12:]
+
+        stray = numbered(messages[0], seq + 7) if messages else b""
+        done = struct.pack("=IHHII", 20, ctnetlink.NLMSG_DONE, 2, seq, 0) + b"\0" * 4
+        msgs = [stray] + [numbered(m, seq) for m in messages]
+        self.buffers = [b"".join(msgs[i:i + 2]) for i in range(0, len(msgs), 2)] + [end or done]
+        self.sent: List[bytes] = []
+
+    def send(self, data: bytes, /) -> int:
+        self.sent.append(data)
+        return len(data)
+
+    def recv(self, size: int, /) -> bytes:
+        return self.buffers.pop(0)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("family,client,svc,pod", [
+    (V4, "10.244.1.2", DNS_IP, "10.244.1.1"),
+    (V6, "fd00:10:244:1::2", DNS_IP6, "fd00:10:244:1::1"),
+])
+def test_select_reads_one_filtered_dump_through_the_one_receive_loop(family: int, client: str, svc: str,
+                                                                      pod: str) -> None:
+    """Ctnetlink.select over Ctnetlink.dump (the loop netproxy top's reader uses too): every reply of
+    its own request read, the usual layout and one with a zone in its tuple, the others skipped."""
+    msgs = [reply(family, UDP, (client, svc, 40000 + i, 53), (pod, client, 5353, 40000 + i), entry_id=i,
+                  zone_in_tuple=i % 2 == 1) for i in range(5)]
+    sock = DumpSocket(msgs)
+    picked: List[Tuple[bytes, bytes, bytes]] = []
+
+    def pick(dst: bytes, dport: bytes, src: bytes) -> bool:
+        picked.append((dst, dport, src))
+        return len(picked) in (2, 3)
+
+    seen, chosen = ctnetlink.Ctnetlink(sock).select(family, UDP, pick)
+    assert seen == 5 and picked == [(k(svc, 53), port_key(53), k(pod, 5353))] * 5
+    assert [ctnetlink._HDR.unpack_from(m)[3] for m in chosen] == [1, 1]
+    assert [m[:8] + m[12:] for m in chosen] == [m[:8] + m[12:] for m in msgs[1:3]]
+    (request,) = sock.sent
+    assert request[16] == family and ctnetlink._HDR.unpack_from(request)[3] == 1  # filtered by protocol:
+    assert ctnetlink._attr(ctnetlink.CTA_PROTO_NUM, bytes([UDP])) in request
+
+
+def test_a_dump_the_kernel_refuses_raises_with_its_error() -> None:
+    refused = struct.pack("=IHHII", 36, ctnetlink.NLMSG_ERROR, 0, 1, 0) + struct.pack("=i", -1) + b"\0" * 16
+    with pytest.raises(ctnetlink.CtnetlinkError, match="EPERM"):
+        ctnetlink.Ctnetlink(DumpSocket([], end=refused)).select(V4, UDP, lambda *_: True)
+
+
 # ---- passes -------------------------------------------------------------------------------------
 
 

@@ -37,24 +37,39 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 def reply(family: int, proto: int, orig: Tuple[str, str, int, int], rep: Tuple[str, str, int, int], *,
           entry_id: int = 7, state: Optional[int] = None, counters: Optional[Tuple[int, int]] = None,
-          zone_in_tuple: bool = False, id_first: bool = False) -> bytes:
+          zone_in_tuple: bool = False, id_first: bool = False, protoinfo_first: bool = False, swap: str = "",
+          extra: bytes = b"") -> bytes:
     """A dump reply laid out as ctnetlink_fill_info writes it: tuples, status, counters (acct on),
-    timeout, protoinfo, id, use (``id_first``: the id before the timeout, as another kernel might)."""
+    timeout, protoinfo, id, use, then ``extra`` attributes.  Laid out otherwise, as another kernel
+    (or a bug) might: ``id_first``, the id before the timeout; ``protoinfo_first``, the protoinfo
+    before it; ``swap`` ("orig" or "reply"), that tuple's addresses destination first."""
     a = ctnetlink._attr
-    o = ctnetlink.tuple_attr(ctnetlink.CTA_TUPLE_ORIG, family, proto, *orig)
+
+    def tup(kind: int, t: Tuple[str, str, int, int]) -> bytes:
+        if swap != ("orig" if kind == ctnetlink.CTA_TUPLE_ORIG else "reply"):
+            return ctnetlink.tuple_attr(kind, family, proto, *t)
+        src = ctnetlink._IP_SRC[family]
+        ip = ctnetlink._nest(ctnetlink.CTA_TUPLE_IP, a(src + 1, socket.inet_pton(family, t[1])),
+                             a(src, socket.inet_pton(family, t[0])))
+        ports = ctnetlink.tuple_attr(kind, family, proto, *t)[8 + len(ip) - 4:]  # PROTO { ... } as usual
+        return ctnetlink._nest(kind, ip, ports)
+
+    o = tup(ctnetlink.CTA_TUPLE_ORIG, orig)
     if zone_in_tuple:
         o = a(ctnetlink.CTA_TUPLE_ORIG | ctnetlink.NLA_F_NESTED, o[4:] + a(3, struct.pack("!H", 1)))
-    r = ctnetlink.tuple_attr(ctnetlink.CTA_TUPLE_REPLY, family, proto, *rep)
+    r = tup(ctnetlink.CTA_TUPLE_REPLY, rep)
     rest = a(ctnetlink.CTA_STATUS, struct.pack("!I", 0x188))
     if counters is not None:
         for kind in (ctflows.CTA_COUNTERS_ORIG, ctflows.CTA_COUNTERS_REPLY):
             rest += ctnetlink._nest(kind, a(1, struct.pack("!Q", counters[0])), a(2, struct.pack("!Q", counters[1])))
     ident = a(ctnetlink.CTA_ID, struct.pack("!I", entry_id))
-    rest += (ident if id_first else b"") + a(ctnetlink.CTA_TIMEOUT, struct.pack("!I", 30))
+    info = b""
     if state is not None:
         inner = 1 if proto == TCP else 3  # CTA_PROTOINFO_TCP / _SCTP
-        rest += ctnetlink._nest(ctflows.CTA_PROTOINFO, ctnetlink._nest(inner, a(1, bytes([state])), a(2, b"\7")))
-    rest += (b"" if id_first else ident) + a(11, struct.pack("!I", 1))
+        info = ctnetlink._nest(ctflows.CTA_PROTOINFO, ctnetlink._nest(inner, a(1, bytes([state])), a(2, b"\7")))
+    timeout = a(ctnetlink.CTA_TIMEOUT, struct.pack("!I", 30))
+    rest += (ident if id_first else b"") + (info + timeout if protoinfo_first else timeout + info)
+    rest += (b"" if id_first else ident) + a(11, struct.pack("!I", 1)) + extra
     return ctnetlink._message(ctnetlink.IPCTNL_MSG_CT_NEW, 2, family, o + r + rest, seq=1)
 
 
@@ -66,26 +81,38 @@ class FakeSocket:
         self.buffers = [b"".join(messages[i:i + 3]) for i in range(0, len(messages), 3)] + [done]
         self.sent: List[bytes] = []
 
-    def send(self, data: bytes) -> int:
+    def send(self, data: bytes, /) -> int:
         self.sent.append(data)
         return len(data)
 
-    def recv(self, size: int) -> bytes:
+    def recv(self, size: int, /) -> bytes:
         return self.buffers.pop(0)
 
-
-class FakeCt:
-    def __init__(self, messages: Sequence[bytes]) -> None:
-        self._sock = FakeSocket(messages)
-        self._seq = 0
+    def close(self) -> None:
+        pass
 
 
-def read(messages: Sequence[bytes]) -> List[ctflows.Flow]:
-    ct = FakeCt(messages)
-    got = list(ctflows.flows(ct))  # type: ignore[arg-type]  # a fake Ctnetlink: its socket and sequence only
-    (request,) = ct._sock.sent
+def count(messages: Sequence[bytes], accounting: bool = True, clients: bool = True) -> ctflows.Counted:
+    sock = FakeSocket(messages)
+    got = ctflows.count(ctnetlink.Ctnetlink(sock), accounting, clients)
+    for ids in got[0].values():
+        ids.sort()  # read by a plan or walked: an order of no meaning
+    (request,) = sock.sent
     assert request[16] == socket.AF_UNSPEC and len(request) == 20  # one dump: every family, no filter
     return got
+
+
+def walked(messages: Sequence[bytes], accounting: bool = True, clients: bool = True) -> ctflows.Counted:
+    """The same messages read attribute by attribute, one at a time: what every plan must agree with
+    (a group's ids in any order: sorted, as :func:`count` gives them here)."""
+    out: ctflows.Counted = ({}, {}, {})
+    for msg in messages:
+        flow = ctflows._flow_slowly(msg, msg[16])
+        if flow is not None:
+            ctflows._add(out, flow, accounting, clients)
+    for ids in out[0].values():
+        ids.sort()
+    return out
 
 
 def k(address: str, port: int) -> bytes:
@@ -95,8 +122,8 @@ def k(address: str, port: int) -> bytes:
 @pytest.mark.parametrize("family,client,svc,pod", [(V4, "10.244.9.9", SVC, PODS[0]),
                                                    (V6, "fd00:10:244:9::9", SVC6, "fd00:10:244:1::1")])
 @pytest.mark.parametrize("zone_in_tuple", [False, True])
-def test_the_reader_reads_client_service_endpoint_state_id_and_counters(family: int, client: str, svc: str, pod: str,
-                                                                       zone_in_tuple: bool) -> None:
+def test_the_reader_counts_service_endpoint_state_ids_counters_and_clients(family: int, client: str, svc: str,
+                                                                          pod: str, zone_in_tuple: bool) -> None:
     c = IP(client).packed
     msgs = [reply(family, TCP, (client, svc, 40000 + i, 80), (pod, client, 8080, 40000 + i), entry_id=41 + i,
                   state=3 + i % 2, counters=(5 + i, 700), zone_in_tuple=zone_in_tuple) for i in range(4)]
@@ -106,9 +133,14 @@ def test_the_reader_reads_client_service_endpoint_state_id_and_counters(family: 
     msgs.append(reply(family, TCP, (client, svc, 40011, 80), (pod, client, 8080, 40011), entry_id=51, state=7,
                       counters=(1, 2), zone_in_tuple=zone_in_tuple, id_first=True))
     assert len(msgs[-1]) == len(msgs[0])
-    assert read(msgs) == [(TCP, c, k(svc, 80), k(pod, 8080), 3 + i % 2, 41 + i, 10 + 2 * i, 1400) for i in range(4)] + [
-        (UDP, c, k(svc, 53), k(pod, 5353), 0, 49, 0, 0), (SCTP, c, k(svc, 9), k(pod, 9999), 4, 50, 0, 0),
-        (TCP, c, k(svc, 80), k(pod, 8080), 7, 51, 2, 4)]
+    web, dns, sctp = (TCP, k(svc, 80), k(pod, 8080)), (UDP, k(svc, 53), k(pod, 5353)), (SCTP, k(svc, 9), k(pod, 9999))
+    groups = {web + (3,): [41, 43], web + (4,): [42, 44], dns + (0,): [49], sctp + (4,): [50], web + (7,): [51]}
+    # Both directions' counters: 2 x (5 + i) packets and 2 x 700 bytes an entry.
+    sums = {web + (3,): [10 + 14, 2800], web + (4,): [12 + 16, 2800], dns + (0,): [0, 0], sctp + (4,): [0, 0],
+            web + (7,): [2, 4]}
+    assert count(msgs) == (groups, sums, {web: {c: 5}, dns: {c: 1}, sctp: {c: 1}}) == walked(msgs)
+    assert count(msgs, accounting=False, clients=False) == (groups, {}, {})  # the common case's own loop
+    assert count(msgs, accounting=True, clients=False) == (groups, sums, {})
 
 
 def test_the_reader_skips_entries_without_ports_and_reads_both_families_of_one_dump() -> None:
@@ -118,15 +150,63 @@ def test_the_reader_skips_entries_without_ports_and_reads_both_families_of_one_d
         ctnetlink._nest(ctnetlink.CTA_TUPLE_PROTO, ctnetlink._attr(1, b"\1"))), seq=1)
     msgs = [icmp, reply(V6, UDP, ("fd00::9", SVC6, 1, 53), ("fd00::1", "fd00::9", 53, 1), entry_id=3),
             reply(V4, UDP, ("10.0.0.9", SVC, 1, 53), (PODS[0], "10.0.0.9", 53, 1), entry_id=4)]
-    assert [(f[0], f[5]) for f in read(msgs)] == [(UDP, 3), (UDP, 4)]
+    assert count(msgs, False, False)[0] == {(UDP, k(SVC6, 53), k("fd00::1", 53), 0): [3],
+                                            (UDP, k(SVC, 53), k(PODS[0], 53), 0): [4]}
+
+
+def test_entries_of_one_length_in_two_families_or_protocols_each_keep_their_own_plan() -> None:
+    """An IPv6 UDP entry can be as long as an IPv4 TCP one (both 240 bytes as Linux 6.18 writes them):
+    the plans are per length and family; two protocols of one length and family part at the protocol."""
+    labels = ctnetlink._attr(22, bytes(20))  # CTA_LABELS: what lengthens the IPv4 entries to the IPv6 ones here
+    v4 = [reply(V4, TCP, ("10.0.0.9", SVC, 1000 + i, 80), (PODS[i % 3], "10.0.0.9", 8080, 1000 + i), entry_id=i,
+                state=3, extra=labels) for i in range(6)]
+    v6 = [reply(V6, UDP, ("fd00::9", SVC6, 2000 + i, 53), ("fd00::1", "fd00::9", 53, 2000 + i), entry_id=100 + i)
+          for i in range(6)]
+    assert {len(m) for m in v4} == {len(m) for m in v6}
+    # TCP and SCTP, each with its state: one length; the plan of the first is not the second's.
+    tcp = [reply(V4, TCP, ("10.0.0.8", SVC, 3000 + i, 80), (PODS[0], "10.0.0.8", 8080, 3000 + i), entry_id=200 + i,
+                 state=3) for i in range(2)]
+    sctp = [reply(V4, SCTP, ("10.0.0.8", SVC, 3000 + i, 9), (PODS[1], "10.0.0.8", 9999, 3000 + i), entry_id=300 + i,
+                  state=4) for i in range(2)]
+    assert len(tcp[0]) == len(sctp[0])
+    mixed = [m for pair in zip(v4, v6) for m in pair] + [tcp[0], sctp[0], tcp[1], sctp[1]]
+    for accounting, clients in ((False, False), (True, True)):
+        got = count(mixed, accounting, clients)
+        assert got == walked(mixed, accounting, clients)
+        assert sum(len(ids) for ids in got[0].values()) == len(mixed)
+
+
+@pytest.mark.parametrize("family", [V4, V6])
+@pytest.mark.parametrize("usual,odd", [
+    ({"proto": UDP}, {"proto": TCP}),  # TCP without a protoinfo: as long as UDP, the protocol differs
+    ({"proto": UDP}, {"proto": UDP, "id_first": True}),
+    ({"proto": TCP, "state": 3}, {"proto": TCP, "state": 4, "protoinfo_first": True}),
+    ({"proto": UDP}, {"proto": UDP, "swap": "orig"}),
+    ({"proto": UDP}, {"proto": UDP, "swap": "reply"}),
+])
+def test_an_entry_of_a_plans_length_laid_out_otherwise_is_walked_not_misread(family: int, usual: Any,
+                                                                              odd: Any) -> None:
+    """Each header a plan relies on is checked: an entry as long as the plan's, one thing elsewhere."""
+    client, svc, pod = ("10.0.0.9", SVC, PODS[0]) if family == V4 else ("fd00::9", SVC6, "fd00::1")
+
+    def entry(i: int, kw: Any) -> bytes:
+        kw = dict(kw)
+        return reply(family, kw.pop("proto"), (client, svc, 1000 + i, 53), (pod, client, 5353, 1000 + i),
+                     entry_id=i, **kw)
+
+    msgs = [entry(0, usual), entry(1, odd), entry(2, usual), entry(3, odd)]
+    assert len({len(m) for m in msgs}) == 1
+    got = count(msgs, False, False)
+    assert got == walked(msgs, False, False)
+    assert sorted(i for ids in got[0].values() for i in ids) == [0, 1, 2, 3]
 
 
 def test_a_refused_dump_raises() -> None:
     err = struct.pack("=IHHII", 36, ctnetlink.NLMSG_ERROR, 0, 1, 0) + struct.pack("=i", -1) + b"\0" * 16
-    ct = FakeCt([])
-    ct._sock.buffers = [err]
+    sock = FakeSocket([])
+    sock.buffers = [err]
     with pytest.raises(ctnetlink.CtnetlinkError, match="EPERM"):
-        list(ctflows.flows(ct))  # type: ignore[arg-type]  # the fake
+        ctflows.count(ctnetlink.Ctnetlink(sock))
 
 
 def test_accounting_is_read_from_the_sysctl_and_never_written(tmp_path: Any) -> None:
