@@ -41,9 +41,18 @@ class Sampler:
         now = time.monotonic()
         interval = now - self._at if self._previous is not None else None
         accounting = ctflows.accounting()
-        groups, sums, who = ctflows.count(self._ct, accounting, self.clients > 0)
-        report, self._previous = traffic.fold(groups, sums, who, self.smap, self._previous, interval, accounting,
-                                              self.clients, self.always)
+        # The cyclic collector paused for the refresh: reading 100,000 entries allocates a tuple each
+        # (none kept, no cycle made), which set it off about 85 times a refresh, a full collection
+        # every other refresh (bench/README.md, "netproxy top", has what pausing it saves).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            groups, sums, who = ctflows.count(self._ct, accounting, self.clients > 0)
+            report, self._previous = traffic.fold(groups, sums, who, self.smap, self._previous, interval,
+                                                  accounting, self.clients, self.always)
+        finally:
+            if collecting:
+                gc.enable()
         self._at = now
         if self.always:  # --service: that service's ports only
             report.ports = [p for p in report.ports if p.name in self.always]
