@@ -1,15 +1,17 @@
 """``netproxy top``'s refresh at 100,000 conntrack entries (target: <= 0.5 s of CPU, memory bounded).
 
 Two figures:
-1. the aggregation alone (netproxy/observe/traffic.py), in this process: 100,000 synthetic entries
-   (1,000 service ports, 100 flows each over 10 endpoints; half TCP, half UDP) folded twice, the
-   second time against the first's ids, as every refresh after the first is;
+1. the fold alone (netproxy/observe/traffic.py's ``fold``, what a refresh runs once the dump is
+   counted), in this process: 100,000 synthetic entries (1,000 service ports, 100 flows each over 10
+   endpoints; half TCP, half UDP) grouped in memory (untimed), folded twice, the second time
+   against the first's ids, as every refresh after the first is;
 2. a whole refresh as ``netproxy top`` runs it, in a throwaway ``np-bench-…-top`` namespace (a child
    process, ``python -m bench.top --child``): the same entries created through ctnetlink as DNAT-ed
    flows leave them (the TCP ones ESTABLISHED), then two refreshes of netproxy.cli.top.Sampler (one
-   dump per family and protocol, read by netproxy/node/ctflows.py, and the aggregation), the second
-   timed (wall and CPU) with the peak resident set it adds (VmHWM reset just before).  The figures
-   are checked: every entry counted, each endpoint its 100 flows... of the right service.
+   dump of every family and protocol, counted into groups by netproxy/node/ctflows.py as it is read,
+   and the fold), the second timed (wall and CPU) with the peak resident set it adds (VmHWM reset
+   just before).  The figures are checked: every entry counted, each endpoint its 100 flows... of
+   the right service.
 
 Run alone: ``sudo .venv/bin/python -m bench.top`` (prints JSON); ``python -m bench`` runs it once and
 prints it in its report.  The namespace is deleted afterwards, with every entry in it.
@@ -61,7 +63,8 @@ def cluster(entries: int) -> Tuple[Any, List[Tuple[int, str, str, str, int]]]:
 
 
 def aggregation(entries: int = ENTRIES) -> Dict[str, Any]:
-    """Figure 1: the pure fold, twice (the second against the first's ids), CPU of the second."""
+    """Figure 1: the pure fold over the grouped entries, twice (the second against the first's ids),
+    CPU of the second."""
     from netproxy.observe import traffic
 
     smap, flows = cluster(entries)
@@ -71,9 +74,10 @@ def aggregation(entries: int = ENTRIES) -> Dict[str, Any]:
 
     entries: List[traffic.Flow] = [(proto, socket.inet_aton(client), packed(svc, 80), packed(ep, 8080), 3, i + 1, 0, 0)
                                    for i, (proto, client, svc, ep, _sport) in enumerate(flows)]
-    _, ids = traffic.aggregate(entries, smap, None)
+    groups, sums, who = traffic.group(entries, False, 0)
+    _, ids = traffic.fold(groups, sums, who, smap, None)
     c0 = time.process_time()
-    report, _ = traffic.aggregate(entries, smap, ids, 1.0)
+    report, _ = traffic.fold(groups, sums, who, smap, ids, 1.0)
     cpu = time.process_time() - c0
     counted = sum(p.connections for p in report.ports)
     out: Dict[str, Any] = {"entries": len(flows), "cpu_seconds": cpu, "counted": counted}
@@ -172,7 +176,7 @@ def markdown(cell: Dict[str, Any]) -> List[str]:
     agg, ref = cell.get("aggregation") or {}, cell.get("refresh") or {}
     if "cpu_seconds" not in ref:
         return lines + [f"- not measured: {cell.get('error') or cell.get('skipped')}", ""]
-    lines += ["| entries | aggregation alone (CPU) | refresh: dump + aggregation (CPU) | (wall) | peak memory added |",
+    lines += ["| entries | fold alone (CPU) | refresh: dump counted + fold (CPU) | (wall) | peak memory added |",
               "|---:|---:|---:|---:|---:|",
               f"| {ref['entries']:,} | {agg.get('cpu_seconds', float('nan')):.3f} s | {ref['cpu_seconds']:.3f} s "
               f"| {ref['seconds']:.3f} s | {ref['peak_added_mib']:.1f} MiB |", ""]

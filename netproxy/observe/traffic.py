@@ -239,7 +239,7 @@ def aggregate(flows: Iterable[Flow], smap: ServiceMap, previous: Optional[Set[in
               interval: Optional[float] = None, accounting: bool = False, clients: int = 0,
               always: Sequence[str] = ()) -> Tuple[Report, Set[int]]:
     """One refresh over the entries of one dump, one tuple each (see :func:`fold`)."""
-    groups, sums, who = _group(flows, accounting, clients)
+    groups, sums, who = group(flows, accounting, clients)
     return fold(groups, sums, who, smap, previous, interval, accounting, clients, always)
 
 
@@ -298,7 +298,7 @@ def fold(groups: Groups, sums: Sums, who: Clients, smap: ServiceMap, previous: O
     return report, ids
 
 
-def _group(flows: Iterable[Flow], accounting: bool, clients: int) -> Tuple[Groups, Sums, Clients]:
+def group(flows: Iterable[Flow], accounting: bool, clients: int) -> Tuple[Groups, Sums, Clients]:
     """Each entry into its group, with one dict lookup an entry: the service map is then asked once a
     group, and a group's new entries are found by one set operation (in C), not an entry at a time.
     Returns the entry ids by group, [packets, bytes] by group (with accounting), and client counts
