@@ -287,7 +287,7 @@ def fold(groups: Groups, sums: Sums, who: Clients, smap: ServiceMap, previous: O
                 merged[client] = merged.get(client, 0) + count
     report = Report(seen, interval, accounting)
     wanted = set(always)
-    fronts_of: List[List[Front]] = [[] for _ in smap.ports]  # asking every front of every port cost 0.03 s
+    fronts_of: List[List[Front]] = [[] for _ in smap.ports]  # asking every front for every port: 0.014 s
     for front in smap.fronts:
         fronts_of[front.port.index].append(front)
     for port in smap.ports:
