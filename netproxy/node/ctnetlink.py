@@ -41,6 +41,8 @@ SOL_NETLINK, NETLINK_CAP_ACK = 270, 10
 SO_RCVBUFFORCE = 33
 
 _HDR = struct.Struct("=IHHII")
+_HDR_READ = struct.Struct("=IH2xI")
+"""The length, type and sequence number of a message: what a dump reads of each header."""
 _NFGEN = struct.Struct("=BBH")
 _ATTR = struct.Struct("=HH")
 _ERR = struct.Struct("=i")
@@ -213,12 +215,12 @@ class Ctnetlink:
         else:
             request = self._dump_request(family, proto, seq)
         self._sock.send(request)
-        unpack_header = _HDR.unpack_from
+        unpack_header = _HDR_READ.unpack_from
         while True:
             data = self._sock.recv(_RECV_SIZE)
             off, n = 0, len(data)
             while off + 16 <= n:
-                length, kind, _flags, mseq, _pid = unpack_header(data, off)
+                length, kind, mseq = unpack_header(data, off)
                 if length < 16:
                     raise CtnetlinkError(errno.EPROTO, "conntrack dump: malformed netlink message")
                 if mseq == seq:
