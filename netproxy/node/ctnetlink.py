@@ -14,6 +14,9 @@ An entry laid out otherwise (a per-direction zone in the tuple) is read attribut
   the protocol is the only filter that narrows the dump without missing a stale entry.
 - Deletes name an entry by its original tuple, copied from the dump as it was, plus ``CTA_ID``: an
   entry that expired and was re-created with the same tuple meanwhile is a different id, and stays.
+- One receive loop for every dump (:meth:`Ctnetlink.dump`, each reply read where it lies in the
+  received bytes): the reconciler's filtered ones (:meth:`Ctnetlink.select`) and ``netproxy top``'s
+  unfiltered one (netproxy/node/ctflows.py).
 - Many requests go in one ``send`` (the kernel walks every message of a netlink packet), each acked
   with only the header echoed back (``NETLINK_CAP_ACK``).
 """
