@@ -259,6 +259,23 @@ def test_counts_establishment_shares_and_the_equal_split() -> None:
     assert first.new is None and first.rate is None and port.rate is None  # one refresh: no rate
 
 
+def test_each_port_expects_the_split_of_its_own_front_ends_only() -> None:
+    """Two services on the map: each port's expected shares come from its own front ends' flows (the
+    fold asks a port's fronts only, not the whole map's)."""
+    web_svc = service_port()
+    api_svc = service_port("api", cluster_ip="10.96.0.20")
+    smap = traffic.from_snapshot(Snapshot.build([web_svc, api_svc], {
+        web_svc.name: tuple(ep(p) for p in PODS), api_svc.name: (ep("10.244.2.1"), ep("10.244.2.2"))}, node=NODE))
+    flows = [flow(i, PODS[0]) for i in range(30)]
+    flows += [flow(100 + i, "10.244.2.1" if i % 4 else "10.244.2.2", dst="10.96.0.20") for i in range(40)]
+    report, _ = run(smap, flows)
+    by_port = {p.name: {e.address: (e.connections, e.share, e.expected) for e in p.endpoints} for p in report.ports}
+    assert by_port["default/web:http"] == {f"{p}:8080": (n, pytest.approx(n / 30), pytest.approx(1 / 3))
+                                           for p, n in zip(PODS, (30, 0, 0))}
+    assert by_port["default/api:http"] == {"10.244.2.1:8080": (30, pytest.approx(0.75), pytest.approx(0.5)),
+                                           "10.244.2.2:8080": (10, pytest.approx(0.25), pytest.approx(0.5))}
+
+
 def test_new_connections_are_ids_the_previous_refresh_did_not_have_and_rates_divide_by_the_interval() -> None:
     smap = web([ep(p) for p in PODS])
     old = [flow(i, PODS[i % 3]) for i in range(30)]
