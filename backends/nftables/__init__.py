@@ -9,8 +9,8 @@ import logging
 from typing import Dict, FrozenSet, List, Optional, Tuple
 from typing import Set as PySet
 
-from netproxy.backends.base import Outcome, Packet, SyncError, SyncResult
-from netproxy.backends.nftables import kernel, layout, render
+from netproxy.backends.base import BackendUnavailable, Outcome, Packet, SyncError, SyncResult
+from netproxy.backends.nftables import adopt, kernel, layout, render, stamp
 from netproxy.backends.nftables.fake import FakeNft
 from netproxy.backends.nftables.kernel import Runner
 from netproxy.backends.nftables.objects import Element, Set
@@ -29,6 +29,7 @@ from netproxy.backends.nftables.transaction import (
     incremental_transaction,
     node_changes,
     node_elements,
+    put_stamp,
     release,
     render_entry,
     stale_affinity,
@@ -36,7 +37,7 @@ from netproxy.backends.nftables.transaction import (
 )
 from netproxy.backends.skip import Action, SkipPolicy
 from netproxy.core.config import ProxyConfig
-from netproxy.core.model import Changes, ServicePortName, Snapshot
+from netproxy.core.model import Changes, NodeInfo, ServicePortName, Snapshot
 
 __all__ = ["FakeNft", "NftablesBackend"]
 
@@ -59,6 +60,10 @@ class NftablesBackend:
         self._policy = SkipPolicy()
         """The generation has no race window (every commit moves it): no bound on full syncs that
         write only the changes (backends/skip.py)."""
+        self._adopt_pending = True
+        """The first full sync of this backend tries to adopt the tables in the kernel (adopt.py)."""
+        self._digest: Optional[Tuple[NodeInfo, str]] = None
+        """The node the config digest of the table stamps was computed for, and that digest."""
 
     @property
     def kernel(self) -> Runner:
@@ -175,7 +180,22 @@ class NftablesBackend:
             if was_enabled:
                 gc.enable()
 
+    def _config_digest(self, node: NodeInfo) -> str:
+        """The config digest of the table stamp (stamp.py), computed again only when the node changes."""
+        if self._digest is None or self._digest[0] != node:
+            from netproxy import version
+
+            self._digest = (node, stamp.config_digest(self.config, node, version()))
+        return self._digest[1]
+
     def _full_sync(self, snapshot: Snapshot) -> SyncResult:
+        if self._state is None and self._adopt_pending:
+            self._adopt_pending = False
+            state = self._build_state(snapshot, None)
+            adopted = self._adopt(snapshot, state)
+            if adopted is not None:
+                return adopted
+            return self._rewrite(snapshot, self.kernel.generation(), state)
         before = self.kernel.generation()
         state = self._state
         if self._policy.decide(state is not None, lambda: self._vouched(state, before)) is Action.WRITE_CHANGES:
@@ -201,12 +221,56 @@ class NftablesBackend:
             return True
         return None if touched is None else False
 
-    def _rewrite(self, snapshot: Snapshot, before: Optional[int]) -> SyncResult:
+    def _adopt(self, snapshot: Snapshot, state: State) -> Optional[SyncResult]:
+        """Take over the tables a previous netproxy wrote, writing only the service ports whose
+        stamps differ (adopt.py); None (logged at info, with the reason) when they cannot be adopted."""
+        digest = self._config_digest(snapshot.node)
+        try:
+            plan = adopt.plan(self.kernel, state, self.config, digest)
+        except adopt.NotAdoptable as why:
+            log.info("nftables: rewriting the tables, not adopting them: %s", why)
+            return None
+        except (SyncError, BackendUnavailable, OSError) as exc:
+            log.info("nftables: rewriting the tables, not adopting them: reading them failed: %s", exc)
+            return None
+        written = 0
+        state.tables = plan.tables
+        self.last_transaction = plan.tx
+        if len(plan.tx):
+            before = self.kernel.generation()
+            put_stamp(plan.tx, plan.tables, stamp.table_stamp(digest, before + 1 if before is not None else 0),
+                      replace=True)
+            log.debug("writing the kernel: adoption, %d changed objects", len(plan.tx))
+            try:
+                written = self.kernel.apply(plan.tx.ops)
+            except SyncError as err:
+                log.info("nftables: rewriting the tables, not adopting them: the kernel refused the changes "
+                         "(%s)", err)
+                return None
+            log.debug("written the kernel: %d bytes", written)
+            self.kernel.watch(True)
+            after = self.kernel.generation()
+            state.generation = after if before is not None and after == before + 1 else None
+        else:
+            self.kernel.watch(True)
+            now = self.kernel.generation()
+            state.generation = now if now == plan.generation else None
+        self._state = state
+        log.info("nftables: adopted the tables in the kernel at generation %d: %d of %d service ports written",
+                 plan.generation, len(plan.written), len(snapshot.services))
+        return SyncResult(full=True, services_written=len(plan.written), bytes_written=written)
+
+    def _rewrite(self, snapshot: Snapshot, before: Optional[int], state: Optional[State] = None) -> SyncResult:
         """Delete and recreate netproxy's tables with everything in ``snapshot``, in one transaction."""
-        state = self._build_state(snapshot, self._state)
+        if state is None:
+            state = self._build_state(snapshot, self._state)
         existing = self.kernel.existing_tables()
         affinity = {fam: self._affinity_to_keep(fam, state) for fam in existing}
         tx = full_transaction(state, existing, self.config, affinity)
+        pre = self.kernel.generation()
+        created = [op[1] for op in tx.phases["tables"] if op[0] == "add"]
+        put_stamp(tx, created, stamp.table_stamp(self._config_digest(snapshot.node), pre + 1 if pre is not None else 0),
+                  replace=False)
         self.last_transaction = tx
         # Our own rewrite notifies every element (100k at 10k services): stop listening while it
         # commits, listen again after, and trust the record only if no one committed in between.
@@ -268,9 +332,11 @@ class NftablesBackend:
                     keep.append(Element(spec.name, e.key, expires=left))
         return keep
 
-    def _apply_incremental(self, tx: Transaction, state: State) -> int:
-        """Apply ``tx`` and keep the record's generation: what the kernel vouches for."""
+    def _apply_incremental(self, tx: Transaction, state: State, digest: str) -> int:
+        """Apply ``tx`` (with the table stamps replaced) and keep the record's generation: what the
+        kernel vouches for."""
         before = self.kernel.generation()
+        put_stamp(tx, state.tables, stamp.table_stamp(digest, before + 1 if before is not None else 0), replace=True)
         # Read the generation first, then the notifications: those cover every commit up to it.
         touched = self.kernel.others_touched(state.own)
         state.own.clear()
@@ -339,7 +405,7 @@ class NftablesBackend:
                 node_changes(tx, fam, fstate, node_elements(snapshot.node, fam, self.config,
                                                             snapshot.service_cidrs))
         self.last_transaction = tx
-        written_bytes = self._apply_incremental(tx, state) if len(tx) else 0
+        written_bytes = self._apply_incremental(tx, state, self._config_digest(snapshot.node)) if len(tx) else 0
         for name, new_entry in new_entries.items():
             if new_entry is None:
                 state.entries.pop(name, None)

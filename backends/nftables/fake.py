@@ -21,6 +21,7 @@ from netproxy.backends.nftables.serialise import Op
 
 _CHAIN_REF = re.compile(r"\b(?:goto|jump) ([A-Za-z0-9/_.\-]+)")
 _SET_REF = re.compile(r"@([A-Za-z0-9/_.\-]+)")
+_STAMP_DETAIL = re.compile(r"\b(config|gen):\S+")
 
 
 @dataclass
@@ -88,6 +89,19 @@ class FakeNft:
         if t is None or set_name not in t.elements:
             return []
         return list(t.elements[set_name].values())
+
+    def read_stamped(self, family: str, set_names: Sequence[str]) -> Dict[str, List[Element]]:
+        self.reads += 1
+        t = self.tables.get(family)
+        if t is None:
+            return {}
+        return {n: [e._replace(expires=None, timeout=None) for e in t.elements[n].values()]
+                for n in set_names if n in t.elements}
+
+    def chain_names(self, family: str) -> FrozenSet[str]:
+        self.reads += 1
+        t = self.tables.get(family)
+        return frozenset(t.chains) if t is not None else frozenset()
 
     def probe(self) -> None:
         return None
@@ -235,12 +249,23 @@ class FakeNft:
             s = t.sets[name]
             lines.append(f"  {'map' if s.is_map else 'set'} {name}{serialise.set_spec(s)}")
             for key in sorted(t.elements[name]):
-                lines.append(f"    {serialise.element_text(t.elements[name][key])}")
+                element = t.elements[name][key]
+                if name == names.STAMP:
+                    # Which generation and configuration: tests compare tables across histories and
+                    # configurations; the stamp's own tests read it with elements().
+                    element = element._replace(comment=_STAMP_DETAIL.sub(r"\1:*", element.comment or ""))
+                lines.append(f"    {serialise.element_text(element)}")
         for name in sorted(t.chains):
             lines.append(f"  chain {name}{serialise.chain_spec(t.chains[name])}")
             for r in t.rules[name]:
                 lines.append(f"    {r.body}" + (f' comment "{r.comment}"' if r.comment else ""))
         return "\n".join(lines) + "\n"
+
+    def comments(self, family: str, set_name: str) -> Dict[str, Optional[str]]:
+        t = self.tables.get(family)
+        if t is None or set_name not in t.elements:
+            return {}
+        return {k: e.comment for k, e in t.elements[set_name].items()}
 
     def elements(self, family: str, set_name: str) -> Dict[str, Optional[str]]:
         t = self.tables.get(family)

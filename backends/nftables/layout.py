@@ -183,6 +183,7 @@ def base_sets(family: str, config: ProxyConfig) -> List[Set]:
         Set(names.FIREWALL_ALLOW, f"{dispatch} . {addr}", flags=("interval",),
             comment="load-balancer IP . protocol . port . allowed source range"),
         Set(names.HAIRPIN, f"{addr} . {addr}", comment="endpoint . endpoint: hairpin"),
+        Set(names.STAMP, "inet_service", comment="what netproxy built this table from: restart by adoption"),
     ]
     if family in affinity_families(config):
         sets.append(Set(names.AFFINITY_SERVICES, dispatch, "verdict",

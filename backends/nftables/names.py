@@ -42,6 +42,7 @@ CLUSTER_CIDRS = "cluster-cidrs"
 SERVICE_CIDRS = "service-cidrs"
 AFFINITY_SERVICES = "affinity-services"
 AFFINITY_NODEPORTS = "affinity-nodeports"
+STAMP = "stamp"
 
 # What an unquoted nft identifier may contain (nft's scanner: a letter first, then letters, digits,
 # '/', '-', '_' and '.').

@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 from typing import Set as PySet
 
-from netproxy.backends.nftables import layout, names, render
+from netproxy.backends.nftables import layout, names, render, stamp
 from netproxy.backends.nftables.objects import Chain, Element, ElementRun, Object, Rule
 from netproxy.backends.nftables.serialise import Op, ops_text
 from netproxy.core.config import ProxyConfig
 from netproxy.core.model import Endpoint, IPNetwork, NodeInfo, ServicePort, ServicePortName
 
 log = logging.getLogger(__name__)
-
 
 
 class Transaction:
@@ -111,7 +110,8 @@ def render_entry(svc: ServicePort, eps: Tuple[Endpoint, ...], node: NodeInfo, co
             continue
         objs = render.render_service(svc, eps, node, fam, config)
         if not objs.is_empty():
-            rendered[fam] = objs
+            # Its own elements carry its service stamp: what a new process compares (stamp.py).
+            rendered[fam] = stamp.stamped(objs, svc.name)
     return Entry(svc, eps, node, rendered)
 
 
@@ -243,6 +243,15 @@ def node_changes(tx: Transaction, fam: str, fstate: FamilyState, wanted: FrozenS
     fstate.node = wanted
 
 
+def put_stamp(tx: Transaction, families: Iterable[str], element: Element, replace: bool) -> None:
+    """Write the table stamp (stamp.py) into each of ``families``' tables, replacing the one there
+    (``replace``) in the same transaction: a stamp is always the one of the last commit."""
+    for fam in sorted(families):
+        if replace:
+            tx.put("delete-elements", "delete", fam, Element(element.set, element.key))
+        tx.put("elements", "add", fam, element)
+
+
 def _add_chain(tx: Transaction, fam: str, chain: Chain, rules: Iterable[Rule]) -> None:
     tx.put("containers", "add", fam, chain)
     for r in rules:
@@ -284,7 +293,7 @@ def _create_family(tx: Transaction, fam: str, objs: Sequence[render.ServiceObjec
     for chain, rules in layout.base_chains(fam, config):
         _add_chain(tx, fam, chain, rules)
     for shared in sorted(fstate.shared, key=_shared_key):
-        _add_shared(tx, fam, shared, config)
+        add_shared(tx, fam, shared, config)
     for o in objs:
         for s in o.sets.values():
             tx.put("containers", "add", fam, s)
@@ -316,7 +325,7 @@ def _shared_key(shared: layout.Shared) -> str:
     return name
 
 
-def _add_shared(tx: Transaction, fam: str, shared: layout.Shared, config: ProxyConfig) -> None:
+def add_shared(tx: Transaction, fam: str, shared: layout.Shared, config: ProxyConfig) -> None:
     chain, rules, emap = layout.shared_chain(shared, fam, config)
     if emap is not None:
         tx.put("containers", "add", fam, emap)
@@ -388,7 +397,7 @@ def add_first_used(tx: Transaction, fam: str, used: Iterable[layout.Shared], pen
     for shared in used:
         if shared in pending:
             pending.discard(shared)
-            _add_shared(tx, fam, shared, config)
+            add_shared(tx, fam, shared, config)
 
 
 # --- ClientIP affinity as map elements (layout.affinity_families) ----------------------------------

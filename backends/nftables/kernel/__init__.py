@@ -6,12 +6,14 @@
 - :mod:`..fake`: an in-memory kernel with real semantics, for unit tests.
 
 Every writer applies one transaction all or nothing and reads back only what the backend needs:
-which tables exist, the ruleset generation, the contents of the affinity sets and maps.
+which tables exist, the ruleset generation, the contents of the affinity sets and maps, and (once,
+at start) the stamps of restart by adoption.  Those are read over netlink by both writers
+(:mod:`.readback`): libnftables would print and parse them as text again.
 """
 
 from __future__ import annotations
 
-from typing import AbstractSet, FrozenSet, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 try:  # Python 3.8+
     from typing import Protocol
@@ -36,6 +38,13 @@ class Runner(Protocol):
 
     def read_elements(self, family: str, set_name: str) -> List[Element]:
         """The elements of one set or map of ``family netproxy`` (key, value, seconds left)."""
+
+    def read_stamped(self, family: str, set_names: Sequence[str]) -> Dict[str, List[Element]]:
+        """The elements, with their comments, of those of the named sets and maps of ``family
+        netproxy`` that exist (restart by adoption: the small maps that carry stamps)."""
+
+    def chain_names(self, family: str) -> FrozenSet[str]:
+        """The chains of ``family netproxy`` (empty without the table)."""
 
     def delete_tables(self) -> List[str]:
         """Delete netproxy's tables (and only them); return which were deleted."""

@@ -69,6 +69,8 @@ class LibNftRunner:
         self._nft.set_handle_output(False)
         self._check: Optional[Any] = None
         self._gen_socket: Optional[Tuple[Any, int, Any]] = None
+        self._reader: Optional[Any] = None
+        """A netlink socket for the stamps of restart by adoption (made when first needed)."""
         self.notifications = Watched()
 
     def watch(self, on: bool) -> None:
@@ -203,6 +205,30 @@ class LibNftRunner:
             log.debug("cannot read the nftables generation: %s", exc)
         return None
 
+
+    def _netlink(self) -> Any:
+        from netproxy.backends.nftables.kernel.nlsocket import NlSocket
+
+        if self._reader is None:
+            try:
+                self._reader = NlSocket()
+            except OSError as exc:
+                raise SyncError("no nf_tables netlink socket to read the stamps", detail=str(exc)) from exc
+        return self._reader
+
+    def read_stamped(self, family: str, set_names: Sequence[str]) -> Dict[str, List[Element]]:
+        # Over netlink, as the netlink writer reads them: nft's JSON of 10k-100k commented elements
+        # would be printed and parsed again, for nothing.
+        from netproxy.backends.nftables.kernel import readback
+
+        found: Dict[str, List[Element]] = readback.read_named(self._netlink(), family, set_names)
+        return found
+
+    def chain_names(self, family: str) -> FrozenSet[str]:
+        from netproxy.backends.nftables.kernel import readback
+
+        chains: FrozenSet[str] = readback.chain_names(self._netlink(), family)
+        return chains
 
     def probe(self) -> None:
         if self._list("list tables") is None:

@@ -199,6 +199,16 @@ class NetlinkRunner:
         spec = self._set_spec(family, set_name)
         return [] if spec is None else self._elements(family, spec)
 
+    def read_stamped(self, family: str, set_names: Sequence[str]) -> Dict[str, List[Element]]:
+        from netproxy.backends.nftables.kernel import readback
+
+        return readback.read_named(self._sock, family, set_names)
+
+    def chain_names(self, family: str) -> FrozenSet[str]:
+        from netproxy.backends.nftables.kernel import readback
+
+        return readback.chain_names(self._sock, family)
+
     def _elements(self, family: str, spec: Set) -> List[Element]:
         key_fields = spec.key_type.split(" . ")
         value_fields = spec.value_type.split(" . ") if spec.value_type not in (None, "verdict") else None
@@ -218,8 +228,6 @@ class NetlinkRunner:
         except NetlinkError as exc:
             raise SyncError(f"cannot read the elements of {spec.name}", detail=str(exc)) from exc
         return out
-
-
 
 
 def _set_from_attrs(attrs: Dict[int, bytes]) -> Optional[Set]:

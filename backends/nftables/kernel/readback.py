@@ -11,7 +11,7 @@ family; nothing is written.
 from __future__ import annotations
 
 import ipaddress
-from typing import Dict, Iterator, List, Optional, Tuple, Union
+from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union
 
 from netproxy.backends.base import BackendUnavailable
 from netproxy.backends.nftables import encode, names, wire
@@ -96,8 +96,40 @@ def _elements(sock: NlSocket, number: int, spec: Set) -> Iterator[Element]:
                 value = f"{_VERBS[code]} {chain}".strip()
             elif value_fields and wire.ELEM_DATA in e:
                 value = unpack(value_fields, _data_value(e[wire.ELEM_DATA]))
-            yield Element(spec.name, unpack(key_fields, key), value)
+            yield Element(spec.name, unpack(key_fields, key), value, _comment(e.get(wire.ELEM_USERDATA)))
     yield from _from_points(spec, points)
+
+
+def _comment(udata: Optional[bytes]) -> Optional[str]:
+    """An element's comment from its user data (libnftnl's items: type, length, value; the comment is
+    item 0, NUL-terminated); None without one."""
+    at = 0
+    while udata is not None and at + 2 <= len(udata):
+        kind, length = udata[at], udata[at + 1]
+        if kind == 0:
+            return udata[at + 2:at + 2 + length].rstrip(b"\0").decode(errors="replace")
+        at += 2 + length
+    return None
+
+
+def read_named(sock: NlSocket, family: str, set_names: Sequence[str]) -> Dict[str, List[Element]]:
+    """The elements (key, value, comment) of the named sets and maps of ``family netproxy`` that exist;
+    a set that does not exist has no entry.  What restart by adoption reads (stamp.py): never the
+    endpoint maps."""
+    number = encode.FAMILIES[family]
+    out: Dict[str, List[Element]] = {}
+    wanted = set(set_names)
+    for attrs in _dump(sock, wire.GETSET, number, wire.string(wire.SET_TABLE, names.TABLE)):
+        spec = _set_from_attrs(attrs)
+        if spec is not None and spec.name in wanted:
+            out[spec.name] = list(_elements(sock, number, spec))
+    return out
+
+
+def chain_names(sock: NlSocket, family: str) -> FrozenSet[str]:
+    """The names of the chains of ``family netproxy`` (empty without the table)."""
+    chains = _dump(sock, wire.GETCHAIN, encode.FAMILIES[family], wire.string(wire.CHAIN_TABLE, names.TABLE))
+    return frozenset(wire.text(a[wire.CHAIN_NAME]) for a in chains)
 
 
 Address = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]

@@ -1,0 +1,120 @@
+"""Stamps: what netproxy's tables were built from, written into the tables themselves, so that a new
+process can adopt them instead of rewriting them (README.md, "Restart by adoption").
+
+Two kinds:
+
+- the **table stamp**, one element of the ``stamp`` set in each of netproxy's tables, replaced by
+  every transaction netproxy commits: ``netproxy <layout> config:<digest> gen:<generation>``.  The
+  config digest covers netproxy's version, this layout's version, the settings that shape the table
+  and the node; the generation is the one the transaction was expected to get (the one before it,
+  plus one).  A new process adopts only when both still hold: nothing else committed since.
+- the **service stamp**: the comment of every element a service port owns alone (dispatch,
+  refusals, exemptions, firewall, affinity dispatch) is ``<namespace/name:port> d:<digest>``, the
+  digest of everything that service port renders (its elements, endpoint runs, chains, sets,
+  shared chains and shared elements), so a new process can tell per service whether what the
+  kernel holds is what it would write, reading the small dispatch maps only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from typing import Dict, Iterable, List, Optional, Tuple
+
+from netproxy.backends.nftables import names, render
+from netproxy.backends.nftables.objects import Element
+from netproxy.core.config import ProxyConfig
+from netproxy.core.model import NodeInfo, ServicePortName
+
+LAYOUT_VERSION = 1
+"""Bumped whenever what an object's name, key or comment means changes without the rendered text
+showing it: a table stamped with another layout is never adopted."""
+
+STAMP_SET = names.STAMP
+STAMP_KEY = "1"
+_DIGEST_CHARS = 16
+_SUFFIX = " d:"
+_SERVICE_COMMENT = re.compile(r"^(?P<service>.+) d:(?P<digest>[0-9a-f]{16})$")
+_TABLE_STAMP = re.compile(r"^netproxy (?P<layout>\d+) config:(?P<config>[0-9a-f]{16}) gen:(?P<gen>\d+)$")
+
+RUN_ONLY = frozenset({"sync_period", "min_sync_period", "metrics_bind_address", "healthz_bind_address",
+                      "one_shot", "iptables_lock_timeout", "nftables_writer", "iptables_writer", "backend"})
+"""ProxyConfig fields that do not shape the tables (every other field does, new ones included: a
+field added later changes the digest until someone decides it belongs here).  The writer is one of
+them: both write the same objects, so a process may adopt what the other writer wrote."""
+
+
+def _digest(parts: Iterable[str]) -> str:
+    h = hashlib.blake2b(digest_size=_DIGEST_CHARS // 2)
+    for p in parts:
+        h.update(p.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def config_digest(config: ProxyConfig, node: NodeInfo, version: str) -> str:
+    """What every object of the tables depends on besides the services: netproxy's version, the
+    layout, the settings that shape the tables and the node."""
+    parts = [f"version={version}", f"layout={LAYOUT_VERSION}", f"node={node!r}"]
+    for f in dataclasses.fields(config):
+        if f.name not in RUN_ONLY:
+            parts.append(f"{f.name}={getattr(config, f.name)!r}")
+    return _digest(parts)
+
+
+def table_stamp(config: str, generation: int) -> Element:
+    return Element(STAMP_SET, STAMP_KEY, comment=f"netproxy {LAYOUT_VERSION} config:{config} gen:{generation}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TableStamp:
+    layout: int
+    config: str
+    generation: int
+
+
+def parse_table_stamp(comment: Optional[str]) -> Optional[TableStamp]:
+    m = _TABLE_STAMP.match(comment or "")
+    if m is None:
+        return None
+    return TableStamp(int(m.group("layout")), m.group("config"), int(m.group("gen")))
+
+
+def service_base(name: ServicePortName) -> str:
+    """The service part of a service stamp: ``names.service_comment``, shortened (with a hash, so it
+    stays unique) to leave room for the digest within nft's comment limit."""
+    base = names.service_comment(name)
+    room = names.MAX_COMMENT - len(_SUFFIX) - _DIGEST_CHARS
+    if len(base) > room:
+        base = f"{base[:room - 9]}-{hashlib.sha256(str(name).encode()).hexdigest()[:8]}"
+    return base
+
+
+def parse_service_comment(comment: Optional[str]) -> Optional[Tuple[str, str]]:
+    """(service part, digest) of a service stamp; None when the comment is not one."""
+    m = _SERVICE_COMMENT.match(comment or "")
+    return None if m is None else (m.group("service"), m.group("digest"))
+
+
+def service_digest(objs: render.ServiceObjects) -> str:
+    """The digest of everything one service port renders in one family, comments aside.  Sorted:
+    some parts come out of sets (hairpin pairs), whose order changes from process to process."""
+    parts: List[str] = [f"e {e.set} {e.key} {e.value}" for e in objs.elements.values()]
+    parts.extend(f"r {role} {run.set} {run.prefix} {' '.join(run.values)}" for (role, _), run in objs.runs.items())
+    for cname, rules in objs.chains.items():
+        parts.append(f"c {cname} " + " ; ".join(f"{r.body} # {r.comment}" for r in rules))
+    parts.extend(f"s {s!r}" for s in objs.sets.values())
+    parts.extend(f"u {s.chain}" for s in objs.shared)
+    parts.extend(f"f {r.set} {r.key}" for r in objs.refs)
+    parts.sort()
+    return _digest(parts)
+
+
+def stamped(objs: render.ServiceObjects, name: ServicePortName) -> render.ServiceObjects:
+    """``objs`` with its own elements' comments carrying its service stamp."""
+    if not objs.elements:
+        return objs
+    comment = f"{service_base(name)}{_SUFFIX}{service_digest(objs)}"
+    elements: Dict[Tuple[str, str], Element] = {k: e._replace(comment=comment) for k, e in objs.elements.items()}
+    return dataclasses.replace(objs, elements=elements)
