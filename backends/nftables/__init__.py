@@ -191,11 +191,11 @@ class NftablesBackend:
     def _full_sync(self, snapshot: Snapshot) -> SyncResult:
         if self._state is None and self._adopt_pending:
             self._adopt_pending = False
-            state = self._build_state(snapshot, None)
-            adopted = self._adopt(snapshot, state)
+            built = self._build_state(snapshot, None)
+            adopted = self._adopt(snapshot, built)
             if adopted is not None:
                 return adopted
-            return self._rewrite(snapshot, self.kernel.generation(), state)
+            return self._rewrite(snapshot, self.kernel.generation(), built)
         before = self.kernel.generation()
         state = self._state
         if self._policy.decide(state is not None, lambda: self._vouched(state, before)) is Action.WRITE_CHANGES:

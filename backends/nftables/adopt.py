@@ -58,7 +58,8 @@ _RECORD = re.compile(r"^affinity-(?P<proto>[a-z]+)-(?P<timeout>\d+)$")
 
 def own_sets(family: str, config: ProxyConfig) -> Tuple[str, ...]:
     """The sets and maps whose elements each belong to one service port (and carry its stamp)."""
-    out = DISPATCH + (names.EXEMPT_IPS, names.EXEMPT_NODEPORTS, names.FIREWALL_IPS, names.FIREWALL_ALLOW)
+    out: Tuple[str, ...] = DISPATCH + (names.EXEMPT_IPS, names.EXEMPT_NODEPORTS, names.FIREWALL_IPS,
+                                       names.FIREWALL_ALLOW)
     if family in layout.affinity_families(config):
         out += (names.AFFINITY_SERVICES, names.AFFINITY_NODEPORTS)
     return out
@@ -155,9 +156,13 @@ def _check_stamp(found: Optional[Sequence[Element]], fam: str, config_digest: st
                            "commit: someone committed since, perhaps to netproxy's tables")
 
 
-def _by_service(read: Dict[str, List[Element]], owned: Sequence[str], fam: str) -> Dict[str, Dict[Tuple[str, str], Element]]:
+Owned = Dict[Tuple[str, str], Element]
+"""One service port's own elements, keyed by (set, key)."""
+
+
+def _by_service(read: Dict[str, List[Element]], owned: Sequence[str], fam: str) -> Dict[str, Owned]:
     """The kernel's per-service elements, grouped by the service part of their stamps."""
-    out: Dict[str, Dict[Tuple[str, str], Element]] = {}
+    out: Dict[str, Owned] = {}
     for set_name in owned:
         for e in read[set_name]:
             parsed = stamp.parse_service_comment(e.comment)
@@ -168,7 +173,7 @@ def _by_service(read: Dict[str, List[Element]], owned: Sequence[str], fam: str) 
     return out
 
 
-def _ghost(old: Dict[Tuple[str, str], Element], fam: str, base: str) -> render.ServiceObjects:
+def _ghost(old: Owned, fam: str, base: str) -> render.ServiceObjects:
     """What a changed service port owns in the kernel, rebuilt from its elements without reading the
     endpoint maps: each dispatch verdict names its pick chain, and so the map and the count of its
     endpoint elements (``<prefix> . 0`` .. ``N-1``, or ``<prefix>`` alone for one); their values are

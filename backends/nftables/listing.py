@@ -3,7 +3,8 @@
 Normalised so that a diff shows changes, not listing noise: one line per rule, set/map declaration
 line and element, each prefixed by its table and chain or set; elements sorted (a hash set lists in
 the kernel's order); elements that carry ``expires`` are dropped (ClientIP affinity entries that
-traffic adds and time removes).
+traffic adds and time removes), and so is the table stamp (stamp.py: the generation of the last
+commit, which a plan does not have).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Dict, Iterable, List, Tuple
 
 from netproxy.backends.base import Outcome, Packet
 from netproxy.backends.listing import run
-from netproxy.backends.nftables.names import TABLE
+from netproxy.backends.nftables.names import STAMP, TABLE
 from netproxy.core.config import ProxyConfig
 
 FAMILIES = ("ip", "ip6")
@@ -62,6 +63,8 @@ def normalise(listing: str) -> List[str]:
             block = line[len("elements = {"):]
             while not block.rstrip().endswith("}"):
                 block += " " + next(lines).strip()
+            if where and where[-1] == ("set", STAMP):
+                continue
             out += sorted((ctx, f"{ctx} element {e}") for e in _elements(block.rstrip()[:-1]))
             continue
         out.append((ctx, f"{ctx} {line}"))
@@ -100,7 +103,7 @@ class NftablesListing:
 
 _ELEMENT = re.compile(r"^table (\S+) \S+ map (\S+) element (.*)$")
 _RULE = re.compile(r"^table (\S+) \S+ chain (\S+) (.*)$")
-_DISPATCH = re.compile(r'^(?P<key>.*?)(?: comment "(?P<svc>[^"]*)")? : goto (?P<chain>\S+)$')
+_DISPATCH = re.compile(r'^(?P<key>.*?)(?: comment "(?P<svc>[^"]*?)(?: d:[0-9a-f]{16})?")? : goto (?P<chain>\S+)$')
 FRONTS = {"service-ips": False, "no-endpoint-services": False, "service-nodeports": True,
           "no-endpoint-nodeports": True}
 """The dispatch maps: name → whether keyed by nodePort (protocol . port) rather than address . protocol . port."""

@@ -92,6 +92,14 @@ def test_status_kernel_reads_service_ports_from_both_listings() -> None:
 	}
 	chain services {""")
     assert ("default/web:http", "10.96.0.10:80/tcp", ("10.244.1.11:8080",)) in nft_programmed(normalise(nft))
+    # A service stamp after the name (backends/nftables/stamp.py) is not part of it; the table
+    # stamp is not listed (no plan has it).
+    stamped = nft.replace('"default/web:http"', '"default/web:http d:0123456789abcdef"').replace(
+        "\tchain services {", '\tset stamp {\n\t\ttype inet_service\n\t\telements = { 1 comment "netproxy 1 '
+        'config:0123456789abcdef gen:7" }\n\t}\n\tchain services {')
+    assert "table ip netproxy set stamp type inet_service" in normalise(stamped)
+    assert not [line for line in normalise(stamped) if "config:" in line]
+    assert ("default/web:http", "10.96.0.10:80/tcp", ("10.244.1.11:8080",)) in nft_programmed(normalise(stamped))
     save = SAVE.replace("COMMIT", '-A KUBE-SVC-X -m comment --comment "default/web:http" -j DNAT '
                                   '--to-destination 10.244.1.11:8080\nCOMMIT').replace(
         "-d 10.96.0.10/32 -p tcp", '-d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http"')

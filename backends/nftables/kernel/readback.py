@@ -85,7 +85,8 @@ def _elements(sock: NlSocket, number: int, spec: Set) -> Iterator[Element]:
             key = _data_value(e.get(wire.ELEM_KEY, b""))
             if "interval" in spec.flags:
                 if wire.ELEM_KEY_END in e:  # a concatenation (pipapo): the range is in the element
-                    yield from _ranges(spec, key_fields, key, _data_value(e[wire.ELEM_KEY_END]))
+                    yield from _ranges(spec, key_fields, key, _data_value(e[wire.ELEM_KEY_END]),
+                                       _comment(e.get(wire.ELEM_USERDATA)))
                 else:
                     flags = wire.be32(e[wire.ELEM_FLAGS]) if wire.ELEM_FLAGS in e else 0
                     points.append((key, bool(flags & wire.ELEM_F_INTERVAL_END)))
@@ -145,13 +146,13 @@ def _cidrs(first: Address, last: Address) -> Iterator[str]:
         yield str(net)
 
 
-def _ranges(spec: Set, fields: List[str], start: bytes, end: bytes) -> Iterator[Element]:
+def _ranges(spec: Set, fields: List[str], start: bytes, end: bytes, comment: Optional[str]) -> Iterator[Element]:
     """A concatenation whose last field is a range: one element per CIDR of the range."""
     width = encode._TYPES[fields[-1]][1]
     head = unpack(fields[:-1], start) + " . " if len(fields) > 1 else ""
     first, last = _address(start[len(start) - width:]), _address(end[len(end) - width:])
     for net in _cidrs(first, last):
-        yield Element(spec.name, f"{head}{net}")
+        yield Element(spec.name, f"{head}{net}", comment=comment)
 
 
 def _from_points(spec: Set, points: List[Tuple[bytes, bool]]) -> Iterator[Element]:

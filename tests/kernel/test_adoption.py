@@ -1,0 +1,131 @@
+"""Restart by adoption in a real kernel (backends/nftables/adopt.py): a new ``netproxy sync`` process
+over the tables a previous one wrote writes nothing when nothing changed, only the changed service
+when one endpoint changed, and rewrites everything when someone touched the tables in between;
+traffic is right after each.  ``nft monitor`` in the node says what each restart wrote."""
+
+from __future__ import annotations
+
+import subprocess
+from typing import List, Sequence
+
+import pytest
+
+from netproxy_lab.checks import assert_only_and_all
+from netproxy_lab.combos import Combo
+from netproxy_lab.manifests import Manifest, endpoint_slice, port, service
+from netproxy_lab.proxy import Proxy
+from netproxy_lab.topology import Pod, Sandbox
+from tests.kernel.test_nftables_backend import Monitor, canonical
+
+pytestmark = [pytest.mark.kernel, pytest.mark.quick_combos("nftables", "nftables/libnftables")]
+
+WEB_IP = "10.96.0.10"
+DNS_IP = "10.96.0.53"
+
+
+@pytest.fixture(autouse=True)
+def nftables_only(combo: Combo) -> None:
+    if combo.backend != "nftables":
+        pytest.skip("restart by adoption is the nftables backend's (the iptables backends rewrite at start)")
+
+
+def cluster(web: Sequence[Pod], dns: Sequence[Pod]) -> List[Manifest]:
+    return [service("web", WEB_IP, [port(80, 8080, name="http")]),
+            endpoint_slice("web", web, [port(8080, name="http")]),
+            service("dns", DNS_IP, [port(53, 8080, name="dns", protocol="UDP")]),
+            endpoint_slice("dns", dns, [port(8080, name="dns", protocol="UDP")])]
+
+
+def committed(monitor: Monitor) -> int:
+    """The index of the first ``# new generation ... (python...)`` line after the monitor's opening
+    marker: the end of the first netproxy process's commit (netlink delivers a commit's events, then
+    its generation; the markers are nft's)."""
+    def found() -> int:
+        for i in range(monitor.start + 1, len(monitor.lines)):
+            if monitor.lines[i].startswith("# new generation") and "(python" in monitor.lines[i]:
+                return i
+        return -1
+
+    with monitor.cond:
+        assert monitor.cond.wait_for(lambda: found() >= 0, 60), monitor.text()
+        return found()
+
+
+def written_after(monitor: Monitor, start: int) -> List[str]:
+    """What the kernel reported after line ``start`` and before the closing marker."""
+    return [ln for ln in monitor.lines[start + 1:monitor.end]
+            if ln.strip() and not ln.startswith("#") and not any(m in ln for m in monitor.marks)]
+
+
+def test_a_restart_with_the_same_input_writes_nothing(proxy: Proxy, sandbox: Sandbox) -> None:
+    objects = cluster(sandbox.pods[:3], sandbox.pods[:2])
+    # The monitor opens (with a commit of its own) before the first process: any commit between the
+    # two processes would move the generation, and the second one rightly would not adopt.
+    with Monitor(sandbox.node) as monitor:
+        proxy.sync(objects)
+        first = committed(monitor)
+        second = proxy.sync(objects)
+    assert written_after(monitor, first) == [], f"the second process wrote:\n{monitor.text()}"
+    assert "adopted the tables in the kernel" in second.stderr, second.stderr
+    res = sandbox.connect(WEB_IP, 80, count=300)
+    assert_only_and_all(res, sandbox.pods[:3], total=300, at_least=50)
+    res = sandbox.connect(DNS_IP, 53, proto="udp", count=100)
+    assert_only_and_all(res, sandbox.pods[:2], total=100, at_least=20)
+
+
+def test_one_endpoint_changed_at_a_restart_writes_only_that_service(proxy: Proxy, sandbox: Sandbox) -> None:
+    moved = [sandbox.pods[0], sandbox.pods[1], sandbox.pods[3]]
+    with Monitor(sandbox.node) as monitor:
+        proxy.sync(cluster(sandbox.pods[:3], sandbox.pods[:2]))
+        first = committed(monitor)
+        second = proxy.sync(cluster(moved, sandbox.pods[:2]))
+    events = written_after(monitor, first)
+    assert "1 of 2 service ports written" in second.stderr, second.stderr
+    assert events, "the changed endpoint was not written"
+    for line in events:
+        # web's own elements, the hairpin pairs of the pod that left and the one that came, the stamps
+        assert (WEB_IP in line or "hairpin" in line or "stamp" in line) and DNS_IP not in line, \
+            f"an event outside web's objects:\n{line}\nall events:\n{monitor.text()}"
+    assert len(events) <= 12, f"more than web's objects were written:\n{monitor.text()}"
+    res = sandbox.connect(WEB_IP, 80, count=300)
+    assert_only_and_all(res, moved, total=300, at_least=50)
+
+
+def test_an_endpoint_deleted_behind_its_back_is_repaired_at_a_restart(proxy: Proxy, sandbox: Sandbox) -> None:
+    """The kernel moved its ruleset generation at the ``nft delete element``: the table stamp names
+    the generation of netproxy's last commit, so the new process does not adopt, and rewrites."""
+    objects = cluster(sandbox.pods[:3], sandbox.pods[:2])
+    proxy.sync(objects)
+    want = tables(sandbox)
+    sandbox.exec(sandbox.node, ["nft", "delete", "element", "ip", "netproxy", "cluster-tcp-endpoints-3",
+                                f"{{ {WEB_IP} . 80 . 1 }}"], check=True)
+    assert tables(sandbox) != want
+    second = proxy.sync(objects)
+    assert tables(sandbox) == want, second.stderr
+    assert "not adopting them" in second.stderr and "someone committed since" in second.stderr, second.stderr
+    res = sandbox.connect(WEB_IP, 80, count=300)
+    assert_only_and_all(res, sandbox.pods[:3], total=300, at_least=50)
+
+
+def tables(sandbox: Sandbox) -> List[str]:
+    """Both tables as canonical JSON lines (tests/kernel/test_nftables_backend.py), less the table
+    stamp, whose generation is the one thing a rewrite of the same objects changes."""
+    return [ln for fam in ("ip", "ip6") for ln in canonical(sandbox.node, "table", fam, "netproxy")
+            if '"name": "stamp"' not in ln]
+
+
+def test_a_full_listing_after_adoption_equals_a_fresh_sync(proxy: Proxy, sandbox: Sandbox) -> None:
+    """What an adopting process leaves is what a fresh process writes (every change kind at once)."""
+    proxy.sync(cluster(sandbox.pods[:3], sandbox.pods[:2]))
+    later = cluster(sandbox.pods[1:3], sandbox.pods[:3])[:2] + [
+        service("api", "10.96.0.11", [port(443, 8080, name="https")]),
+        endpoint_slice("api", sandbox.pods[:1], [port(8080, name="https")])]
+    second = proxy.sync(later)
+    assert "adopted the tables in the kernel" in second.stderr, second.stderr
+    adopted = tables(sandbox)
+    subprocess.run(["ip", "netns", "exec", sandbox.node, "nft", "delete", "table", "ip", "netproxy"], check=True)
+    fresh = proxy.sync(later)
+    assert "not adopting" in fresh.stderr, fresh.stderr
+    assert adopted == tables(sandbox)
+    res = sandbox.connect("10.96.0.11", 443, count=20)
+    assert_only_and_all(res, sandbox.pods[:1], total=20, at_least=20)

@@ -1,0 +1,281 @@
+"""Restart by adoption against the fake kernel: a new backend (a new process) over tables a previous
+one wrote writes only what differs, and rewrites everything at any doubt (adopt.py, stamp.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import List, Tuple
+
+import pytest
+
+from netproxy.backends.nftables import FakeNft, NftablesBackend, names, serialise, stamp
+from netproxy.backends.nftables.objects import Chain, Element
+from netproxy.core.config import ProxyConfig, parse_cidrs
+from netproxy.core.model import Changes, NodeInfo, Snapshot
+from tests.unit.nftables.nft_helpers import dumps, eps, fresh_dumps, snap, svc
+
+CONFIG = ProxyConfig(hostname="node-a", cluster_cidrs=parse_cidrs("10.244.0.0/16"))
+WEB = svc("web", "10.96.0.10", external=["192.0.2.10"])
+API = svc("api", "10.96.0.11")
+DNS = svc("dns", "10.96.0.53", 53, proto="UDP", port_name="dns")
+STICKY = svc("sticky", "10.96.0.20", affinity=True, timeout=60)
+LOCAL = svc("local", "10.96.0.30", external=["192.0.2.30"], ext_policy="Local")
+V6 = svc("v6", "fd00::10")
+
+
+def _base() -> Snapshot:
+    return snap((WEB, eps("10.1.0.1", "10.1.0.2", "10.1.0.3")), (API, eps("10.1.1.1", "10.1.1.2", "10.1.1.3")),
+                (DNS, eps("10.1.2.1", port=53)), (STICKY, eps("10.1.3.1", "10.1.3.2")),
+                (LOCAL, eps("10.1.4.1", "10.1.4.2", node="node-a")), (V6, eps("fd01::1", "fd01::2")),
+                node="node-a")
+
+
+def _written(snapshot: Snapshot, config: ProxyConfig = CONFIG) -> FakeNft:
+    """A kernel holding what a first process wrote for ``snapshot``."""
+    fake = FakeNft()
+    NftablesBackend(config, kernel=fake).sync(snapshot, Changes())
+    return fake
+
+
+def _restart(fake: FakeNft, snapshot: Snapshot, config: ProxyConfig = CONFIG) -> Tuple[NftablesBackend, int]:
+    """A second process's first (full) sync; the transactions it wrote."""
+    b = NftablesBackend(config, kernel=fake)
+    before = len(fake.transactions)
+    result = b.sync(snapshot, Changes())
+    assert result.full
+    return b, len(fake.transactions) - before
+
+
+def _text(fake: FakeNft) -> str:
+    return serialise.ops_text(fake.transactions[-1])
+
+
+def test_the_same_input_is_adopted_without_a_write(caplog: pytest.LogCaptureFixture) -> None:
+    fake = _written(_base())
+    want = dumps(fake)
+    caplog.set_level(logging.INFO, logger="netproxy.backends.nftables")
+    b, written = _restart(fake, _base())
+    assert written == 0, f"a restart with nothing changed wrote:\n{_text(fake)}"
+    assert dumps(fake) == want
+    assert "adopted the tables in the kernel" in caplog.text
+    # The adopted record is the one a full sync would keep: incremental syncs go on from it.
+    later = _base()
+    later.endpoints[API.name] = eps("10.1.1.1", "10.1.1.9", "10.1.1.3")  # type: ignore[index]
+    b.sync(later, Changes(full=False, services=frozenset({API.name})))
+    assert "delete table" not in _text(fake)
+    assert dumps(fake) == fresh_dumps(later, CONFIG)
+
+
+def test_one_endpoint_changed_writes_only_that_service() -> None:
+    fake = _written(_base())
+    later = _base()
+    later.endpoints[API.name] = eps("10.1.1.1", "10.1.1.9", "10.1.1.3")  # type: ignore[index]
+    b, written = _restart(fake, later)
+    assert written == 1
+    text = _text(fake)
+    assert "delete table" not in text and "10.1.1.9" in text
+    for other in ("10.96.0.10", "10.96.0.53", "10.96.0.20", "10.96.0.30", "fd00::10"):
+        assert other not in text, f"the adoption touched another service:\n{text}"
+    assert dumps(fake) == fresh_dumps(later, CONFIG)
+    assert b.sync(later, Changes()).services_written == 0, "the adopted record matches the kernel"
+
+
+@pytest.mark.parametrize("change", ["grow", "shrink", "to-empty", "from-empty", "delete", "add", "affinity-on",
+                                    "affinity-off", "port", "external-ip", "local-policy", "local-endpoints",
+                                    "v6", "nodeport"])
+def test_every_kind_of_change_across_a_restart_converges_to_a_fresh_sync(change: str) -> None:
+    fake = _written(_base())
+    services, endpoints = dict(_base().services), dict(_base().endpoints)
+    if change == "grow":
+        endpoints[API.name] = eps("10.1.1.1", "10.1.1.2", "10.1.1.3", "10.1.1.4")
+    elif change == "shrink":
+        endpoints[API.name] = eps("10.1.1.1")
+    elif change == "to-empty":
+        endpoints[API.name] = ()
+    elif change == "from-empty":
+        fake = _written(snap(*[(s, () if s is API else _base().endpoints[s.name]) for s in _base().services.values()],
+                             node="node-a"))
+    elif change == "delete":
+        del services[DNS.name]
+    elif change == "add":
+        new = svc("new", "10.96.0.60", 443)
+        services[new.name], endpoints[new.name] = new, eps("10.1.6.1", "10.1.6.2")
+    elif change == "affinity-on":
+        services[API.name] = dataclasses.replace(API, affinity="ClientIP", affinity_timeout=30)
+    elif change == "affinity-off":
+        services[STICKY.name] = dataclasses.replace(STICKY, affinity="None")
+    elif change == "port":
+        services[API.name] = dataclasses.replace(API, port=8443)
+    elif change == "external-ip":
+        services[WEB.name] = dataclasses.replace(WEB, external_ips=())
+    elif change == "local-policy":
+        services[LOCAL.name] = dataclasses.replace(LOCAL, external_traffic_policy="Cluster")
+    elif change == "local-endpoints":
+        endpoints[LOCAL.name] = eps("10.1.4.1", node="node-a") + eps("10.1.4.2", node="node-b")
+    elif change == "v6":
+        endpoints[V6.name] = eps("fd01::1")
+    elif change == "nodeport":
+        services[WEB.name] = dataclasses.replace(WEB, node_port=30080)
+    later = Snapshot.build(list(services.values()), endpoints, NodeInfo("node-a"))
+    b, written = _restart(fake, later)
+    assert written == 1 and "delete table" not in _text(fake), _text(fake)
+    assert dumps(fake) == fresh_dumps(later, CONFIG)
+    # and the record goes on: every service changed once more, incrementally
+    again = Snapshot.build(list(later.services.values()), {n: eps("10.1.9.1") for n in later.services},
+                           NodeInfo("node-a"))
+    b.sync(again, Changes(full=False, services=frozenset(set(later.services) | set(_base().services))))
+    assert dumps(fake) == fresh_dumps(again, CONFIG)
+
+
+def test_source_ranges_are_adopted_and_a_changed_one_is_rewritten(caplog: pytest.LogCaptureFixture) -> None:
+    ranged = dataclasses.replace(svc("lb", "10.96.0.40", lb=["198.51.100.40"]),
+                                 source_ranges=tuple(parse_cidrs("203.0.113.0/24")))
+    first = snap(*[(s, _base().endpoints[s.name]) for s in _base().services.values()],
+                 (ranged, eps("10.1.7.1")), node="node-a")
+    fake = _written(first)
+    assert fake.comments("ip", names.FIREWALL_ALLOW), "the firewall elements carry the service stamp"
+    assert _restart(fake, first)[1] == 0
+    # Its ranges are not read back: a change to it is a rewrite (adopt.py's _ghost).
+    later = snap(*[(s, _base().endpoints[s.name]) for s in _base().services.values()],
+                 (ranged, eps("10.1.7.2")), node="node-a")
+    _rewrites(fake, later, caplog, "loadBalancerSourceRanges")
+
+
+def test_remembered_clients_of_a_gone_endpoint_are_forgotten_at_adoption() -> None:
+    fake = _written(_base())
+    fake.touch("ip", "affinity-tcp", "10.244.1.7 . 10.96.0.20 . 80", 50, "10.1.3.1 . 8080")
+    fake.touch("ip", "affinity-tcp", "10.244.1.8 . 10.96.0.20 . 80", 50, "10.1.3.2 . 8080")
+    later = _base()
+    later.endpoints[STICKY.name] = eps("10.1.3.2", "10.1.3.3")  # type: ignore[index]
+    _restart(fake, later)
+    assert set(fake.elements("ip", "affinity-tcp")) == {"10.244.1.8 . 10.96.0.20 . 80"}
+
+
+def _rewrites(fake: FakeNft, snapshot: Snapshot, caplog: pytest.LogCaptureFixture, reason: str,
+              config: ProxyConfig = CONFIG) -> None:
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="netproxy.backends.nftables")
+    _, written = _restart(fake, snapshot, config)
+    assert written == 1
+    ops = fake.transactions[-1]
+    assert ("delete", "ip") in [(v, f) for v, f, o in ops if type(o).__name__ == "Table"], _text(fake)
+    assert dumps(fake) == fresh_dumps(snapshot, config)
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any("not adopting" in m and reason in m for m in infos), infos
+
+
+def test_a_write_by_anyone_since_the_stamp_means_a_rewrite(caplog: pytest.LogCaptureFixture) -> None:
+    fake = _written(_base())
+    fake.foreign_write(ours=False)  # another table: the generation moved all the same
+    _rewrites(fake, _base(), caplog, "someone committed since")
+
+
+def test_a_deleted_endpoint_element_is_repaired_because_the_generation_moved(caplog: pytest.LogCaptureFixture) -> None:
+    fake = _written(_base())
+    want = dumps(fake)
+    del fake.tables["ip"].elements["cluster-tcp-endpoints-3"]["10.96.0.11 . 80 . 1"]
+    fake.foreign_write()  # `nft delete element` is a commit: the kernel moves the generation
+    assert dumps(fake) != want
+    _rewrites(fake, _base(), caplog, "someone committed since")
+    assert dumps(fake) == want
+
+
+def test_a_stamp_of_another_configuration_or_node_means_a_rewrite(caplog: pytest.LogCaptureFixture) -> None:
+    fake = _written(_base())
+    _rewrites(fake, _base(), caplog, "another netproxy version, layout, configuration",
+              dataclasses.replace(CONFIG, masquerade_bit=13))
+    fake = _written(_base())
+    other_node = snap(*[(s, _base().endpoints[s.name]) for s in _base().services.values()], node="node-b")
+    _rewrites(fake, other_node, caplog, "another netproxy version, layout, configuration")
+    # the writer is not part of it: the other writer's tables are adopted
+    fake = _written(_base())
+    _, written = _restart(fake, _base(), dataclasses.replace(CONFIG, nftables_writer="libnftables"))
+    assert written == 0
+
+
+def _stamp(fake: FakeNft, fam: str = "ip") -> Element:
+    return fake.tables[fam].elements[names.STAMP][stamp.STAMP_KEY]
+
+
+def test_torn_or_missing_stamps_mean_a_rewrite(caplog: pytest.LogCaptureFixture) -> None:
+    # Edits below change the fake's tables without moving its generation: what a kernel never
+    # shows, so that each check stands on its own.
+    fake = _written(_base())
+    del fake.tables["ip"].elements[names.STAMP][stamp.STAMP_KEY]
+    _rewrites(fake, _base(), caplog, "holds 0 stamps")
+
+    fake = _written(_base())
+    del fake.tables["ip6"].sets[names.STAMP], fake.tables["ip6"].elements[names.STAMP]
+    _rewrites(fake, _base(), caplog, "has no stamp set")
+
+    fake = _written(_base())
+    s = _stamp(fake)
+    fake.tables["ip"].elements[names.STAMP][stamp.STAMP_KEY] = s._replace(comment=(s.comment or "")[:-3])
+    fake.tables["ip"].elements[names.STAMP]["2"] = s._replace(key="2")
+    _rewrites(fake, _base(), caplog, "holds 2 stamps")
+
+    fake = _written(_base())
+    s = _stamp(fake)
+    fake.tables["ip"].elements[names.STAMP][stamp.STAMP_KEY] = s._replace(comment="netproxy 1 config:zz gen:1")
+    _rewrites(fake, _base(), caplog, "does not parse")
+
+    fake = _written(_base())
+    dispatch = fake.tables["ip"].elements[names.SERVICE_IPS]
+    dispatch["10.96.0.11 . tcp . 80"] = dispatch["10.96.0.11 . tcp . 80"]._replace(comment="ns/api:http")
+    _rewrites(fake, _base(), caplog, "carries no service stamp")
+
+
+def test_an_object_a_stamp_promises_that_is_missing_means_a_rewrite(caplog: pytest.LogCaptureFixture) -> None:
+    fake = _written(_base())
+    del fake.tables["ip"].chains[names.FILTER_INPUT], fake.tables["ip"].rules[names.FILTER_INPUT]
+    _rewrites(fake, _base(), caplog, "lacks chain filter-input")
+
+    fake = _written(_base())
+    del fake.tables["ip"].sets[names.EXEMPT_IPS], fake.tables["ip"].elements[names.EXEMPT_IPS]
+    _rewrites(fake, _base(), caplog, "has no exempt-ips")
+
+    fake = _written(_base())
+    del fake.tables["ip6"]
+    _rewrites(fake, _base(), caplog, "table ip6 netproxy is missing")
+
+    fake = _written(_base())
+    fake.tables["ip"].chains["intruder"] = Chain("intruder")
+    fake.tables["ip"].rules["intruder"] = []
+    _rewrites(fake, _base(), caplog, "chain intruder")
+
+
+def test_no_table_or_a_table_without_stamps_is_rewritten(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="netproxy.backends.nftables")
+    fake = FakeNft()
+    _, written = _restart(fake, _base())
+    assert written == 1 and "no netproxy table" in caplog.text
+
+
+def test_a_refused_adoption_falls_back_to_a_rewrite_in_the_same_sync(caplog: pytest.LogCaptureFixture) -> None:
+    fake = _written(_base())
+    later = _base()
+    later.endpoints[API.name] = eps("10.1.1.1", "10.1.1.9", "10.1.1.3")  # type: ignore[index]
+    fake.fail_next = "refused"
+    caplog.set_level(logging.INFO, logger="netproxy.backends.nftables")
+    b = NftablesBackend(CONFIG, kernel=fake)
+    result = b.sync(later, Changes())
+    assert result.full and "the kernel refused the changes" in caplog.text
+    assert "delete table ip netproxy" in _text(fake)
+    assert dumps(fake) == fresh_dumps(later, CONFIG)
+
+
+def test_every_commit_stamps_the_generation_it_gets() -> None:
+    fake = FakeNft()
+    b = NftablesBackend(CONFIG, kernel=fake)
+    later = _base()
+    stamps: List[str] = []
+    b.sync(later, Changes())
+    stamps.append(_stamp(fake).comment or "")
+    later.endpoints[API.name] = eps("10.1.1.9")  # type: ignore[index]
+    b.sync(later, Changes(full=False, services=frozenset({API.name})))
+    stamps.append(_stamp(fake).comment or "")
+    for fam in ("ip", "ip6"):
+        parsed = stamp.parse_table_stamp(_stamp(fake, fam).comment)
+        assert parsed is not None and parsed.generation == fake.gen, (fam, _stamp(fake, fam))
+    assert stamps[0] != stamps[1]
