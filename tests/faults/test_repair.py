@@ -64,7 +64,8 @@ def _ours(proxy: Proxy) -> str:
     sb, combo = proxy.sandbox, proxy.combo
     if combo.backend == "nftables":
         parts = [sb.exec(sb.node, ["nft", "list", "table", fam, "netproxy"]).stdout for fam in ("ip", "ip6")]
-        return "".join(parts)
+        # The table stamp names the generation of the last commit: a repair's is a new one.
+        return re.sub(r"\bgen:[0-9]+", "gen:*", "".join(parts))
     lines: List[str] = []
     for tool in (f"iptables-{combo.flavour}-save", f"ip6tables-{combo.flavour}-save"):
         out = sb.exec(sb.node, [tool], check=True).stdout
