@@ -17,6 +17,7 @@ small maps would see), so the tables are rewritten.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass, field
@@ -128,15 +129,70 @@ def _family(kernel: Runner, state: State, config: ProxyConfig, config_digest: st
             changed.append((base, _ghost(old, fam, base), new))
     for base, old in kernel_own.items():  # service ports the snapshot no longer has
         changed.append((base, _ghost(old, fam, base), render.ServiceObjects()))
+    # A few changed service ports: their endpoint elements and shared elements are asked for by key
+    # (the endpoint changed is then all that is rewritten); many: the shared sets are read whole and
+    # the changed runs rewritten whole.
+    by_key = sum(len(r.values) for _, o, _ in changed for r in o.runs.values()) <= GET_LIMIT
+    if by_key:
+        changed = [(base, _with_values(kernel, fam, base, o), n) for base, o, n in changed]
     tx = out.tx
     for base, old_objs, new_objs in changed:
         incremental_transaction(tx, fam, old_objs, new_objs)
         out.written.add(base)
     _shared_chains(kernel, state, config, fam, tx, {b for b, _, _ in changed})
     if changed:
-        _refs(kernel, state, fam, tx)
+        if by_key:
+            _refs_by_key(kernel, state, fam, tx, changed)
+        else:
+            _refs(kernel, state, fam, tx)
         _forget_clients(kernel, config, fam, tx, changed)
     _node(read, state, fam, tx)
+
+
+GET_LIMIT = 4096
+"""Endpoint elements of changed service ports up to which they are asked for one by one (a netlink
+GET each, ~30 µs) rather than rewritten whole with the shared sets read whole (100k-1M elements)."""
+
+
+def _with_values(kernel: Runner, fam: str, base: str, objs: render.ServiceObjects) -> render.ServiceObjects:
+    """``objs`` (rebuilt from the dispatch elements) with its endpoint runs' values asked of the kernel:
+    then only the endpoints that changed are rewritten.  An element the verdict promises and the map
+    lacks raises NotAdoptable."""
+    runs = {}
+    for k, run in objs.runs.items():
+        keys = [f"{run.prefix} . {i}" for i in range(len(run.values))] if run.indexed else [run.prefix]
+        got = {e.key: e.value for e in kernel.get_elements(fam, run.set, keys)}
+        if len(got) != len(keys) or any(v is None for v in got.values()):
+            raise NotAdoptable(f"{base}: {run.set} lacks endpoint elements its dispatch verdict promises")
+        runs[k] = run._replace(values=tuple(str(got[key]) for key in keys))
+    return dataclasses.replace(objs, runs=runs)
+
+
+def _refs_by_key(kernel: Runner, state: State, fam: str, tx: Transaction,
+                 changed: Sequence[Tuple[str, render.ServiceObjects, render.ServiceObjects]]) -> None:
+    """``cluster-ips`` and ``hairpin`` made equal to the record's where the changed service ports
+    touch them: the elements their old objects may have needed (their addresses, their endpoints'
+    pairs) and their new ones need, asked for by key.  Every other element's users are all service
+    ports whose stamps matched, so it stays as it is."""
+    candidates: Dict[str, Set[str]] = {n: set() for n in REFS}
+    for _, old, new in changed:
+        for set_name, key in old.elements:
+            if set_name in (names.SERVICE_IPS, names.NO_ENDPOINTS):
+                candidates[names.CLUSTER_IPS].add(key.split(" . ")[0])
+        for run in old.runs.values():
+            for value in run.values:
+                address = value.rpartition(" . ")[0]
+                candidates[names.HAIRPIN].add(f"{address} . {address}")
+        for r in new.refs:
+            candidates.setdefault(r.set, set()).add(r.key)
+    want = {(r.set, r.key): r for r, users in state.family(fam).refs.items() if users > 0}
+    for set_name, keys in sorted(candidates.items()):
+        have = {e.key for e in kernel.get_elements(fam, set_name, sorted(keys))}
+        for key in sorted(keys):
+            if key in have and (set_name, key) not in want:
+                tx.put("delete-elements", "delete", fam, Element(set_name, key))
+            elif key not in have and (set_name, key) in want:
+                tx.put("elements", "add", fam, want[(set_name, key)])
 
 
 def _check_stamp(found: Optional[Sequence[Element]], fam: str, config_digest: str, gen: int) -> None:

@@ -98,6 +98,14 @@ class FakeNft:
         return {n: [e._replace(expires=None, timeout=None) for e in t.elements[n].values()]
                 for n in set_names if n in t.elements}
 
+    def get_elements(self, family: str, set_name: str, keys: Sequence[str]) -> List[Element]:
+        self.reads += 1
+        t = self.tables.get(family)
+        if t is None or set_name not in t.elements:
+            return []
+        els = t.elements[set_name]
+        return [els[k]._replace(expires=None, timeout=None) for k in keys if k in els]
+
     def chain_names(self, family: str) -> FrozenSet[str]:
         self.reads += 1
         t = self.tables.get(family)

@@ -43,6 +43,10 @@ class Runner(Protocol):
         """The elements, with their comments, of those of the named sets and maps of ``family
         netproxy`` that exist (restart by adoption: the small maps that carry stamps)."""
 
+    def get_elements(self, family: str, set_name: str, keys: Sequence[str]) -> List[Element]:
+        """Those of ``keys`` that one set or map of ``family netproxy`` holds, as elements (key,
+        value, comment): a few elements of a large map, without reading it."""
+
     def chain_names(self, family: str) -> FrozenSet[str]:
         """The chains of ``family netproxy`` (empty without the table)."""
 

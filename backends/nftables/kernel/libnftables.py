@@ -224,6 +224,12 @@ class LibNftRunner:
         found: Dict[str, List[Element]] = readback.read_named(self._netlink(), family, set_names)
         return found
 
+    def get_elements(self, family: str, set_name: str, keys: Sequence[str]) -> List[Element]:
+        from netproxy.backends.nftables.kernel import readback
+
+        found: List[Element] = readback.get_elements(self._netlink(), family, set_name, keys)
+        return found
+
     def chain_names(self, family: str) -> FrozenSet[str]:
         from netproxy.backends.nftables.kernel import readback
 

@@ -204,6 +204,11 @@ class NetlinkRunner:
 
         return readback.read_named(self._sock, family, set_names)
 
+    def get_elements(self, family: str, set_name: str, keys: Sequence[str]) -> List[Element]:
+        from netproxy.backends.nftables.kernel import readback
+
+        return readback.get_elements(self._sock, family, set_name, keys)
+
     def chain_names(self, family: str) -> FrozenSet[str]:
         from netproxy.backends.nftables.kernel import readback
 

@@ -127,6 +127,42 @@ def read_named(sock: NlSocket, family: str, set_names: Sequence[str]) -> Dict[st
     return out
 
 
+def get_elements(sock: NlSocket, family: str, set_name: str, keys: Sequence[str]) -> List[Element]:
+    """The elements of ``keys`` that one set or map of ``family netproxy`` holds (key, value,
+    comment), one netlink GET each: what restart by adoption reads of the endpoint maps, a few
+    keys out of 100k-1M elements.  A key the set does not hold is left out."""
+    number = encode.FAMILIES[family]
+    head = wire.string(wire.SET_TABLE, names.TABLE) + wire.string(wire.SET_NAME, set_name)
+    spec = _set_from_attrs(sock.get(wire.GETSET, number, head)) if keys else None
+    if spec is None:
+        return []
+    encoder = encode.Encoder({(family, set_name): spec})
+    key_fields = spec.key_type.split(" . ")
+    value_fields = spec.value_type.split(" . ") if spec.value_type not in (None, "verdict") else None
+    out = []
+    for key in keys:
+        # A delete's message names the element by its key alone: the same body asks for it.
+        for (_, _, _, body), _op in encoder.messages([("delete", family, Element(set_name, key))]):
+            try:
+                reply = sock.get(wire.GETSETELEM, number, body)
+            except NetlinkError as exc:
+                if exc.errno == 2:  # ENOENT: not there
+                    continue
+                raise BackendUnavailable(f"cannot read {key} of {family} {names.TABLE} {set_name}",
+                                         detail=str(exc)) from exc
+            for _, raw in wire.attribute_list(reply.get(wire.SET_ELEM_LIST_ELEMENTS, b"")):
+                e = wire.attributes(raw)
+                value: Optional[str] = None
+                if spec.value_type == "verdict" and wire.ELEM_DATA in e:
+                    code, chain = ex.verdict_of(e[wire.ELEM_DATA])
+                    value = f"{_VERBS[code]} {chain}".strip()
+                elif value_fields and wire.ELEM_DATA in e:
+                    value = unpack(value_fields, _data_value(e[wire.ELEM_DATA]))
+                out.append(Element(set_name, unpack(key_fields, _data_value(e.get(wire.ELEM_KEY, b""))), value,
+                                   _comment(e.get(wire.ELEM_USERDATA))))
+    return out
+
+
 def chain_names(sock: NlSocket, family: str) -> FrozenSet[str]:
     """The names of the chains of ``family netproxy`` (empty without the table)."""
     chains = _dump(sock, wire.GETCHAIN, encode.FAMILIES[family], wire.string(wire.CHAIN_TABLE, names.TABLE))

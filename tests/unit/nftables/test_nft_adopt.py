@@ -9,7 +9,7 @@ from typing import List, Tuple
 
 import pytest
 
-from netproxy.backends.nftables import FakeNft, NftablesBackend, names, serialise, stamp
+from netproxy.backends.nftables import FakeNft, NftablesBackend, adopt, names, serialise, stamp
 from netproxy.backends.nftables.objects import Chain, Element
 from netproxy.core.config import ProxyConfig, parse_cidrs
 from netproxy.core.model import Changes, NodeInfo, Snapshot
@@ -75,16 +75,24 @@ def test_one_endpoint_changed_writes_only_that_service() -> None:
     assert written == 1
     text = _text(fake)
     assert "delete table" not in text and "10.1.1.9" in text
+    # Its old endpoints asked for by key: only the indexes that changed are rewritten.
+    assert "10.1.1.1 . 8080" not in text, text
     for other in ("10.96.0.10", "10.96.0.53", "10.96.0.20", "10.96.0.30", "fd00::10"):
         assert other not in text, f"the adoption touched another service:\n{text}"
     assert dumps(fake) == fresh_dumps(later, CONFIG)
     assert b.sync(later, Changes()).services_written == 0, "the adopted record matches the kernel"
 
 
+@pytest.mark.parametrize("by_key", [True, False], ids=["asked-by-key", "read-whole"])
 @pytest.mark.parametrize("change", ["grow", "shrink", "to-empty", "from-empty", "delete", "add", "affinity-on",
                                     "affinity-off", "port", "external-ip", "local-policy", "local-endpoints",
                                     "v6", "nodeport"])
-def test_every_kind_of_change_across_a_restart_converges_to_a_fresh_sync(change: str) -> None:
+def test_every_kind_of_change_across_a_restart_converges_to_a_fresh_sync(change: str, by_key: bool,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways of learning a changed service's old endpoints: asked for by key (a few changed
+    services) and not at all, its runs rewritten whole and the shared sets read (many)."""
+    if not by_key:
+        monkeypatch.setattr(adopt, "GET_LIMIT", 0)
     fake = _written(_base())
     services, endpoints = dict(_base().services), dict(_base().endpoints)
     if change == "grow":
@@ -238,6 +246,12 @@ def test_an_object_a_stamp_promises_that_is_missing_means_a_rewrite(caplog: pyte
     fake = _written(_base())
     del fake.tables["ip6"]
     _rewrites(fake, _base(), caplog, "table ip6 netproxy is missing")
+
+    fake = _written(_base())
+    del fake.tables["ip"].elements["cluster-tcp-endpoints-3"]["10.96.0.11 . 80 . 2"]
+    later = _base()
+    later.endpoints[API.name] = eps("10.1.1.1", "10.1.1.9", "10.1.1.3")  # type: ignore[index]
+    _rewrites(fake, later, caplog, "lacks endpoint elements its dispatch verdict promises")
 
     fake = _written(_base())
     fake.tables["ip"].chains["intruder"] = Chain("intruder")
