@@ -140,6 +140,8 @@ def test_every_jump_goes_to_a_chain_the_service_writes(itp: str, etp: str, endpo
         assert target in r.nat or target in BUILTIN_TARGETS, (rule, sorted(r.nat))
     if "Local" not in (itp, etp):
         assert not any(chain.startswith(names.SVL_PREFIX) for chain in r.nat)
+    if endpoints:  # some endpoint: the load balancer goes through its firewall chain, by kube-proxy's name
+        assert "KUBE-FW-XPGD46QRK7WJZT7O" in r.nat
 
 
 def test_a_source_range_drop_comes_before_the_ports_own_verdict() -> None:
@@ -160,6 +162,14 @@ def test_internal_traffic_policy_local_hairpins_only_its_local_endpoints() -> No
     assert [element[0] for element in r.hairpin] == [int(ip("10.1.0.1"))]
     r = rendered(svc1(), ep("10.1.0.1", "node-a"), ep("10.1.0.2"))
     assert sorted(element[0] for element in r.hairpin) == [int(ip("10.1.0.1")), int(ip("10.1.0.2"))]
+
+
+def test_affinity_books_only_the_endpoints_its_chains_dnat_to() -> None:
+    """Cluster policies write KUBE-SVC- only: a terminating endpoint here, which KUBE-SVL- would
+    fall back to, is in no rule while a ready one serves elsewhere, so it takes no slot."""
+    terminating = Endpoint(ip("10.1.0.1"), 8080, ready=False, serving=True, terminating=True, node_name="node-a")
+    r = rendered(svc1(affinity="ClientIP"), terminating, ep("10.1.0.2", "node-b"))
+    assert [key for _, key in r.affinity_slots] == [(int(ip("10.1.0.2")), 8080)]
 
 
 def test_an_affinity_slot_collision_moves_to_the_next_free_slot() -> None:
@@ -205,6 +215,18 @@ def test_an_address_tree_jumps_by_prefix_with_its_label() -> None:
     assert jump == ("-d", net, "-m", "comment", "--comment", f"services in {net}", "-j", names.dispatch_chain(net))
 
 
+@pytest.mark.parametrize("small", [2, 3])
+def test_a_block_of_more_than_two_rules_gets_its_own_chain(small: int) -> None:
+    """Thirty-one addresses in 10.96.1.0/24 and two or three in 10.96.2.0/24: both /24 blocks under the
+    top chain, the small one inline only with two rules (a jump would cost as much)."""
+    addrs = [f"10.96.1.{i}" for i in range(1, 32)] + [f"10.96.2.{i}" for i in range(1, small + 1)]
+    entries = [DispatchEntry(int(ip(a)), ("-d", f"{a}/32", "-j", f"svc-{a}")) for a in addrs]
+    top, sub = build_tree(entries, 4, names.dispatch_chain)
+    jumps = [rule[1] for rule in top if rule[-1] in sub]
+    assert jumps == (["10.96.1.0/24"] if small == 2 else ["10.96.1.0/24", "10.96.2.0/24"])
+    assert _flatten(top, sub) == [e.rule for e in entries]
+
+
 def test_a_port_tree_keeps_the_given_order_of_one_ports_rules() -> None:
     """The first service claiming a NodePort wins, as in kube-proxy's flat KUBE-NODEPORTS."""
     entries = [DispatchEntry(port_key("tcp", 30000 + i), ("-p", "tcp", "--dport", str(30000 + i), "-j", f"s{i}"))
@@ -233,13 +255,22 @@ def test_a_port_tree_across_port_32768_and_within_four_ports() -> None:
 
 
 @pytest.mark.parametrize("unique", [False, True])
-def test_sorted_entries_on_a_small_table_equal_a_fresh_sort(unique: bool) -> None:
+def test_sorted_entries_on_a_small_table_equal_a_fresh_sort(unique: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Few entries, so every change takes the incremental path (not the rebuild past REBUILD), and
     an entry two services share is removed with one of them."""
     shared = DispatchEntry(5, ("-d", "shared"))
     a, b, c = (DispatchEntry(1, ("-j", "a")),), (DispatchEntry(9, ("-j", "b")), shared), (shared,)
     kept = SortedEntries(unique)
+    rebuilds: List[int] = []
+    rebuild = kept._rebuild
+
+    def counted(inputs: List[Tuple[DispatchEntry, ...]]) -> None:
+        rebuilds.append(1)
+        rebuild(inputs)
+
+    monkeypatch.setattr(kept, "_rebuild", counted)  # counts the full sorts
     steps = [[a, b, c], [a, b], [a, b, (DispatchEntry(3, ("-j", "d")),)], [b], [a, c], [c]]
     for inputs in steps:
         everything = [e for t in inputs for e in t]
         assert kept.update(inputs) == sorted(dict.fromkeys(everything) if unique else everything, key=entry_order)
+    assert len(rebuilds) == 1  # the first: every later change was placed, not sorted again
