@@ -17,6 +17,12 @@ afterwards: gen.py's uniform cluster (N services x 10 endpoints) as model object
 Each line: CPU seconds of this process (``time.process_time``), wall seconds, and what the sync
 reported (full, service ports written, bytes).  The model's construction is not timed (a restart
 loads its source before the first sync either way).
+
+``--process`` times whole ``netproxy sync --source FILE`` processes instead (gen.py's objects as a
+JSON List; wall seconds, and user + system CPU seconds of the child): the first, a restart with the
+same file, one with one endpoint replaced, and one with that file after the table stamp was deleted
+(``nft delete element ip netproxy stamp { 1 }``: a table no stamp vouches for, rewritten whole as
+every restart was before adoption).
 """
 
 from __future__ import annotations
@@ -73,19 +79,60 @@ def inside(sizes: List[int]) -> List[Dict[str, Any]]:
     return out
 
 
+def processes(sizes: List[int], workdir: str) -> None:
+    import resource
+
+    from bench import gen
+
+    for n in sizes:
+        objects = gen.cluster(n)
+        same, changed = os.path.join(workdir, f"adopt-{n}.json"), os.path.join(workdir, f"adopt-{n}-changed.json")
+        gen.write_json(same, objects)
+        moved = list(objects)
+        moved[2 * (n // 2) + 1] = gen.replaced_endpoint(objects, n // 2, 1)
+        gen.write_json(changed, moved)
+        steps = [("first", same, None), ("same", same, None), ("one endpoint", changed, None),
+                 ("rewrite", same, ["nft", "delete", "element", "ip", "netproxy", "stamp", "{ 1 }"])]
+        for label, path, before in steps:
+            if before is not None:
+                subprocess.run(before, check=True)
+            usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+            wall = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-m", "netproxy", "sync", "--source", path, "--backend",
+                                   "nftables", "--hostname-override", gen.LOCAL_NODE], capture_output=True, text=True)
+            wall = time.perf_counter() - wall
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
+            adopted = "adopted the tables" in proc.stderr
+            print(json.dumps({"step": label, "services": n, "process_cpu_s": round(cpu, 3),
+                              "process_wall_s": round(wall, 3), "exit": proc.returncode, "adopted": adopted}),
+                  flush=True)
+            if proc.returncode != 0:
+                sys.stderr.write(proc.stderr[-3000:])
+        subprocess.run([sys.executable, "-m", "netproxy", "cleanup", "--backend", "nftables"], capture_output=True)
+        os.unlink(same)
+        os.unlink(changed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--services", type=int, action="append", help="N (repeatable; default 10000)")
+    parser.add_argument("--process", action="store_true", help="time whole `netproxy sync` processes")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = args.services or [10000]
     if args.inside:
-        inside(sizes)
+        if args.process:
+            processes(sizes, os.environ.get("TMPDIR", "/tmp"))
+        else:
+            inside(sizes)
         return
     ns = f"np-bench-adopt-{os.getpid()}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "bench.adoption", "--inside"]
+        if args.process:
+            cmd.append("--process")
         for n in sizes:
             cmd += ["--services", str(n)]
         sys.exit(subprocess.run(cmd).returncode)
