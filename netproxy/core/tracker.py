@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
 
+from netproxy.core.cowmap import CowMap
 from netproxy.core.model import (
     Changes,
     Endpoint,
@@ -50,8 +51,9 @@ class ChangeTracker:
         self._slices: Dict[Key, EndpointSet] = {}  # keyed by (namespace, slice name)
         self._slices_by_service: Dict[Key, Set[Key]] = {}
         self._dirty: Set[Key] = set()  # services (namespace, name) whose ports or endpoints changed
-        self._resolved: Dict[ServicePortName, Tuple[Endpoint, ...]] = {}
-        self._ports: Dict[ServicePortName, ServicePort] = {}
+        # Copy-on-write: a snapshot shares them and copies only what changed since (cowmap.py).
+        self._resolved: CowMap[ServicePortName, Tuple[Endpoint, ...]] = CowMap()
+        self._ports: CowMap[ServicePortName, ServicePort] = CowMap()
         self._names_by_service: Dict[Key, Set[ServicePortName]] = {}
         self._node = node or NodeInfo()
         self._node_changed = False
@@ -201,7 +203,7 @@ class ChangeTracker:
             full = self._node_changed  # node zone/name (and service CIDR) changes can affect every service
             self._node_changed = False
             node = replace(self._node, addresses=self._node_addresses) if self._node_addresses else self._node
-            snap = Snapshot(dict(self._ports), dict(self._resolved), node, self._service_cidrs)
+            snap = Snapshot(self._ports.frozen(), self._resolved.frozen(), node, self._service_cidrs)
         return snap, Changes(full=full, services=frozenset(changed))
 
     # -- internals (lock held) ------------------------------------------------------------------
@@ -264,8 +266,8 @@ class ChangeTracker:
         """Recompute one service's ports and endpoints; return every port name touched."""
         touched = self._names_by_service.pop(key, set())
         for name in touched:
-            del self._ports[name]
-            self._resolved.pop(name, None)
+            self._ports.pop(name)
+            self._resolved.pop(name)
         ports = self._services.get(key, ())
         slices = [self._slices[k] for k in sorted(self._slices_by_service.get(key, ()))]
         names: Set[ServicePortName] = set()

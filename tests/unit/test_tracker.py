@@ -449,3 +449,19 @@ def test_a_rejection_is_logged_with_its_error_and_counted(caplog: pytest.LogCapt
     assert t.rejected == 1
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("ERROR", "rejected Service ns/web: field spec.ports[0].port: must be 1-65535")]
+
+
+
+def test_a_snapshot_is_not_changed_by_what_the_tracker_takes_in_after_it(tracker: ChangeTracker) -> None:
+    """Snapshots share the tracker's maps copy-on-write (netproxy/core/cowmap.py): a sync still
+    working on one must not see the next change, nor a deletion."""
+    first, _ = tracker.take()
+    before = {str(n): [str(e) for e in first.endpoints_of(n)] for n in first.sorted_names()}
+    tracker.update_service("default", "api", None)
+    tracker.update_endpoints("default", "web-1", eps("web", "10.0.0.9", port_names=("http", "metrics")))
+    second, changes = tracker.take()
+    assert {str(n): [str(e) for e in first.endpoints_of(n)] for n in first.sorted_names()} == before
+    assert len(first.services) == 3 and names("default/api") <= set(first.services)
+    assert set(second.services) == names("default/web:http", "default/web:metrics")
+    assert [str(e) for e in second.endpoints_of(ServicePortName("default", "web", "http"))] == ["10.0.0.9:8080"]
+    assert changes.services == names("default/api", "default/web:http", "default/web:metrics")
