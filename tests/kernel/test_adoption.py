@@ -73,6 +73,23 @@ def test_a_restart_with_the_same_input_writes_nothing(proxy: Proxy, sandbox: San
     assert_only_and_all(res, sandbox.pods[:2], total=100, at_least=20)
 
 
+def test_the_other_writer_adopts_what_this_one_wrote(proxy: Proxy, sandbox: Sandbox) -> None:
+    """Both writers write the same objects and stamps (the writer is not in the config digest):
+    a restart with ``--nftables-writer`` switched adopts them and commits nothing."""
+    objects = cluster(sandbox.pods[:3], sandbox.pods[:2])
+    other = "libnftables" if proxy.combo.writer == "netlink" else "netlink"
+    with Monitor(sandbox.node) as monitor:
+        proxy.sync(objects)
+        first = committed(monitor)
+        flags = [other if f == proxy.combo.writer else f for f in proxy.combo.flags]  # the same but the writer
+        second = proxy.command("sync", "--source", proxy.source, *proxy.base_flags, *flags, combo_flags=False)
+    assert second.returncode == 0, second.stderr
+    assert "adopted the tables in the kernel" in second.stderr, second.stderr
+    assert written_after(monitor, first) == [], f"the {other} writer wrote:\n{monitor.text()}"
+    res = sandbox.connect(WEB_IP, 80, count=150)
+    assert_only_and_all(res, sandbox.pods[:3], total=150, at_least=20)
+
+
 def test_one_endpoint_changed_at_a_restart_writes_only_that_service(proxy: Proxy, sandbox: Sandbox) -> None:
     moved = [sandbox.pods[0], sandbox.pods[1], sandbox.pods[3]]
     with Monitor(sandbox.node) as monitor:
