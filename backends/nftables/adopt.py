@@ -60,7 +60,7 @@ _RECORD = re.compile(r"^affinity-(?P<proto>[a-z]+)-(?P<timeout>\d+)$")
 def own_sets(family: str, config: ProxyConfig) -> Tuple[str, ...]:
     """The sets and maps whose elements each belong to one service port (and carry its stamp)."""
     out: Tuple[str, ...] = DISPATCH + (names.EXEMPT_IPS, names.EXEMPT_NODEPORTS, names.FIREWALL_IPS,
-                                       names.FIREWALL_ALLOW)
+                                       names.FIREWALL_ALLOW, names.SERVICE_STAMPS)
     if family in layout.affinity_families(config):
         out += (names.AFFINITY_SERVICES, names.AFFINITY_NODEPORTS)
     return out
@@ -217,13 +217,13 @@ Owned = Dict[Tuple[str, str], Element]
 
 
 def _by_service(read: Dict[str, List[Element]], owned: Sequence[str], fam: str) -> Dict[str, Owned]:
-    """The kernel's per-service elements, grouped by the service part of their stamps."""
+    """The kernel's per-service elements (their stamps included), grouped by the service part of their comments."""
     out: Dict[str, Owned] = {}
     for set_name in owned:
         for e in read[set_name]:
             parsed = stamp.parse_service_comment(e.comment)
             if parsed is None:
-                raise NotAdoptable(f"element {e.key} of {fam} netproxy {set_name} carries no service stamp "
+                raise NotAdoptable(f"element {e.key} of {fam} netproxy {set_name} carries no service comment "
                                    f"(comment {e.comment!r})")
             out.setdefault(parsed[0], {})[(set_name, e.key)] = Element(set_name, e.key, e.value, e.comment)
     return out

@@ -184,6 +184,10 @@ def base_sets(family: str, config: ProxyConfig) -> List[Set]:
             comment="load-balancer IP . protocol . port . allowed source range"),
         Set(names.HAIRPIN, f"{addr} . {addr}", comment="endpoint . endpoint: hairpin"),
         Set(names.STAMP, "inet_service", comment="what netproxy built this table from: restart by adoption"),
+        # Keyed by a 128-bit hash of the service port's name (an ipv6_addr in both tables): a plain set,
+        # so that replacing a stamp at each endpoint change is not a verdict-map element, whose adds
+        # make the kernel validate the whole table on commit (40 ms at 100k services, stamp.py).
+        Set(names.SERVICE_STAMPS, "ipv6_addr", comment="service stamps: restart by adoption"),
     ]
     if family in affinity_families(config):
         sets.append(Set(names.AFFINITY_SERVICES, dispatch, "verdict",

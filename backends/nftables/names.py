@@ -43,6 +43,7 @@ SERVICE_CIDRS = "service-cidrs"
 AFFINITY_SERVICES = "affinity-services"
 AFFINITY_NODEPORTS = "affinity-nodeports"
 STAMP = "stamp"
+SERVICE_STAMPS = "service-stamps"
 
 # What an unquoted nft identifier may contain (nft's scanner: a letter first, then letters, digits,
 # '/', '-', '_' and '.').

@@ -86,8 +86,9 @@ def test_single_endpoint_services_draw_nothing_and_the_bench_prints_their_object
     nft, ipt = cell["nftables"], cell["iptables"]
     assert (nft["1"]["numgen rules"], nft["1"]["numgen maps"]) == (0, 0)
     assert (nft["2"]["numgen rules"], nft["2"]["numgen maps"]) == (1, 1)  # one shared pick chain for all 20
-    # elements: service-ips, the endpoints map, cluster-ips and hairpin pairs — one endpoint each or two
-    assert (nft["1"]["elements"], nft["2"]["elements"]) == (80, 120)
+    # elements: service-ips, the endpoints map, cluster-ips, hairpin pairs (one endpoint each or two)
+    # and the service's stamp (service-stamps, one each)
+    assert (nft["1"]["elements"], nft["2"]["elements"]) == (100, 140)
     assert (ipt["1"]["statistic rules"], ipt["2"]["statistic rules"]) == (0, 20)
     assert ipt["2"]["rules"] - ipt["1"]["rules"] == 20  # one DNAT rule more per service, the rest alike
     text = "\n".join(objects.markdown(cell))

@@ -230,8 +230,49 @@ def test_torn_or_missing_stamps_mean_a_rewrite(caplog: pytest.LogCaptureFixture)
 
     fake = _written(_base())
     dispatch = fake.tables["ip"].elements[names.SERVICE_IPS]
-    dispatch["10.96.0.11 . tcp . 80"] = dispatch["10.96.0.11 . tcp . 80"]._replace(comment="ns/api:http")
-    _rewrites(fake, _base(), caplog, "carries no service stamp")
+    dispatch["10.96.0.11 . tcp . 80"] = dispatch["10.96.0.11 . tcp . 80"]._replace(comment=None)
+    _rewrites(fake, _base(), caplog, "carries no service comment")
+
+
+def test_a_service_whose_stamp_is_torn_or_missing_is_rewritten_alone() -> None:
+    """The digest lives in the service's element of ``service-stamps``: without it, or with another,
+    what the kernel holds for that service is not vouched for, and it alone is written again."""
+    for tear in ("no digest", "another digest", "missing"):
+        fake = _written(_base())
+        stamps = fake.tables["ip"].elements[names.SERVICE_STAMPS]
+        key = stamp.stamp_key(API.name)
+        assert (stamps[key].comment or "").startswith("ns/api:http d:")  # the layout the test relies on
+        if tear == "missing":
+            del stamps[key]
+        else:
+            stamps[key] = stamps[key]._replace(
+                comment="ns/api:http" if tear == "no digest" else "ns/api:http d:0123456789abcdef")
+        _, written = _restart(fake, _base())
+        assert written == 1, tear
+        text = _text(fake)
+        # Its objects checked against the kernel by key (they are as they were): the stamp is what differs.
+        assert "delete table" not in text and f"add element ip netproxy service-stamps {{ {key} comment" in text
+        others = [stamp.stamp_key(s.name) for s in (WEB, DNS, STICKY, LOCAL)]
+        assert not [k for k in others if k in text] and "10.96.0.10" not in text, (tear, text)
+        assert dumps(fake) == fresh_dumps(_base(), CONFIG), tear
+
+
+def test_an_endpoint_change_does_not_replace_the_dispatch_element() -> None:
+    """A running process's endpoint change replaces the endpoint element and the service's stamp,
+    never its verdict-map element: adding one with a goto makes the kernel validate the whole table
+    at commit (stamp.py), the cost that grows with the number of services."""
+    fake = FakeNft()
+    b = NftablesBackend(CONFIG, kernel=fake)
+    b.sync(_base(), Changes())
+    later = _base()
+    later.endpoints[API.name] = eps("10.1.1.1", "10.1.1.9", "10.1.1.3")  # type: ignore[index]
+    b.sync(later, Changes(full=False, services=frozenset({API.name})))
+    touched = {(verb, getattr(obj, "set", None)) for verb, _, obj in fake.transactions[-1]}
+    assert touched == {("delete", "cluster-tcp-endpoints-3"), ("add", "cluster-tcp-endpoints-3"),
+                       ("delete", names.HAIRPIN), ("add", names.HAIRPIN),  # 10.1.1.2's pair out, 10.1.1.9's in
+                       ("delete", names.SERVICE_STAMPS), ("add", names.SERVICE_STAMPS),
+                       ("delete", names.STAMP), ("add", names.STAMP)}, _text(fake)
+    assert dumps(fake) == fresh_dumps(later, CONFIG)
 
 
 def test_an_object_a_stamp_promises_that_is_missing_means_a_rewrite(caplog: pytest.LogCaptureFixture) -> None:
