@@ -145,6 +145,10 @@ class Backend(Protocol):
         """What of this backend's last full sync the kernel does not hold now, one line each (empty:
         all of it); ``netproxy migrate`` asks before it removes the old ruleset."""
 
+    def stopping(self) -> None:
+        """``netproxy run`` stops (after its last sync): leave the kernel ready for the next process
+        (nftables: re-stamp its tables, restart by adoption); never raises."""
+
     def tampered(self) -> Optional[str]:
         """Between syncs, cheaply: whether someone else changed or removed the rules this backend
         wrote since its last write, as a short reason (``netproxy_sync_proxy_rules_repairs_total``'s

@@ -63,6 +63,9 @@ class FakeBackend:
     def missing_in_kernel(self) -> List[str]:
         return []  # its "kernel" is the state the last sync assigned, all or nothing
 
+    def stopping(self) -> None:
+        return None
+
     def tampered(self) -> Optional[str]:
         self.looks += 1
         reason, self.tamper = self.tamper, None

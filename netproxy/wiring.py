@@ -117,6 +117,7 @@ class Proxy:
         self.runner.wake()
 
     def close(self) -> None:
+        self.backend.stopping()
         self.source.stop()
         if self.watcher is not None:
             self.watcher.stop()

@@ -328,6 +328,9 @@ class IptablesBackend:
                      "next full sync", exc)
             return None
 
+    def stopping(self) -> None:
+        return None  # no restart by adoption on iptables: a new process writes every chain
+
     def tampered(self) -> Optional[str]:
         """Whether netproxy's rules were changed by someone else since its last write (and why): the
         runner asks between syncs; a reason means the next sync re-reads the kernel and rewrites all."""

@@ -64,6 +64,8 @@ class NftablesBackend:
         """The first full sync of this backend tries to adopt the tables in the kernel (adopt.py)."""
         self._digest: Optional[Tuple[NodeInfo, str]] = None
         """The node the config digest of the table stamps was computed for, and that digest."""
+        self._stamped: Optional[int] = None
+        """The generation the table stamps in the kernel name (None: not known to be right)."""
 
     @property
     def kernel(self) -> Runner:
@@ -135,6 +137,28 @@ class NftablesBackend:
         log.warning("nftables: netproxy's tables changed by someone else%s",
                     "" if vouched is False else " (or change notifications were lost)")
         return "rules-changed" if vouched is False else "unknown"
+
+    def stopping(self) -> None:
+        """``netproxy run`` stops: if others' commits moved the generation since netproxy's last one
+        and (say the change notifications) none touched its tables, re-stamp them in one small
+        transaction, so that the next process adopts them instead of rewriting them."""
+        state, digest = self._state, self._digest
+        if state is None or digest is None or state.generation is None:
+            return
+        try:
+            now = self.kernel.generation()
+            if now is None or now == self._stamped or self._vouched(state, now) is not True:
+                return
+            tx = Transaction()
+            put_stamp(tx, state.tables, stamp.table_stamp(digest[1], now + 1), replace=True)
+            self.kernel.apply(tx.ops)
+            after = self.kernel.generation()
+        except (SyncError, BackendUnavailable, OSError) as exc:
+            log.info("nftables: the tables were not re-stamped for the next process: %s", exc)
+            return
+        self._stamped = after if after == now + 1 else None
+        log.info("nftables: re-stamped the tables at generation %s for the next process (others committed "
+                 "since netproxy's last write, not to its tables)", after)
 
     def written_tables(self) -> FrozenSet[str]:
         """The families (``ip``, ``ip6``) whose netproxy table our last full sync wrote (empty before
@@ -251,10 +275,12 @@ class NftablesBackend:
             self.kernel.watch(True)
             after = self.kernel.generation()
             state.generation = after if before is not None and after == before + 1 else None
+            self._stamped = state.generation
         else:
             self.kernel.watch(True)
             now = self.kernel.generation()
             state.generation = now if now == plan.generation else None
+            self._stamped = plan.generation
         self._state = state
         log.info("nftables: adopted the tables in the kernel at generation %d: %d of %d service ports written",
                  plan.generation, len(plan.written), len(snapshot.services))
@@ -284,6 +310,7 @@ class NftablesBackend:
         state.tables = frozenset(op[1] for op in tx.phases["tables"] if op[0] == "add")
         after = self.kernel.generation()
         state.generation = after if before is not None and after == before + 1 else None
+        self._stamped = after if pre is not None and after == pre + 1 else None
         self._state = state
         return SyncResult(full=True, services_written=len(snapshot.services), bytes_written=written)
 
@@ -346,6 +373,7 @@ class NftablesBackend:
         written: int = self.kernel.apply(tx.ops)
         log.debug("written the kernel: %d bytes", written)
         after = self.kernel.generation()
+        self._stamped = after if before is not None and after == before + 1 else None
         if before is not None and after == before + 1:
             state.own.add(after)
             if state.generation is not None:

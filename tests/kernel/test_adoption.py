@@ -6,11 +6,11 @@ traffic is right after each.  ``nft monitor`` in the node says what each restart
 from __future__ import annotations
 
 import subprocess
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import pytest
 
-from netproxy_lab.checks import assert_only_and_all
+from netproxy_lab.checks import assert_only_and_all, wait_for
 from netproxy_lab.combos import Combo
 from netproxy_lab.manifests import Manifest, endpoint_slice, port, service
 from netproxy_lab.proxy import Proxy
@@ -86,6 +86,30 @@ def test_the_other_writer_adopts_what_this_one_wrote(proxy: Proxy, sandbox: Sand
     assert second.returncode == 0, second.stderr
     assert "adopted the tables in the kernel" in second.stderr, second.stderr
     assert written_after(monitor, first) == [], f"the {other} writer wrote:\n{monitor.text()}"
+    res = sandbox.connect(WEB_IP, 80, count=150)
+    assert_only_and_all(res, sandbox.pods[:3], total=150, at_least=20)
+
+
+def test_a_run_stopped_after_others_commits_restamps_so_the_next_process_adopts(proxy: Proxy,
+                                                                               sandbox: Sandbox) -> None:
+    """Another program's commit (a table of its own) moves the generation; ``run`` sees in its change
+    notifications that it did not touch netproxy's tables and, when it stops (SIGTERM), re-stamps
+    them: the next process adopts instead of rewriting."""
+    objects = cluster(sandbox.pods[:3], sandbox.pods[:2])
+    proxy.start_run(objects)
+
+    def programmed() -> Optional[str]:
+        if proxy.running() is False:
+            raise AssertionError(proxy.run_output()[-3000:])
+        res = sandbox.connect(WEB_IP, 80, count=3, timeout=0.5)
+        return None if res.answered == 3 else f"not yet: {res.errors}"
+
+    wait_for(programmed, 20)
+    sandbox.exec(sandbox.node, ["nft", "add", "table", "inet", "someone-else"], check=True)
+    assert proxy.stop_runs() == [0], proxy.run_output()[-3000:]
+    assert "re-stamped the tables" in proxy.run_output(), proxy.run_output()[-3000:]
+    second = proxy.sync(objects)
+    assert "adopted the tables in the kernel" in second.stderr, second.stderr
     res = sandbox.connect(WEB_IP, 80, count=150)
     assert_only_and_all(res, sandbox.pods[:3], total=150, at_least=20)
 

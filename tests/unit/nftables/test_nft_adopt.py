@@ -334,3 +334,34 @@ def test_every_commit_stamps_the_generation_it_gets() -> None:
         parsed = stamp.parse_table_stamp(_stamp(fake, fam).comment)
         assert parsed is not None and parsed.generation == fake.gen, (fam, _stamp(fake, fam))
     assert stamps[0] != stamps[1]
+
+
+def test_run_stopping_restamps_after_others_commits_elsewhere_so_the_next_process_adopts() -> None:
+    fake = FakeNft()
+    first = NftablesBackend(CONFIG, kernel=fake)
+    first.sync(_base(), Changes())
+    fake.foreign_write(ours=False)  # another program's table: the generation moved
+    first.stopping()
+    assert stamp.parse_table_stamp(_stamp(fake).comment).generation == fake.gen  # type: ignore[union-attr]
+    _, written = _restart(fake, _base())
+    assert written == 0, _text(fake)
+
+
+def test_run_stopping_does_not_restamp_tables_someone_else_touched(caplog: pytest.LogCaptureFixture) -> None:
+    fake = FakeNft()
+    first = NftablesBackend(CONFIG, kernel=fake)
+    first.sync(_base(), Changes())
+    fake.foreign_write(ours=True)  # a commit that touched netproxy's tables
+    before = len(fake.transactions)
+    first.stopping()
+    assert len(fake.transactions) == before, "re-stamped tables someone else changed"
+    _rewrites(fake, _base(), caplog, "someone committed since")
+
+
+def test_run_stopping_writes_nothing_when_the_stamp_is_current() -> None:
+    fake = FakeNft()
+    first = NftablesBackend(CONFIG, kernel=fake)
+    first.sync(_base(), Changes())
+    before = len(fake.transactions)
+    first.stopping()
+    assert len(fake.transactions) == before
