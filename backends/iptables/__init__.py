@@ -17,7 +17,7 @@ from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence,
 
 from netproxy.backends.base import BackendError, BackendUnavailable, Outcome, Packet, SyncResult
 from netproxy.backends.iptables import cleanup as cleanup_mod
-from netproxy.backends.iptables import guard
+from netproxy.backends.iptables import guard, names
 from netproxy.backends.iptables.assemble import JUMPS, TABLES, Memo, assemble
 from netproxy.backends.iptables.diff import KernelTable, TableChange, full_change, partial_change
 from netproxy.backends.iptables.ipset import Ipsets, KernelIpsets
@@ -97,11 +97,14 @@ class IptablesBackend:
         """Desired state per family, re-rendering only service ports whose inputs changed."""
         rerendered = 0
         comments = sum(len(snapshot.endpoints_of(n)) for n in snapshot.services) <= LARGE_CLUSTER_ENDPOINTS
+        gone = [n for n in self._cache if n not in snapshot.services]
+        for name in gone:  # their chain names leave the name cache with them: it holds the ruleset's
+            names.forget(name, self._cache[name].svc.protocol)
         if comments != self._comments:
             self._comments = comments
             self._cache.clear()  # every endpoint rule changes: render them all again
             self._order = []
-        gone = [n for n in self._cache if n not in snapshot.services]
+            gone = []
         for name in gone:
             self._sets.replaced(self._cache[name].rules, {})
             del self._cache[name]
@@ -117,6 +120,8 @@ class IptablesBackend:
             if cached is not None and (cached.svc is svc or cached.svc == svc) and \
                     (cached.endpoints is eps or cached.endpoints == eps) and cached.node == node:
                 continue
+            if cached is not None and cached.svc.protocol != svc.protocol:
+                names.forget(name, cached.svc.protocol)
             rules = {}
             for family in FAMILIES:
                 rendered = render_service(svc, eps, node, family, self.config, comments)

@@ -64,11 +64,14 @@ def _hash16(text: str) -> str:
 
 
 _svc_cache: Dict[Tuple[ServicePortName, str, str], str] = {}
+"""(service port, protocol, prefix) → its chain.  The backend forgets a service port that left its
+ruleset (:func:`forget`), so that the cache holds the ruleset's names, not every name the process ever saw."""
 _net_cache: Dict[Tuple[str, str], str] = {}
 CACHE_LIMIT = 1 << 19
-"""Entries a name cache keeps before it starts over: a long-running proxy sees every service and
-endpoint that ever existed, and the caches must not grow with that history (a 10k-service cluster
-with 25 endpoints each needs ~260k)."""
+"""Entries a name cache keeps before it starts over: the last resort for callers that never
+:func:`forget` (a second backend in one process, tests), so that no history outgrows this."""
+SERVICE_PREFIXES = (SVC_PREFIX, EXT_PREFIX, FW_PREFIX, SVL_PREFIX)
+"""The prefixes :func:`service_chain` is asked for."""
 
 
 def remember(cache: Dict[Any, str], key: Any, value: str) -> str:
@@ -86,6 +89,14 @@ def service_chain(name: ServicePortName, protocol: str, prefix: str = SVC_PREFIX
     if chain is None:
         chain = remember(_svc_cache, key, prefix + _hash16(str(name) + protocol.lower()))
     return chain
+
+
+def forget(name: ServicePortName, protocol: str) -> None:
+    """Drop a service port's cached chain names: the backend calls this when the port leaves its
+    ruleset (or changes protocol).  Without it a storm of renames grew the cache by ~150 bytes a sync
+    up to CACHE_LIMIT (~100 MB): bounded by the process's history, not by the ruleset (docs/testing.md)."""
+    for prefix in SERVICE_PREFIXES:
+        _svc_cache.pop((name, protocol, prefix), None)
 
 
 def dispatch_chain(network: str, prefix: str = DISPATCH_PREFIX) -> str:
