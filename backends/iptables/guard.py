@@ -45,6 +45,7 @@ from netproxy.backends.nftables.monitor import (
     _attributes,
     _messages,
 )
+from netproxy.backends.recvbuffer import RecvBuffer
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,8 @@ class NftWatch:
         self._found = False
         self._sock: Optional[socket.socket] = _subscribe()
         self._paused_at: Optional[int] = None
+        self._buffer = RecvBuffer()
+        """Kept across reads: a fresh megabyte per notification fragmented the heap (recvbuffer.py)."""
 
     def close(self) -> None:
         if self._sock is not None:
@@ -182,7 +185,7 @@ class NftWatch:
     def _drain(self, sock: socket.socket) -> None:
         while True:
             try:
-                data = sock.recv(1 << 20)
+                data = self._buffer.recv(sock)
             except BlockingIOError:
                 return
             except OSError as exc:
