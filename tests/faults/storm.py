@@ -94,12 +94,14 @@ def sync_times(log: str) -> List[float]:
     return out
 
 
-def rss_kb(pid: int) -> int:
+def rss_kb(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory in KB: ``VmRSS`` (all of it), or ``RssAnon`` (its heap and stacks,
+    without the file pages the kernel maps in and reclaims as it likes)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for {pid}")
+    raise RuntimeError(f"no {field} for {pid}")
 
 
 def netproxy_pid(root: int) -> int:
