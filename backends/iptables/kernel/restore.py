@@ -90,6 +90,8 @@ def _run(cmd: List[str], payload: Optional[str] = None) -> subprocess.CompletedP
 
 
 LOCK_TIMEOUT = 5.0
+STREAM_WAIT = TIMEOUT
+"""iptables-legacy-restore's ``-w``: as long as the tool may run at all (see ``_wait_flags``)."""
 """kube-proxy's iptables-restore ``-w 5``: the default of ``--iptables-lock-timeout``."""
 
 
@@ -104,11 +106,21 @@ class RestoreTools:
 
     def _wait_flags(self) -> List[str]:
         """``-w <secs> -W <usecs>`` for iptables-restore.  On legacy tables the lock is waited for here
-        first, so that the wait is measured (the tool does not say how long it waited), and the tool
-        gets what is left of the timeout; iptables-nft takes no lock and ignores the flags."""
-        left = self.lock.timeout if self.flavour != "legacy" else self.lock.wait_free()
-        flags: List[str] = self.lock.tool_flags(left)
-        return flags
+        first (``--iptables-lock-timeout``, and the wait is measured: the tool does not say how long
+        it waited); the tool then gets :data:`STREAM_WAIT`, not what is left of the timeout, because
+        iptables-legacy-restore (1.8.9 here) arms ``alarm(<-w>)`` to bound its own lock wait and never
+        disarms it: the SIGALRM later interrupts its read of stdin, which it takes for the end of the
+        input ("COMMIT expected at line N").  A payload streamed for longer than ``-w`` seconds then
+        fails whenever the tool is waiting for the next chunk at that moment: a restart at 100k
+        services did (bench --scale 100000), and ``(echo '*filter'; sleep 3; echo COMMIT) |
+        iptables-legacy-restore -w 1`` does (tests/kernel/test_restore_stream.py).  What this costs:
+        only if another program takes the lock in the moment between our wait and the tool's may
+        the tool wait longer than the timeout, up to STREAM_WAIT.  iptables-nft takes no lock and
+        ignores the flags."""
+        if self.flavour != "legacy":
+            return self.lock.tool_flags(self.lock.timeout)
+        self.lock.wait_free()
+        return self.lock.tool_flags(STREAM_WAIT)
 
     def _refused(self, cmd: List[str], code: int, stderr: str, payload: str) -> SyncError:
         if code == EXIT_RESOURCE and self.lock.gave_up(stderr):
