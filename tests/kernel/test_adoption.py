@@ -11,22 +11,17 @@ from typing import List, Optional, Sequence
 import pytest
 
 from netproxy_lab.checks import assert_only_and_all, wait_for
-from netproxy_lab.combos import Combo
 from netproxy_lab.manifests import Manifest, endpoint_slice, port, service
 from netproxy_lab.proxy import Proxy
 from netproxy_lab.topology import Pod, Sandbox
 from tests.kernel.test_nftables_backend import Monitor, canonical
 
-pytestmark = [pytest.mark.kernel, pytest.mark.quick_combos("nftables", "nftables/libnftables")]
+# Restart by adoption is the nftables backend's (the iptables backends rewrite at start).
+pytestmark = [pytest.mark.kernel, pytest.mark.quick_combos("nftables", "nftables/libnftables"),
+              pytest.mark.backends("nftables")]
 
 WEB_IP = "10.96.0.10"
 DNS_IP = "10.96.0.53"
-
-
-@pytest.fixture(autouse=True)
-def nftables_only(combo: Combo) -> None:
-    if combo.backend != "nftables":
-        pytest.skip("restart by adoption is the nftables backend's (the iptables backends rewrite at start)")
 
 
 def cluster(web: Sequence[Pod], dns: Sequence[Pod]) -> List[Manifest]:
