@@ -24,7 +24,8 @@ import sys
 import time
 from typing import Any, Callable, Dict, List
 
-STAGES = ("imports", "load", "snapshot", "render", "transaction", "write", "sync other", "after write", "main")
+STAGES = ("imports", "load", "snapshot", "render", "transaction", "adopt", "write", "sync other", "after write",
+          "main")
 _T0 = time.perf_counter()
 
 
@@ -61,7 +62,7 @@ def _child(argv: List[str]) -> None:
     from netproxy.node import conntrack
 
     wrap(oneshot, "_load", "load")
-    wrap(oneshot, "_snapshot", "snapshot")
+    wrap(oneshot, "snapshot_of", "snapshot")
     wrap(conntrack.Reconciler, "reconcile", "after write")
     wrap(migrate, "remove_leftovers", "after write")
     if "iptables" in argv:
@@ -78,13 +79,15 @@ def _child(argv: List[str]) -> None:
         wrap(nft.NftablesBackend, "sync", "sync")
         wrap(nft.NftablesBackend, "_build_state", "render")
         wrap(nft, "full_transaction", "transaction")
+        wrap(nft.adopt, "plan", "adopt")  # restart by adoption: the reads and the diff
         wrap(netlink.NetlinkRunner, "apply", "write")
     spent["imports"] = time.perf_counter() - _T0
     peak["imports"] = _hwm_mib()
     t = time.perf_counter()
     code = cli.main(argv)
     spent["main"] = time.perf_counter() - t
-    spent["sync other"] = spent.pop("sync", 0.0) - sum(spent.get(k, 0.0) for k in ("render", "transaction", "write"))
+    spent["sync other"] = spent.pop("sync", 0.0) - sum(spent.get(k, 0.0)
+                                                       for k in ("render", "transaction", "adopt", "write"))
     print(json.dumps({"code": code, "seconds": spent, "peak_mib": peak, "hwm_mib": _hwm_mib()}), flush=True)
     os._exit(0)  # as the program leaves (netproxy.cli._leave): the wall time is a real process's
 
