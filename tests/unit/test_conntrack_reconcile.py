@@ -15,6 +15,7 @@ from netproxy.core.model import Endpoint, ServicePort, Snapshot
 from netproxy.node import ctnetlink
 from netproxy.node.conntrack import Desired, Reconciler, desired_state, key, port_key
 from netproxy_lab.manifests import service_port
+from tests.unit.ctsocket import DumpSocket
 
 IP = ipaddress.ip_address
 UDP, TCP, SCTP = socket.IPPROTO_UDP, socket.IPPROTO_TCP, 132
@@ -194,31 +195,6 @@ def test_delete_request_carries_the_original_tuple_and_id_only() -> None:
     assert [t for t, _ in attrs] == [ctnetlink.CTA_TUPLE_ORIG, ctnetlink.CTA_ID]
     assert attrs[0][1] == ctnetlink.tuple_attr(ctnetlink.CTA_TUPLE_ORIG, V4, UDP, "10.244.1.2", DNS_IP, 40053, 53)[4:]
     assert attrs[1][1] == struct.pack("!I", 99)
-
-
-class DumpSocket:
-    """A ctnetlink socket's side of one dump: the replies (numbered ``seq``) in buffers of two, with a
-    stray message of another request among them, then NLMSG_DONE (or ``end``)."""
-
-    def __init__(self, messages: Sequence[bytes], seq: int = 1, end: Optional[bytes] = None) -> None:
-        def numbered(msg: bytes, n: int) -> bytes:
-            return msg[:8] + struct.pack("=I", n) + msg[12:]
-
-        stray = numbered(messages[0], seq + 7) if messages else b""
-        done = struct.pack("=IHHII", 20, ctnetlink.NLMSG_DONE, 2, seq, 0) + b"\0" * 4
-        msgs = [stray] + [numbered(m, seq) for m in messages]
-        self.buffers = [b"".join(msgs[i:i + 2]) for i in range(0, len(msgs), 2)] + [end or done]
-        self.sent: List[bytes] = []
-
-    def send(self, data: bytes, /) -> int:
-        self.sent.append(data)
-        return len(data)
-
-    def recv(self, size: int, /) -> bytes:
-        return self.buffers.pop(0)
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.mark.parametrize("family,client,svc,pod", [

@@ -22,6 +22,7 @@ from netproxy.core.model import Endpoint, NodeInfo, Snapshot
 from netproxy.node import ctflows, ctnetlink
 from netproxy.observe import toptable, traffic
 from netproxy_lab.manifests import service_port
+from tests.unit.ctsocket import DumpSocket
 
 IP = ipaddress.ip_address
 TCP, UDP, SCTP = 6, 17, 132
@@ -73,27 +74,8 @@ def reply(family: int, proto: int, orig: Tuple[str, str, int, int], rep: Tuple[s
     return ctnetlink._message(ctnetlink.IPCTNL_MSG_CT_NEW, 2, family, o + r + rest, seq=1)
 
 
-class FakeSocket:
-    """The dump's answer as the kernel sends it: the replies in a few buffers, then NLMSG_DONE."""
-
-    def __init__(self, messages: Sequence[bytes]) -> None:
-        done = struct.pack("=IHHII", 20, ctnetlink.NLMSG_DONE, 2, 1, 0) + b"\0" * 4
-        self.buffers = [b"".join(messages[i:i + 3]) for i in range(0, len(messages), 3)] + [done]
-        self.sent: List[bytes] = []
-
-    def send(self, data: bytes, /) -> int:
-        self.sent.append(data)
-        return len(data)
-
-    def recv(self, size: int, /) -> bytes:
-        return self.buffers.pop(0)
-
-    def close(self) -> None:
-        pass
-
-
 def count(messages: Sequence[bytes], accounting: bool = True, clients: bool = True) -> ctflows.Counted:
-    sock = FakeSocket(messages)
+    sock = DumpSocket(messages, per_buffer=3)
     got = ctflows.count(ctnetlink.Ctnetlink(sock), accounting, clients)
     for ids in got[0].values():
         ids.sort()  # read by a plan or walked: an order of no meaning
@@ -203,7 +185,7 @@ def test_an_entry_of_a_plans_length_laid_out_otherwise_is_walked_not_misread(fam
 
 def test_a_refused_dump_raises() -> None:
     err = struct.pack("=IHHII", 36, ctnetlink.NLMSG_ERROR, 0, 1, 0) + struct.pack("=i", -1) + b"\0" * 16
-    sock = FakeSocket([])
+    sock = DumpSocket([])
     sock.buffers = [err]
     with pytest.raises(ctnetlink.CtnetlinkError, match="EPERM"):
         ctflows.count(ctnetlink.Ctnetlink(sock))

@@ -91,14 +91,19 @@ def _elements(sock: NlSocket, number: int, spec: Set) -> Iterator[Element]:
                     flags = wire.be32(e[wire.ELEM_FLAGS]) if wire.ELEM_FLAGS in e else 0
                     points.append((key, bool(flags & wire.ELEM_F_INTERVAL_END)))
                 continue
-            value: Optional[str] = None
-            if spec.value_type == "verdict" and wire.ELEM_DATA in e:
-                code, chain = ex.verdict_of(e[wire.ELEM_DATA])
-                value = f"{_VERBS[code]} {chain}".strip()
-            elif value_fields and wire.ELEM_DATA in e:
-                value = unpack(value_fields, _data_value(e[wire.ELEM_DATA]))
-            yield Element(spec.name, unpack(key_fields, key), value, _comment(e.get(wire.ELEM_USERDATA)))
+            yield Element(spec.name, unpack(key_fields, key), _value(spec, value_fields, e),
+                          _comment(e.get(wire.ELEM_USERDATA)))
     yield from _from_points(spec, points)
+
+
+def _value(spec: Set, value_fields: Optional[List[str]], e: Dict[int, bytes]) -> Optional[str]:
+    """An element's data as nft prints it: a verdict (``goto <chain>``) or typed fields; None without."""
+    if wire.ELEM_DATA not in e:
+        return None
+    if spec.value_type == "verdict":
+        code, chain = ex.verdict_of(e[wire.ELEM_DATA])
+        return f"{_VERBS[code]} {chain}".strip()
+    return unpack(value_fields, _data_value(e[wire.ELEM_DATA])) if value_fields else None
 
 
 def _comment(udata: Optional[bytes]) -> Optional[str]:
@@ -152,14 +157,8 @@ def get_elements(sock: NlSocket, family: str, set_name: str, keys: Sequence[str]
                                          detail=str(exc)) from exc
             for _, raw in wire.attribute_list(reply.get(wire.SET_ELEM_LIST_ELEMENTS, b"")):
                 e = wire.attributes(raw)
-                value: Optional[str] = None
-                if spec.value_type == "verdict" and wire.ELEM_DATA in e:
-                    code, chain = ex.verdict_of(e[wire.ELEM_DATA])
-                    value = f"{_VERBS[code]} {chain}".strip()
-                elif value_fields and wire.ELEM_DATA in e:
-                    value = unpack(value_fields, _data_value(e[wire.ELEM_DATA]))
-                out.append(Element(set_name, unpack(key_fields, _data_value(e.get(wire.ELEM_KEY, b""))), value,
-                                   _comment(e.get(wire.ELEM_USERDATA))))
+                out.append(Element(set_name, unpack(key_fields, _data_value(e.get(wire.ELEM_KEY, b""))),
+                                   _value(spec, value_fields, e), _comment(e.get(wire.ELEM_USERDATA))))
     return out
 
 
