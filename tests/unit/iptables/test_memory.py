@@ -50,8 +50,9 @@ def snapshot(names: Sequence[str], endpoints: Sequence[Sequence[str]]) -> Snapsh
     return Snapshot.build(services, eps)
 
 
-def held_after(cycles: int, backend: IptablesBackend, kernel: FakeIptables) -> int:
-    """Bytes Python holds (tracemalloc) after ``cycles`` more rename cycles than the warm-up's."""
+def held_after(cycles: int, backend: IptablesBackend, kernel: FakeIptables) -> List[int]:
+    """Bytes Python holds (tracemalloc) after the warm-up, then after each of two windows of ``cycles``
+    rename cycles; and the biggest growths of the second window, for a failure's message."""
     rng = random.Random(3)
     names = [f"s-{i}" for i in range(SERVICES)]
     endpoints = [rng.sample(PODS, rng.randint(1, len(PODS))) for _ in names]
@@ -59,38 +60,42 @@ def held_after(cycles: int, backend: IptablesBackend, kernel: FakeIptables) -> i
     # another test's leftover thread, or pytest, allocates meanwhile.
     filters = [tracemalloc.Filter(True, "*/netproxy/*"), tracemalloc.Filter(True, "*/backends/*"),
                tracemalloc.Filter(True, __file__)]
-    before = 0
-    for cycle in range(1, WARM_UP + cycles + 1):
+    marks = (WARM_UP, WARM_UP + cycles, WARM_UP + 2 * cycles)
+    held: List[int] = []
+    for cycle in range(1, marks[-1] + 1):
         k = rng.randrange(SERVICES)
         names[k] = f"s-{k}-c{cycle}"
         endpoints[k] = rng.sample(PODS, rng.randint(1, len(PODS)))
         backend.sync(snapshot(names, endpoints), Changes(full=False))
         kernel.texts.clear()
         kernel.commits.clear()
-        if cycle == WARM_UP:
+        if cycle in marks:
             gc.collect()
-            before = sum(t.size for t in tracemalloc.take_snapshot().filter_traces(filters).traces)
-    gc.collect()
-    after = sum(t.size for t in tracemalloc.take_snapshot().filter_traces(filters).traces)
-    return after - before
+            held.append(sum(t.size for t in tracemalloc.take_snapshot().filter_traces(filters).traces))
+    return held
 
 
 def test_memory_stays_flat_over_rename_cycles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two windows of CYCLES each: a leak grows in both; a cache another test filled, resized once
+    during the run (a dict doubling: a few KB), grows in one.  The smaller window is judged."""
     # The name caches start empty, as in a new process.  Filled by the tests that ran before in this
     # xdist worker, the cache can be resized during the measurement: prefilled with 600 or 1,300
-    # other names it showed +37 KB / +74 KB with the fix (one failure in a full unit run).
+    # other names it showed +37 KB / +74 KB with the fix (one failure in a full unit run).  Other
+    # module-level caches cannot all be emptied here, hence the two windows (a full-tier unit run
+    # showed +9,199 B over one window of 300, the fix in place).
     monkeypatch.setattr(names, "_svc_cache", {})
     monkeypatch.setattr(names, "_net_cache", {})
     kernel = FakeIptables()
     backend = IptablesBackend(ProxyConfig(hostname="node"), kernel=kernel)
     tracemalloc.start()
     try:
-        grown = held_after(CYCLES, backend, kernel)
+        start, middle, end = held_after(CYCLES, backend, kernel)
     finally:
         tracemalloc.stop()
+    grown = min(middle - start, end - middle)
     assert grown <= ALLOWED, (
-        f"the iptables backend kept {grown:,} bytes over {CYCLES} sync cycles ({grown / CYCLES:.0f} a cycle; "
-        f"allowed {ALLOWED:,}): something keeps per-sync state")
+        f"the iptables backend kept {middle - start:,} then {end - middle:,} bytes over two windows of {CYCLES} "
+        f"sync cycles ({grown / CYCLES:.0f} a cycle at least; allowed {ALLOWED:,}): something keeps per-sync state")
 
 
 def _nlmsg(msg_type: int, family: int, attrs: Dict[int, bytes]) -> bytes:
