@@ -94,7 +94,7 @@ class FrozenView(Mapping[K, V]):
     def _all(self) -> Dict[K, V]:
         merged = self._merged
         if merged is None:  # two threads may both merge: the same result, one kept
-            merged = _merged(self._base, self._delta)
+            merged = _applied(self._base, self._delta)
             self._merged = merged
         return merged
 
@@ -164,10 +164,10 @@ class CowMap(Generic[K, V]):
         return FrozenView(self._base, dict(self._delta), self._len)
 
     def _merge(self) -> None:
-        self._base, self._delta = _merged(self._base, self._delta), {}
+        self._base, self._delta = _applied(self._base, self._delta), {}
 
 
-def _merged(base: Dict[K, V], delta: Dict[K, Union[V, _Gone]]) -> Dict[K, V]:
+def _applied(base: Dict[K, V], delta: Dict[K, Union[V, _Gone]]) -> Dict[K, V]:
     """``delta`` applied to a copy of ``base`` (a new dict: the old one may be held by snapshots)."""
     out = dict(base)
     for key, value in delta.items():

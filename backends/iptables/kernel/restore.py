@@ -90,9 +90,9 @@ def _run(cmd: List[str], payload: Optional[str] = None) -> subprocess.CompletedP
 
 
 LOCK_TIMEOUT = 5.0
+"""kube-proxy's iptables-restore ``-w 5``: the default of ``--iptables-lock-timeout``."""
 STREAM_WAIT = TIMEOUT
 """iptables-legacy-restore's ``-w``: as long as the tool may run at all (see ``_wait_flags``)."""
-"""kube-proxy's iptables-restore ``-w 5``: the default of ``--iptables-lock-timeout``."""
 
 
 class RestoreTools:
