@@ -20,6 +20,7 @@ from netproxy.core.model import Changes, Endpoint, ServicePort, ServicePortName,
 from netproxy.core.proxier import Proxier
 from netproxy.core.runner import BoundedFrequencyRunner
 from netproxy.core.tracker import ChangeTracker
+from tests.unit.nlmsg import nlmsg
 from tests.unit.trackers import feed_web
 
 ip = ipaddress.ip_address
@@ -176,19 +177,11 @@ def test_iptables_without_a_watch_never_claims_tampering() -> None:
     assert b.tampered() is None
 
 
-def _nlmsg(msg_type: int, family: int, attrs: Dict[int, bytes]) -> bytes:
-    body = struct.pack("=BBH", family, 0, 0)
-    for kind, data in attrs.items():
-        attr = struct.pack("=HH", 4 + len(data), kind) + data
-        body += attr + b"\0" * (-len(attr) % 4)
-    return struct.pack("=IHHII", 16 + len(body), msg_type, 0, 0, 0) + body
-
-
 def _transaction(pid: int, table: str, family: int = 2, msg: int = 8) -> bytes:
     """A DELRULE (8) on ``table`` and the NEWGEN (15) that ends its transaction, from ``pid``."""
     subsys = 10 << 8
-    return (_nlmsg(subsys | msg, family, {1: table.encode() + b"\0", 2: b"KUBE-SERVICES\0"})
-            + _nlmsg(subsys | 15, 0, {1: struct.pack(">I", 7), 2: struct.pack(">I", pid)}))
+    return (nlmsg(subsys | msg, family, {1: table.encode() + b"\0", 2: b"KUBE-SERVICES\0"})
+            + nlmsg(subsys | 15, 0, {1: struct.pack(">I", 7), 2: struct.pack(">I", pid)}))
 
 
 def test_nft_watch_suspects_only_other_processes_commits_to_nat_or_filter() -> None:

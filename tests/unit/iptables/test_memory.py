@@ -20,7 +20,7 @@ import random
 import socket
 import struct
 import tracemalloc
-from typing import Dict, Iterator, List, Sequence
+from typing import Iterator, List, Sequence
 
 import pytest
 
@@ -28,6 +28,7 @@ from netproxy.backends.iptables import IptablesBackend, guard, names
 from netproxy.backends.iptables.fake import FakeIptables
 from netproxy.core.config import ProxyConfig
 from netproxy.core.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
+from tests.unit.nlmsg import nlmsg
 
 SERVICES = 10
 WARM_UP = 40
@@ -98,19 +99,11 @@ def test_memory_stays_flat_over_rename_cycles(monkeypatch: pytest.MonkeyPatch) -
         f"sync cycles ({grown / CYCLES:.0f} a cycle at least; allowed {ALLOWED:,}): something keeps per-sync state")
 
 
-def _nlmsg(msg_type: int, family: int, attrs: Dict[int, bytes]) -> bytes:
-    body = struct.pack("=BBH", family, 0, 0)
-    for kind, data in attrs.items():
-        attr = struct.pack("=HH", 4 + len(data), kind) + data
-        body += attr + b"\0" * (-len(attr) % 4)
-    return struct.pack("=IHHII", 16 + len(body), msg_type, 0, 0, 0) + body
-
-
 def _commit(pid: int, table: str) -> bytes:
     """A NEWRULE (6) in ip ``table`` and the NEWGEN (15) that ends its transaction, from ``pid``."""
     subsys = 10 << 8
-    return (_nlmsg(subsys | 6, socket.AF_INET, {1: table.encode() + b"\0", 2: b"KUBE-SERVICES\0"})
-            + _nlmsg(subsys | 15, 0, {1: struct.pack(">I", 7), 2: struct.pack(">I", pid)}))
+    return (nlmsg(subsys | 6, socket.AF_INET, {1: table.encode() + b"\0", 2: b"KUBE-SERVICES\0"})
+            + nlmsg(subsys | 15, 0, {1: struct.pack(">I", 7), 2: struct.pack(">I", pid)}))
 
 
 @pytest.fixture()
