@@ -14,6 +14,7 @@ from netproxy import backends
 from netproxy.backends.base import Backend
 from netproxy.core.config import ProxyConfig
 from netproxy.core.model import NodeInfo, Snapshot
+from netproxy.core.perport import AfterSync, Changed
 from netproxy.core.tracker import ChangeTracker
 from netproxy.source.base import Source
 
@@ -140,11 +141,11 @@ def build_proxy(config: ProxyConfig, backend: Backend, source: Source) -> Proxy:
 
     health = ProxyHealth(2 * config.sync_period)  # kube-proxy's healthz timeout
     services = ServiceHealthServers(health=health)
-    hooks: List[Callable[[Optional[Snapshot], Snapshot], None]] = []
+    hooks: List[AfterSync] = []
     if is_kernel(backend):
         hooks.append(Reconciler(period=config.sync_period).after_sync)
-    hooks += [_leftovers_once(backend, config), lambda prev, cur: services.update(cur),
-              lambda prev, cur: health.synced(), lambda prev, cur: health.sync_node(cur.node)]
+    hooks += [_leftovers_once(backend, config), lambda prev, cur, changed: services.update(cur, changed),
+              lambda prev, cur, changed: health.synced(), lambda prev, cur, changed: health.sync_node(cur.node)]
     # The runner calls the proxier and the proxier asks the runner for syncs: the runner is made
     # first and reaches the proxier through these two calls, bound once the proxier exists.
     runner = BoundedFrequencyRunner(lambda: proxier.sync(), config.min_sync_period, config.sync_period,
@@ -160,7 +161,7 @@ def build_proxy(config: ProxyConfig, backend: Backend, source: Source) -> Proxy:
         tracker.expect_node_addresses()
     relay = _localhost_relay(config, backend)
     if relay is not None:
-        proxier.after_sync.append(lambda prev, cur: relay.update(cur))
+        proxier.after_sync.append(lambda prev, cur, changed: relay.update(cur, changed))
     proxy = Proxy(config, backend, source, tracker, proxier, runner, health, watcher=watcher, relay=relay)
     if config.detect_local_mode == "NodeCIDR":
         proxier.after_sync.append(_pod_cidrs_kept(proxy))
@@ -177,12 +178,12 @@ def _localhost_relay(config: ProxyConfig, backend: Backend) -> Optional[Localhos
     return LocalhostNodePorts(families) if backend.name == "nftables" and families and wanted else None
 
 
-def _pod_cidrs_kept(proxy: Proxy) -> Callable[[Optional[Snapshot], Snapshot], None]:
+def _pod_cidrs_kept(proxy: Proxy) -> AfterSync:
     """The rules were written for the pod CIDRs read at start; kube-proxy exits when they change
     (its NodeManager) so that it starts again with the new ones: so does netproxy."""
     kept = proxy.config.node_pod_cidrs
 
-    def check(prev: Optional[Snapshot], cur: Snapshot) -> None:
+    def check(prev: Optional[Snapshot], cur: Snapshot, changed: Changed) -> None:
         if cur.node.pod_cidrs and cur.node.pod_cidrs != kept:
             proxy.failures.append(f"the Node's spec.podCIDRs changed from {', '.join(map(str, kept))} "
                                   f"to {', '.join(map(str, cur.node.pod_cidrs))}: exiting to start again with them")
@@ -191,13 +192,13 @@ def _pod_cidrs_kept(proxy: Proxy) -> Callable[[Optional[Snapshot], Snapshot], No
     return check
 
 
-def _leftovers_once(backend: Backend, config: ProxyConfig) -> Callable[[Optional[Snapshot], Snapshot], None]:
+def _leftovers_once(backend: Backend, config: ProxyConfig) -> AfterSync:
     """After the first successful sync (a full one: the new ruleset is complete), remove the rules of
     the other dataplane left by an earlier run (netproxy's or kube-proxy's) — ``netproxy migrate``'s
     order, at start-up."""
     done = [False]
 
-    def step(prev: Optional[Snapshot], cur: Snapshot) -> None:
+    def step(prev: Optional[Snapshot], cur: Snapshot, changed: Changed) -> None:
         if done[0] or backend.name not in ("iptables", "nftables"):
             return
         done[0] = True

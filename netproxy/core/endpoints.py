@@ -17,7 +17,7 @@ Both backends call these so that they cannot disagree on which endpoints are eli
 
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from netproxy.core.model import Endpoint, NodeInfo, ServicePort, Snapshot
 
@@ -117,21 +117,26 @@ def no_local_endpoints(snapshot: Snapshot) -> Dict[Tuple[int, str], int]:
     """(IP version, "internal"/"external") → service ports with a Local traffic policy of that kind and
     no eligible local endpoint while they have endpoints elsewhere (kube-proxy's
     sync_proxy_rules_no_local_endpoints_total{ip_family,traffic_policy}); a service port counts once
-    for each family of its addresses, as kube-proxy's per-family proxiers count it."""
+    for each family of its addresses, as kube-proxy's per-family proxiers count it.  ``run`` keeps
+    these counts from the changed ports only (core/perport.py); this is the whole sum."""
     counts: Dict[Tuple[int, str], int] = {}
     for name, svc in snapshot.services.items():
-        eps = snapshot.endpoints_of(name)
-        if not eps or not usable(eps):
-            continue
-        local = local_endpoints(eps, snapshot.node)
-        if local:
-            continue
-        kinds = []
-        if svc.internal_traffic_policy == "Local":
-            kinds.append("internal")
-        if svc.external_traffic_policy == "Local" and (svc.node_port or svc.external_ips or svc.load_balancer_ips):
-            kinds.append("external")
-        for version in {a.version for a in svc.addresses()} or {4}:
-            for kind in kinds:
-                counts[(version, kind)] = counts.get((version, kind), 0) + 1
+        for key in no_local_kinds(svc, snapshot.endpoints_of(name), snapshot.node) or ():
+            counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+def no_local_kinds(svc: ServicePort, eps: Sequence[Endpoint], node: NodeInfo) -> Optional[Tuple[Tuple[int, str], ...]]:
+    """One service port's part of :func:`no_local_endpoints`: the (IP version, policy kind) it counts
+    under, or None."""
+    if not (svc.internal_traffic_policy == "Local" or svc.external_traffic_policy == "Local"):
+        return None  # the common case first: no Local policy, nothing to look at
+    if not eps or not usable(eps) or local_endpoints(eps, node):
+        return None
+    kinds = []
+    if svc.internal_traffic_policy == "Local":
+        kinds.append("internal")
+    if svc.external_traffic_policy == "Local" and (svc.node_port or svc.external_ips or svc.load_balancer_ips):
+        kinds.append("external")
+    versions = sorted({a.version for a in svc.addresses()} or {4})
+    return tuple((version, kind) for version in versions for kind in kinds) or None

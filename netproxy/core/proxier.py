@@ -9,19 +9,19 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from netproxy import metrics
 from netproxy.backends.base import Backend, BackendError, SyncResult
 from netproxy.core.config import ProxyConfig
-from netproxy.core.endpoints import no_local_endpoints
-from netproxy.core.model import Changes, Snapshot
+from netproxy.core.endpoints import no_local_kinds
+from netproxy.core.model import Changes, Endpoint, NodeInfo, ServicePort, Snapshot
+from netproxy.core.perport import AfterSync, Changed, Tally
 from netproxy.core.tracker import ChangeTracker
 
 log = logging.getLogger(__name__)
 
 MIN_BACKOFF = 1.0
-AfterSync = Callable[[Optional[Snapshot], Snapshot], None]
 
 
 class Proxier:
@@ -44,11 +44,14 @@ class Proxier:
         self.request = request
         """Asks the runner for a sync soon: a repair."""
         self.after_sync: List[AfterSync] = list(after_sync)
-        """Called with (previous, current) snapshot after each successful sync: conntrack cleanup,
-        health-check servers.  A failing hook is logged and does not fail the sync."""
+        """Called with (previous, current snapshot, changed ports) after each successful sync: conntrack
+        cleanup, health-check servers.  A failing hook is logged and does not fail the sync."""
         self._previous: Optional[Snapshot] = None
         self.health = health
         """The /healthz state (``netproxy run``): a sync that changes nothing still counts as synced."""
+        self._no_local: Tally[Tuple[int, str]] = Tally(no_local_kinds)
+        self._versions: Tally[int] = Tally(_versions)
+        """The metrics' per-sync figures, kept from the changed ports only (core/perport.py)."""
 
     def sync(self) -> None:
         """One sync; the runner calls this.  Never raises for a kernel error: it schedules a retry."""
@@ -74,7 +77,8 @@ class Proxier:
             self._failed(err)
             return
         elapsed = time.perf_counter() - start
-        self._record(snapshot, full, elapsed)
+        changed: Changed = None if full else changes.services
+        self._record(snapshot, changed, elapsed)
         self._record_result(self.last_result)
         programmed = self.wall()
         for stamp in self.tracker.last_trigger_times:
@@ -96,7 +100,7 @@ class Proxier:
                  len(snapshot.services), self.last_result.services_written, elapsed)
         for hook in self.after_sync:
             try:
-                hook(self._previous, snapshot)
+                hook(self._previous, snapshot, changed)
             except Exception:  # noqa: BLE001 - a hook must never stop the proxy from syncing
                 log.exception("post-sync step %r failed", hook)
         self._previous = snapshot
@@ -128,11 +132,11 @@ class Proxier:
         self.request()
         return reason
 
-    @staticmethod
-    def _record(snapshot: Snapshot, full: bool, elapsed: float) -> None:
+    def _record(self, snapshot: Snapshot, changed: Changed, elapsed: float) -> None:
         """kube-proxy's metrics of one successful sync."""
-        no_local = no_local_endpoints(snapshot)
-        metrics.set_families(_families(snapshot))
+        full = changed is None
+        no_local = self._no_local.update(snapshot, changed)
+        metrics.set_families(_families(self._versions.update(snapshot, changed)))
         for family in metrics.families():
             metrics.SYNC_DURATION.labels(family).observe(elapsed)
             (metrics.SYNC_FULL_DURATION if full else metrics.SYNC_PARTIAL_DURATION).labels(family).observe(elapsed)
@@ -166,9 +170,14 @@ class Proxier:
         self.retry(delay)
 
 
-def _families(snapshot: Snapshot) -> Tuple[str, ...]:
-    """The families of the service addresses in ``snapshot`` (IPv4 when there are none)."""
-    versions = {a.version for svc in snapshot.services.values() for a in svc.cluster_ips}
-    if 6 in versions:
-        return (metrics.IPV4, metrics.IPV6) if 4 in versions else (metrics.IPV6,)
+def _versions(svc: ServicePort, endpoints: Tuple[Endpoint, ...], node: NodeInfo) -> Optional[Tuple[int, ...]]:
+    """The IP versions of a service port's cluster IPs."""
+    return tuple(sorted({a.version for a in svc.cluster_ips})) or None
+
+
+def _families(versions: Dict[int, int]) -> Tuple[str, ...]:
+    """The families of the service addresses (``versions``: service ports per IP version; IPv4 when
+    there are none)."""
+    if versions.get(6):
+        return (metrics.IPV4, metrics.IPV6) if versions.get(4) else (metrics.IPV6,)
     return (metrics.IPV4,)

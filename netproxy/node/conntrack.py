@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 from netproxy.core.model import Endpoint, IPAddress, ServicePort, ServicePortName, Snapshot
+from netproxy.core.perport import Changed
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,12 @@ def desired_state(snapshot: Snapshot, retired: Iterable[ServicePortName] = (),
     return {table: Desired(a, n, ranges[version_of[table[0]]]) for table, (a, n) in maps.items()}
 
 
+def _reconciled(snapshot: Optional[Snapshot], name: ServicePortName) -> bool:
+    """Whether ``name`` is a port of ``snapshot`` whose flows the reconciler looks after."""
+    svc = snapshot.services.get(name) if snapshot is not None else None
+    return svc is not None and svc.protocol in PROTOCOLS
+
+
 @dataclass
 class Pass:
     """What one reconcile pass did (logged, counted in the metrics, returned to callers)."""
@@ -197,12 +204,16 @@ class Reconciler:
         self.last: Optional[Pass] = None
         """The last pass run by :meth:`after_sync`."""
 
-    def after_sync(self, previous: Optional[Snapshot], current: Snapshot) -> None:
+    def after_sync(self, previous: Optional[Snapshot], current: Snapshot, changed: Changed = None) -> None:
+        now = self.clock()
+        if changed is not None and self._last is not None and now - self._last_at < self.period and \
+                not any(_reconciled(previous, n) or _reconciled(current, n) for n in changed):
+            return  # only TCP ports changed: the view is the last pass's (without a walk of every port)
         retired: Iterable[ServicePortName] = ()
         if previous is not None:
-            retired = [n for n in previous.services if n not in current.services]
+            gone = previous.services if changed is None else changed
+            retired = [n for n in gone if n in previous.services and n not in current.services]
         state = desired_state(current, retired, previous, self._views)
-        now = self.clock()
         if self._last is not None and state == self._last and now - self._last_at < self.period:
             return
         self.last = self.reconcile(state)

@@ -25,10 +25,11 @@ import ipaddress
 import logging
 import random
 import threading
-from typing import Dict, Sequence, Set, Tuple
+from typing import Dict, Iterable, Optional, Sequence, Set, Tuple
 
 from netproxy.core.endpoints import node_endpoints
-from netproxy.core.model import IPNetwork, Snapshot
+from netproxy.core.model import Endpoint, IPNetwork, NodeInfo, ServicePort, Snapshot
+from netproxy.core.perport import Changed, PerPort
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +50,24 @@ def families_served(nodeport_addresses: Sequence[IPNetwork]) -> Tuple[int, ...]:
 def targets(snapshot: Snapshot, families: Sequence[int]) -> Dict[Key, Tuple[Target, ...]]:
     """Every TCP NodePort of ``snapshot`` in each served family, with the endpoints a connection from
     the node itself may reach (possibly none)."""
+    return _merged(port_targets(svc, snapshot.endpoints_of(name), snapshot.node, families)
+                   for name, svc in snapshot.services.items())
+
+
+def port_targets(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeInfo,
+                 families: Sequence[int]) -> Optional[Tuple[Tuple[Key, Tuple[Target, ...]], ...]]:
+    """One service port's part of :func:`targets` (None: not a TCP NodePort)."""
+    if svc.protocol != "TCP" or not svc.node_port:
+        return None
+    eps = node_endpoints(svc, endpoints, node)
+    return tuple(((family, svc.node_port), tuple((str(e.ip), e.port) for e in eps if e.ip.version == family))
+                 for family in families)
+
+
+def _merged(parts: Iterable[Optional[Tuple[Tuple[Key, Tuple[Target, ...]], ...]]]) -> Dict[Key, Tuple[Target, ...]]:
     out: Dict[Key, Tuple[Target, ...]] = {}
-    for name, svc in snapshot.services.items():
-        if svc.protocol != "TCP" or not svc.node_port:
-            continue
-        eps = node_endpoints(svc, snapshot.endpoints_of(name), snapshot.node)
-        for family in families:
-            key = (family, svc.node_port)
-            found = tuple((str(e.ip), e.port) for e in eps if e.ip.version == family)
+    for part in parts:
+        for key, found in part or ():
             out[key] = tuple(sorted(set(out.get(key, ()) + found)))
     return out
 
@@ -72,15 +83,22 @@ class LocalhostNodePorts:
         self._targets: Dict[Key, Tuple[Target, ...]] = {}
         self._refused: Set[Key] = set()
         self.failed = 0
+        served = self.families
+        self._ports: PerPort[Tuple[Tuple[Key, Tuple[Target, ...]], ...]] = PerPort(
+            lambda svc, eps, node: port_targets(svc, eps, node, served))
+        """Each TCP NodePort's targets, kept from the changed ports only (core/perport.py)."""
 
     def start(self) -> None:
         self._thread.start()
         log.info("NodePorts on %s answered by netproxy's userspace relay (--nodeport-addresses covers them)",
                  " and ".join(LOOPBACKS[f] for f in self.families))
 
-    def update(self, snapshot: Snapshot) -> None:
-        """Listen on exactly the snapshot's TCP NodePorts; the next connections use its endpoints."""
-        wanted = targets(snapshot, self.families)
+    def update(self, snapshot: Snapshot, changed: Changed = None) -> None:
+        """Listen on exactly the snapshot's TCP NodePorts; the next connections use its endpoints.
+        ``changed``: only these service ports changed since the last update (None: any may have)."""
+        if not self._ports.update(snapshot, changed) and changed is not None and not self._refused:
+            return  # no NodePort changed and none to try again
+        wanted = _merged(self._ports.values.values())
         asyncio.run_coroutine_threadsafe(self._apply(wanted), self._loop).result(timeout=30)
 
     def close(self) -> None:

@@ -20,7 +20,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Dict, Optional, Tuple
 
 from netproxy.core.endpoints import local_endpoints
-from netproxy.core.model import NodeInfo, Snapshot
+from netproxy.core.model import Endpoint, NodeInfo, ServicePort, Snapshot
+from netproxy.core.perport import Changed, PerPort
 
 log = logging.getLogger(__name__)
 Key = Tuple[str, str]
@@ -65,6 +66,12 @@ def _serve(host: str, port: int, body: Body) -> Optional[_Server]:
     return server
 
 
+def _health_check(svc: ServicePort, endpoints: Tuple[Endpoint, ...], node: NodeInfo) -> Optional[Tuple[int, Key, int]]:
+    if svc.external_traffic_policy != "Local" or not svc.health_check_node_port:
+        return None
+    return svc.health_check_node_port, svc.name.service, len(local_endpoints(endpoints, node))
+
+
 class ServiceHealthServers:
     """One listener per health-check node port, updated from each synced snapshot."""
 
@@ -76,16 +83,19 @@ class ServiceHealthServers:
         self._counts: Dict[Key, int] = {}
         self._servers: Dict[int, Tuple[Key, Optional[_Server]]] = {}
         self._lock = threading.Lock()
+        self._ports: PerPort[Tuple[int, Key, int]] = PerPort(_health_check)
+        """(health-check node port, service, local endpoints) of each Local port that has one, kept
+        from the changed ports only (core/perport.py)."""
 
-    def update(self, snap: Snapshot) -> None:
+    def update(self, snap: Snapshot, changed: Changed = None) -> None:
+        """Serve the snapshot's health-check node ports; ``changed``: only these ports changed
+        since the last update (None: any may have)."""
+        if not self._ports.update(snap, changed) and changed is not None:
+            return  # no port with a health check changed: listeners and counts stay
         wanted: Dict[int, Key] = {}
         counts: Dict[Key, int] = {}
-        for name, svc in snap.services.items():
-            if svc.external_traffic_policy != "Local" or not svc.health_check_node_port:
-                continue
-            key = svc.name.service
-            wanted[svc.health_check_node_port] = key
-            local = len(local_endpoints(snap.endpoints_of(name), snap.node))
+        for port, key, local in self._ports.values.values():
+            wanted[port] = key
             counts[key] = max(counts.get(key, 0), local)
         with self._lock:
             self._counts = counts

@@ -330,6 +330,35 @@ def test_after_sync_runs_on_a_change_and_every_period_not_on_every_sync() -> Non
     assert len(tables) == 3
 
 
+def test_after_sync_told_what_changed_looks_only_at_those_ports() -> None:
+    """A partial sync names the ports it changed: a TCP port's change needs no pass and no walk of
+    every port; a UDP port's change (or a deleted UDP port) still does."""
+    tables: List[FakeTable] = []
+
+    def opener() -> FakeTable:
+        tables.append(FakeTable({}))
+        return tables[-1]
+
+    clock = Clock()
+    rec = Reconciler(period=30.0, clock=clock, opener=opener)
+    web = service_port("web", "default", "http", protocol="TCP", port=80, target_port=8080, cluster_ip="10.96.0.80")
+    one = snap((service(), [ep("10.244.1.1")]), (web, [ep("10.244.2.1", 8080)]))
+    rec.after_sync(None, one, None)
+    assert len(tables) == 1
+    clock.now += 5
+    tcp_moved = snap((service(), [ep("10.244.1.1")]), (web, [ep("10.244.2.2", 8080)]))
+    rec.after_sync(one, tcp_moved, frozenset({web.name}))
+    assert len(tables) == 1
+    udp_moved = snap((service(), [ep("10.244.1.2")]), (web, [ep("10.244.2.2", 8080)]))
+    rec.after_sync(tcp_moved, udp_moved, frozenset({service().name}))
+    assert len(tables) == 2
+    gone = snap((web, [ep("10.244.2.2", 8080)]))
+    rec.after_sync(udp_moved, gone, frozenset({service().name}))  # a deleted UDP port: its flows go
+    assert len(tables) == 3
+    rec.after_sync(gone, gone, frozenset())
+    assert len(tables) == 3
+
+
 def test_after_sync_reconciles_a_deleted_port_once() -> None:
     tables: List[FakeTable] = []
     stale_flow = flow(1, DNS_IP, 53, "10.244.1.1")

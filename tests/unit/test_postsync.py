@@ -62,10 +62,14 @@ def test_health_check_node_port_answers_local_endpoint_count() -> None:
         assert code == 200
         assert body["localEndpoints"] == 2
         assert body["service"] == {"namespace": "shop", "name": "lb"}
-        servers.update(snap(svc, ep("10.244.2.1", node_name="node-b"), node=node))
+        # As `netproxy run` calls it after a partial sync: told which ports changed.
+        moved = snap(svc, ep("10.244.2.1", node_name="node-b"), node=node)
+        servers.update(moved, frozenset({svc.name}))
         code, body = _get(port)
         assert (code, body["localEndpoints"]) == (503, 0)
-        servers.update(Snapshot())  # service gone: the port is closed
+        servers.update(moved, frozenset())  # another port changed: same answer, same listener
+        assert _get(port)[0] == 503
+        servers.update(Snapshot(), frozenset({svc.name}))  # service gone: the port is closed
         try:
             _get(port)
             raise AssertionError("health check port still open after the service went away")

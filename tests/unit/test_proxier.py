@@ -19,6 +19,7 @@ from netproxy.core.model import (
     SlicePort,
     Snapshot,
 )
+from netproxy.core.perport import Changed
 from netproxy.core.proxier import Proxier
 from netproxy.core.runner import BoundedFrequencyRunner
 from netproxy.core.tracker import ChangeTracker
@@ -181,27 +182,29 @@ def test_backoff_grows_and_is_capped_by_the_sync_period() -> None:
     assert s.retries[-1] == 1  # a success resets the backoff
 
 
-def test_after_sync_hooks_see_previous_and_current_and_cannot_break_the_sync() -> None:
+def test_after_sync_hooks_see_previous_current_and_changed_and_cannot_break_the_sync() -> None:
     s = Setup()
-    seen: List[Tuple[Optional[Snapshot], Snapshot]] = []
+    seen: List[Tuple[Optional[Snapshot], Snapshot, Changed]] = []
 
-    def broken(prev: Optional[Snapshot], cur: Snapshot) -> None:
+    def broken(prev: Optional[Snapshot], cur: Snapshot, changed: Changed) -> None:
         raise RuntimeError("hook failed")
 
-    s.proxier.after_sync.extend([broken, lambda prev, cur: seen.append((prev, cur))])
+    s.proxier.after_sync.extend([broken, lambda prev, cur, changed: seen.append((prev, cur, changed))])
     s.proxier.sync()
     s.tracker.update_service("default", "web", None)
     s.proxier.sync()
     assert len(seen) == 2
     assert seen[0][0] is None and set(seen[0][1].services) == {API, WEB}
+    assert seen[0][2] is None  # the first sync is full: anything may have changed
     assert seen[1][0] is seen[0][1] and set(seen[1][1].services) == {API}
+    assert seen[1][2] == frozenset({WEB})  # a partial sync names the ports it changed, deleted ones too
     assert s.proxier.last_error is None
 
 
 def test_hooks_do_not_run_after_a_failed_sync() -> None:
     s = Setup()
     calls: List[int] = []
-    s.proxier.after_sync.append(lambda prev, cur: calls.append(1))
+    s.proxier.after_sync.append(lambda prev, cur, changed: calls.append(1))
     s.backend.fail_next = "x"
     s.proxier.sync()
     assert calls == []

@@ -55,7 +55,7 @@ def test_healthz_through_an_outage_and_a_change_that_cannot_be_written(api: ApiS
     proxier = Proxier(tracker, backend, config)
     health = ProxyHealth(TIMEOUT)
     proxier.health = health  # as `netproxy run` wires them
-    proxier.after_sync.append(lambda prev, cur: health.synced())
+    proxier.after_sync.append(lambda prev, cur, changed: health.synced())
     runner = BoundedFrequencyRunner(proxier.sync, config.min_sync_period, config.sync_period)
     proxier.retry = runner.retry_after
 
