@@ -141,17 +141,26 @@ def _stamp(line: str) -> Optional[float]:
 
 def measure(sandbox: Any, combo: Any, n: int, client: Sequence[str], workdir: str, *, changes: int = CHANGES,
             min_sync: float = 1.0, start_timeout: float = 120.0, node_name: str = "np-node",
-            deadline: Optional[float] = None) -> Dict[str, Any]:
+            deadline: Optional[float] = None, variant: str = "uniform", one_file: bool = False) -> Dict[str, Any]:
     """``changes`` source-file changes against ``netproxy run``; latency stats in seconds, or ``error``.
 
+    By default the cluster is one file of a source directory and each change replaces a second, small
+    file beside it.  ``one_file``: the cluster and the change are one file, replaced whole at each
+    change (``run --source FILE`` as a user keeps it: every change makes netproxy read all of it).
     No new change starts after ``deadline`` (monotonic); the result then says how many were made.
     """
-    src = os.path.join(workdir, f"latency-{combo.name.replace('/', '-')}-{n}")
+    src = os.path.join(workdir, f"latency-{combo.name.replace('/', '-')}-{n}-{variant}{'-file' if one_file else ''}")
     os.makedirs(src, exist_ok=True)
     pods = [(p.ip, 8080) for p in sandbox.pods]
-    _write_atomic(os.path.join(src, "base.json"), gen.cluster(n, "uniform", pods))
-    _write_atomic(os.path.join(src, "extra.json"), [])
-    args = ["run", "--source", src, *combo.flags, "--min-sync-period", f"{min_sync}s",
+    base = gen.cluster(n, variant, pods)
+    if one_file:
+        target = os.path.join(src, "cluster.json")
+        _write_atomic(target, base)
+    else:
+        target = src
+        _write_atomic(os.path.join(src, "base.json"), base)
+        _write_atomic(os.path.join(src, "extra.json"), [])
+    args = ["run", "--source", target, *combo.flags, "--min-sync-period", f"{min_sync}s",
             "--metrics-bind-address", "", "--hostname-override", node_name, "--log-level", "info"]
     log_path = os.path.join(workdir, f"netproxy-run-{combo.name.replace('/', '-')}-{n}.log")
     env = dict(os.environ)
@@ -178,8 +187,12 @@ def measure(sandbox: Any, combo: Any, n: int, client: Sequence[str], workdir: st
             svc, eps = gen.extra_service(k, [pods[k % len(pods)]])
             poller = _poll(sandbox, client, gen.extra_ip(k), gen.PORT, change_deadline)
             time.sleep(0.02)  # the poller is running (and failing) before the change
+            changed, objects = (target, [*base, svc, eps]) if one_file else \
+                (os.path.join(src, "extra.json"), [svc, eps])
+            tmp = os.path.join(os.path.dirname(changed), "." + os.path.basename(changed) + ".tmp")
+            gen.write_json(tmp, objects)  # written before the clock starts: the change is the rename
             t0 = time.monotonic()
-            _write_atomic(os.path.join(src, "extra.json"), [svc, eps])
+            os.replace(tmp, changed)
             t = _wait_poll(poller, change_deadline + 10.0)
             if t is None:
                 lat.append(math.inf)  # never in the kernel within the deadline: a failure, counted

@@ -187,6 +187,10 @@ def latency_table(results: Results) -> List[str]:
             else:
                 cells.append(_sec(cell))
         rows.append((c["key"], cells))
+    for key in [k for k in results["latency"] if k.endswith(MIXED_SUFFIX)]:  # one file replaced whole
+        per = results["latency"][key]
+        rows.append((f"{key}, one file replaced", [latency.describe(per[str(n)]) if "n" in per.get(str(n), {})
+                                                   else _sec(per.get(str(n))) for n in lat_sizes]))
     msp = results["meta"].get("min_sync_period")
     return _table("Event → kernel in `netproxy run` (median / p95; backend sync and source reload + sync medians)",
                   rows, _ncols(lat_sizes),

@@ -340,6 +340,7 @@ class Bench:
             for combo in late:
                 self.phase_control(combo, big)
             self.phase_mixed()
+            self.phase_source_change()
             self.phase_migrate(big)
             if big > 1000:
                 # The slow reference (kube-proxy's nft layout at 10k: a chain per endpoint in one
@@ -495,6 +496,33 @@ class Bench:
                     self.results["errors"].append(f"latency {combo.name} N={n}: {res}")
                     self.progress(f"{combo.name} N={n:,}: event → kernel {res}")
 
+    def phase_source_change(self) -> None:
+        """Issue 40's `run --source` change: the mixed 10k cluster kept in one file, replaced whole at
+        each change, on iptables-legacy (the file is read again; only the objects whose bytes changed
+        are converted: netproxy/source/itemmemo.py).  Event → kernel, by traffic, as ``phase_latency``."""
+        if self.smoke or LARGE not in self.sizes:
+            return
+        combo = next((c for c in self.available() if c.name == SOURCE_CHANGE_COMBO), None)
+        if combo is None:
+            return
+        key = SOURCE_CHANGE_COMBO + report.MIXED_SUFFIX
+        cell = self._cell("latency", key, LARGE)
+        need = SOURCE_CHANGES * (self.min_sync * 0.75 + 5.0) + 60
+        if self._out_of_time(need):
+            cell.update(self._skip("out of time budget"))
+            return
+        self.sandbox.reset_netfilter()
+        self.progress(f"{combo.name} N={LARGE:,} mixed, one file replaced: event → kernel, {SOURCE_CHANGES} changes …")
+        res = latency.measure(self.sandbox, combo, LARGE, self.client, self.workdir, changes=SOURCE_CHANGES,
+                              min_sync=self.min_sync, start_timeout=min(300.0, self.budget.timeout(300)),
+                              deadline=time.monotonic() + self.budget.timeout(2 * need), variant="mixed",
+                              one_file=True)
+        cell.update(res)
+        described = latency.describe(res) if "n" in res else str(res)
+        self.progress(f"{combo.name} N={LARGE:,} mixed, one file replaced: event → kernel {described}")
+        if "n" not in res or res.get("failures"):
+            self.results["errors"].append(f"source change {combo.name} N={LARGE}: {described}")
+
     def phase_mixed(self) -> None:
         """The features switched on: the mixed cluster (NodePorts, Local policies, affinity, UDP).
 
@@ -568,6 +596,9 @@ class Bench:
             self.progress(f"{combo.name} mixed N={n:,}: `netproxy sync` peak RSS {res['maxrss_mib']:.0f} MiB")
 
 
+SOURCE_CHANGE_COMBO = "iptables-legacy/restore"
+SOURCE_CHANGES = 8
+"""Changes of the one-file source: each makes netproxy read the 10k mixed file (~3-5 s a change)."""
 MIXED_AT_LARGEST = ("nftables", "nftables/libnftables", "iptables-legacy/restore", "iptables-legacy/libiptc",
                     "iptables-nft/restore")
 MIXED_AT_LARGEST_WHY: Dict[str, str] = {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from bench import api
+from bench import api, latency
 from bench.report import MB, MIXED_SUFFIX, seconds
 from bench.targets_ipt import LEGACY, NFT_FLAVOUR, _reason
 from bench.targets_nft import BIG, NFT, Results, Target, _cell, _n, _sec, _t, _where, _why
@@ -185,6 +185,22 @@ def nft_flavour_resync(r: Results) -> Target:
     return _t(name, target, x <= 0.050, f"{x * 1000:.1f} ms{_where(n)}")
 
 
+def source_change(r: Results) -> Target:
+    """Issue 40: a change to `run --source FILE` holding the mixed 10k cluster, on iptables-legacy,
+    reaches the kernel (by traffic) within 2 s of the file being replaced (median)."""
+    name, target = "`run --source FILE` change, mixed 10k cluster in one file, iptables-legacy: file replaced → " \
+        "traffic reaches the new service (median)", "≤ 2 s"
+    why = _absent(r, LEGACY)
+    if why:
+        return _t(name, target, None, why)
+    cell: Dict[str, Any] = r["latency"].get(LEGACY + MIXED_SUFFIX, {}).get("10000", {})
+    if "n" not in cell:
+        return _t(name, target, None, _why(cell) if cell else "not measured (make bench runs it at N=10,000 only)")
+    median = cell.get("median")
+    figure = latency.describe(cell)
+    return _t(name, target, median is not None and median <= 2.0, figure)
+
+
 def large(r: Results) -> Target:
     name, target = f"{BIG:,} services × 10, nftables full sync / peak RSS of `netproxy sync`", "≤ 3.0 s / ≤ 300 MB"
     if BIG not in [int(s) for s in r["meta"]["sizes"]]:
@@ -201,4 +217,5 @@ def large(r: Results) -> Target:
 
 
 CHECKS: List[Callable[[Results], Any]] = [sync_process, restart, source_vs_sync, peak_rss, nft_full, legacy_full,
-                                          legacy_changes, nft_flavour_changes, nft_flavour_resync, large]
+                                          legacy_changes, nft_flavour_changes, nft_flavour_resync, source_change,
+                                          large]

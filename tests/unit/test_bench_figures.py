@@ -184,6 +184,24 @@ def test_the_iptables_nft_resync_line_reads_its_resync_step() -> None:
     assert targets_floor.nft_flavour_resync(r)["met"] is True
 
 
+def test_the_source_change_line_reads_the_mixed_one_file_latency_and_says_why_without_it() -> None:
+    from bench import targets_floor
+
+    r = _floor_results()
+    assert "not in this run" in targets_floor.source_change(r)["figure"]
+    r["meta"]["combos"].append({"key": "iptables-legacy/restore"})
+    missing = targets_floor.source_change(r)
+    assert missing["met"] is None and "not measured" in missing["figure"]
+    cell = {"n": 8, "failures": 0, "change_deadline": 31.0, "median": 3.1, "p95": 3.6, "max": 3.6, "runs": [3.1]}
+    r["latency"]["iptables-legacy/restore (mixed cluster)"] = {"10000": cell}
+    got = targets_floor.source_change(r)
+    assert got["met"] is False and got["figure"].startswith("median 3100 ms, p95 3600 ms, n 8")
+    cell["median"] = 1.4
+    assert targets_floor.source_change(r)["met"] is True
+    cell["median"] = None  # the median change never reached the kernel
+    assert targets_floor.source_change(r)["met"] is False
+
+
 def _scale_results() -> Dict[str, Any]:
     """A --scale 100000 run: nftables met on time, missed on memory; legacy's raw restore absent."""
     nft = {"uniform": {"100000": {"cold": {"seconds": 6.0}, "raw-netlink": {"seconds": 5.0},
