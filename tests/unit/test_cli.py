@@ -109,6 +109,26 @@ def test_sync_with_a_rejected_object_exits_2_names_it_and_applies_the_rest(
     assert made.state() == {"default/api": ["10.0.1.1:8080"], "default/web": ["10.0.0.1:8080"]}
 
 
+def test_sync_keeps_its_last_objects_for_the_program_to_leave_with(made: Made, clean: Path) -> None:
+    """The snapshot and the backend (its record) stay on ``args``, which the program holds until
+    ``os._exit``: their frees were 0.08 s of a 10k-service sync for nothing.  Called from Python,
+    they go with ``args`` (no leak into a long-lived caller)."""
+    import gc
+    import weakref
+
+    args = cli.build_parser().parse_args(["sync", "--source", str(clean), *FAKE])
+    assert cli_oneshot.cmd_sync(args) == 0
+    backend = made.fake
+    assert backend in args.kept_until_exit
+    (snapshot,) = [k for k in args.kept_until_exit if isinstance(k, Snapshot)]
+    assert len(snapshot.services) == 2
+    gone = weakref.ref(backend)
+    made.backends.clear()
+    del backend, snapshot, args
+    gc.collect()
+    assert gone() is None
+
+
 def test_sync_failing_write_exits_1(made: Made, clean: Path, capsys: pytest.CaptureFixture[str]) -> None:
     made.fail_with = "-A KUBE-SVC-ABC -j DROP"
     assert cli.main(["sync", "--source", str(clean), *FAKE]) == 1
