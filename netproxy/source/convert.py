@@ -66,7 +66,9 @@ def object_ref(obj: Mapping[str, Any]) -> Tuple[str, str, str]:
     raw_ns = meta.get("namespace") or "default"
     raw_name = meta.get("name")
     try:
-        ns = check_label(raw_ns, "metadata.namespace")
+        # Interned: every object of a namespace names it, and the model keeps each copy (a
+        # ServicePortName per service port: 10 MB of one string at 100k services).
+        ns = sys.intern(check_label(raw_ns, "metadata.namespace"))
         name = (check_subdomain if kind == "EndpointSlice" else check_label)(raw_name, "metadata.name")
     except FieldError as err:
         raise ValidationError(kind, f"{ref_part(raw_ns)}/{ref_part(raw_name)}", err.field_path,
@@ -183,7 +185,7 @@ def _service_ports(ns: str, name: str, obj: Mapping[str, Any]) -> Tuple[ServiceP
         p = _map(raw, path)
         port_name = p.get("name") or ""
         if port_name:
-            check_label(port_name, f"{path}.name")
+            port_name = sys.intern(check_label(port_name, f"{path}.name"))  # a few names, 100k ports
         elif len(raw_ports) > 1:
             raise FieldError(f"{path}.name", "is required when a service has more than one port")
         if port_name in seen:
@@ -260,7 +262,7 @@ def _slice_ports(raw_ports: Any, path: str) -> Tuple[SlicePort, ...]:
         p = _map(raw, f"{path}[{i}]")
         port_name = p.get("name") or ""
         if port_name:
-            check_label(port_name, f"{path}[{i}].name")
+            port_name = sys.intern(check_label(port_name, f"{path}[{i}].name"))
         out.append(SlicePort(port_name, check_protocol(p.get("protocol"), f"{path}[{i}].protocol"),
                              check_port(p.get("port"), f"{path}[{i}].port")))
     return tuple(out)

@@ -523,3 +523,21 @@ def test_absent_optional_fields_take_their_defaults() -> None:
     assert (p.health_check_node_port, p.traffic_distribution, p.load_balancer_ips) == (0, "", ())
     (q,) = parse_service(service(trafficDistribution="PreferClose", healthCheckNodePort=30999))
     assert (q.health_check_node_port, q.traffic_distribution) == (30999, "PreferClose")
+
+
+def test_repeated_strings_of_the_model_are_one_object_each() -> None:
+    """Namespaces, protocols, port names and the choice fields come out as one shared string each,
+    not as the decoded document's copies: the model keeps them per service port (memory at 100k)."""
+    import json
+
+    doc = json.loads(json.dumps([service("a", type="ClusterIP"), service("b", type="ClusterIP"),
+                                 endpoint_slice("a-1", "a"), endpoint_slice("b-1", "b")]))
+    assert doc[0]["metadata"]["namespace"] is not doc[1]["metadata"]["namespace"]  # the decoder's copies
+    (a,), (b,) = parse_service(doc[0]), parse_service(doc[1])
+    for field in ("protocol", "service_type", "affinity", "external_traffic_policy"):
+        assert getattr(a, field) is getattr(b, field), field
+    assert a.name.namespace is b.name.namespace and a.name.port is b.name.port
+    sa, sb = parse_endpoint_slice(doc[2]), parse_endpoint_slice(doc[3])
+    assert sa is not None and sb is not None
+    assert sa.namespace is sb.namespace is a.name.namespace
+    assert sa.ports[0].name is sb.ports[0].name and sa.ports[0].protocol is sb.ports[0].protocol

@@ -202,3 +202,18 @@ def test_two_services_claiming_one_address_port_first_wins_and_sync_succeeds() -
 def test_render_service_without_family_addresses_is_empty() -> None:
     objs = render.render_service(svc("web", "10.96.0.10"), eps("10.1.0.1"), NodeInfo(), "ip6", ProxyConfig())
     assert objs.is_empty()
+
+
+def test_service_ports_alike_share_their_shared_chain_records_and_names() -> None:
+    """Two service ports with as many endpoints use the same pick chain: their ``uses`` tuples, the
+    ``shared`` frozensets and the chain and map names are one object each (memory of the record)."""
+    a = render.render_service(svc("a", "10.96.0.10"), eps("10.1.0.1", "10.1.0.2"), NodeInfo(), "ip", ProxyConfig())
+    b = render.render_service(svc("b", "10.96.0.11"), eps("10.1.0.3", "10.1.0.4"), NodeInfo(), "ip", ProxyConfig())
+    assert a.shared == b.shared and a.shared is b.shared
+    (ua,), (ub,) = a.uses.values(), b.uses.values()
+    assert ua is ub
+    (ra,), (rb,) = a.runs.values(), b.runs.values()
+    assert ra.set == rb.set and ra.set is rb.set
+    va = next(e.value for e in a.elements.values() if e.set == names.SERVICE_IPS)
+    vb = next(e.value for e in b.elements.values() if e.set == names.SERVICE_IPS)
+    assert va == vb and va is vb
