@@ -11,6 +11,7 @@ import logging
 import socket
 import struct
 from typing import AbstractSet, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Set as PySet
 
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.nftables import encode, names, serialise, wire
@@ -58,6 +59,26 @@ def unpack(fields: Sequence[str], data: bytes) -> str:
     return " . ".join(parts)
 
 
+def _scan(ops: Sequence[Op]) -> Tuple[List[Op], PySet[Tuple[str, str]]]:
+    """One walk of a batch: its table and set operations (what :meth:`NetlinkRunner._remember_sets`
+    reads) and the (family, set) of its elements.  The two walks it replaces, each over every
+    operation with a tuple per element, were 45 ms of a 10k-service write; a batch's elements come
+    grouped by set, so a set is added once per group."""
+    containers: List[Op] = []
+    wanted: PySet[Tuple[str, str]] = set()
+    last_set, last_family = None, None
+    for op in ops:
+        obj = op[2]
+        if isinstance(obj, (Element, ElementRun)):
+            name = obj.set
+            if name != last_set or op[1] != last_family:
+                last_set, last_family = name, op[1]
+                wanted.add((op[1], name))
+        elif isinstance(obj, (Set, Table)):
+            containers.append(op)
+    return containers, wanted
+
+
 def _data_value(nested: bytes) -> bytes:
     out: bytes = wire.attributes(nested).get(wire.DATA_VALUE, b"")
     return out
@@ -83,7 +104,8 @@ class NetlinkRunner:
     # --- writes ----------------------------------------------------------------------------------
 
     def apply(self, ops: Sequence[Op]) -> int:
-        encoder = encode.Encoder(self._known_sets(ops))
+        containers, wanted = _scan(ops)
+        encoder = encode.Encoder(self._known_sets(containers, wanted))
         try:
             pairs = list(encoder.messages(ops))
         except encode.EncodeError as exc:
@@ -107,11 +129,11 @@ class NetlinkRunner:
                 self._sets.clear()
                 raise SyncError("the kernel's answers to the batch were lost (ENOBUFS) and the generation "
                                 f"did not move by one ({before} -> {after}): not known to be applied")
-        self._remember_sets(ops)
+        self._remember_sets(containers)
         return sum(len(b[3]) for b in bodies)
 
-    def _remember_sets(self, ops: Sequence[Op]) -> None:
-        for verb, family, obj in ops:
+    def _remember_sets(self, containers: Sequence[Op]) -> None:
+        for verb, family, obj in containers:
             if isinstance(obj, Set):
                 if verb == "add":
                     self._sets[(family, obj.name)] = obj
@@ -121,10 +143,10 @@ class NetlinkRunner:
                 for key in [k for k in self._sets if k[0] == family]:
                     del self._sets[key]
 
-    def _known_sets(self, ops: Sequence[Op]) -> Dict[Tuple[str, str], Set]:
-        """Sets whose elements ``ops`` add or delete without creating them: their types, from the kernel."""
-        created = {(f, o.name) for v, f, o in ops if isinstance(o, Set) and v == "add"}
-        wanted = {(f, o.set) for _, f, o in ops if isinstance(o, (Element, ElementRun))}
+    def _known_sets(self, containers: Sequence[Op], wanted: AbstractSet[Tuple[str, str]]) -> Dict[Tuple[str, str], Set]:
+        """Sets whose elements the batch adds or deletes (``wanted``) without creating them (in
+        ``containers``): their types, from the kernel."""
+        created = {(f, o.name) for v, f, o in containers if isinstance(o, Set) and v == "add"}
         known: Dict[Tuple[str, str], Set] = {}
         for family, name in wanted - created:
             spec = self._sets.get((family, name)) or self._set_spec(family, name)

@@ -365,3 +365,43 @@ def test_run_stopping_writes_nothing_when_the_stamp_is_current() -> None:
     before = len(fake.transactions)
     first.stopping()
     assert len(fake.transactions) == before
+
+
+def test_stamp_keys_are_ipaddress_text_of_the_name_hash() -> None:
+    """The stamp key is formatted in C (inet_ntop) except where inet_ntop writes dotted quads: it must
+    be exactly ``str(IPv6Address(hash))``, the text the kernel's set reads back and adoption matches."""
+    import hashlib
+    import ipaddress
+    import os
+    from unittest import mock
+
+    from netproxy.core.model import ServicePortName
+
+    for i in range(20000):
+        name = ServicePortName("ns", f"svc-{i}", "p")
+        digest = hashlib.blake2b(str(name).encode(), digest_size=16).digest()
+        assert stamp.stamp_key(name) == str(ipaddress.IPv6Address(digest))
+    # Digests of every shape (zero runs anywhere, the ::/96 and ::ffff:0:0/96 forms), through the hash.
+    shapes = [bytes(12) + os.urandom(4), bytes(10) + b"\xff\xff" + os.urandom(4), bytes(16), bytes(15) + b"\x01"]
+    for start in range(8):
+        for length in range(1, 9 - start):
+            raw = bytearray(os.urandom(16))
+            raw[2 * start:2 * (start + length)] = bytes(2 * length)
+            shapes.append(bytes(raw))
+    for digest in shapes:
+        fake = mock.Mock()
+        fake.digest.return_value = digest
+        with mock.patch.object(stamp.hashlib, "blake2b", return_value=fake):
+            assert stamp.stamp_key(ServicePortName("ns", "x")) == str(ipaddress.IPv6Address(digest)), digest.hex()
+
+
+def test_stamped_objects_keep_every_field_but_their_own_elements() -> None:
+    from netproxy.backends.nftables import render
+
+    objs = render.render_service(svc("web", "10.96.0.10", ext_policy="Local", external=["203.0.113.5"]),
+                                 eps("10.0.0.1", "10.0.0.2", node="node-a"), NodeInfo("node-a"), "ip", ProxyConfig())
+    out = stamp.stamped(objs, svc("web", "10.96.0.10").name)
+    for f in dataclasses.fields(render.ServiceObjects):
+        if f.name != "elements":
+            assert getattr(out, f.name) is getattr(objs, f.name), f.name
+    assert set(out.elements) > set(objs.elements)
