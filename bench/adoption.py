@@ -22,7 +22,9 @@ loads its source before the first sync either way).
 JSON List; wall seconds, and user + system CPU seconds of the child): the first, a restart with the
 same file, one with one endpoint replaced, and one with that file after the table stamp was deleted
 (``nft delete element ip netproxy stamp { 1 }``: a table no stamp vouches for, rewritten whole as
-every restart was before adoption).
+every restart was before adoption).  ``--backend iptables-legacy`` (or ``iptables-nft``) does the same
+for the iptables backend (backends/iptables/adopt.py); its ``rewrite`` step flushes the stamp chain
+first (``iptables -t mangle -F KUBE-NP-STAMP``, both families).
 """
 
 from __future__ import annotations
@@ -79,10 +81,26 @@ def inside(sizes: List[int]) -> List[Dict[str, Any]]:
     return out
 
 
-def processes(sizes: List[int], workdir: str) -> None:
+BACKENDS = {
+    "nftables": (["--backend", "nftables"], [["nft", "delete", "element", "ip", "netproxy", "stamp", "{ 1 }"]],
+                 "adopted the tables"),
+    "iptables-legacy": (["--backend", "iptables", "--iptables-flavour", "legacy"],
+                        [[f"{t}-legacy", "-t", "mangle", "-F", "KUBE-NP-STAMP"] for t in ("iptables", "ip6tables")],
+                        "tables adopted"),
+    "iptables-nft": (["--backend", "iptables", "--iptables-flavour", "nft"],
+                     [[f"{t}-nft", "-t", "mangle", "-F", "KUBE-NP-STAMP"] for t in ("iptables", "ip6tables")],
+                     "tables adopted"),
+}
+"""--backend: its flags, the commands that remove its stamp (the ``rewrite`` step), what its log says
+when it adopts."""
+
+
+def processes(sizes: List[int], workdir: str, backend: str = "nftables") -> None:
     import resource
 
     from bench import gen
+
+    flags, unstamp, adopted_log = BACKENDS[backend]
 
     for n in sizes:
         objects = gen.cluster(n)
@@ -92,24 +110,24 @@ def processes(sizes: List[int], workdir: str) -> None:
         moved[2 * (n // 2) + 1] = gen.replaced_endpoint(objects, n // 2, 1)
         gen.write_json(changed, moved)
         steps = [("first", same, None), ("same", same, None), ("one endpoint", changed, None),
-                 ("rewrite", same, ["nft", "delete", "element", "ip", "netproxy", "stamp", "{ 1 }"])]
+                 ("rewrite", same, unstamp)]
         for label, path, before in steps:
-            if before is not None:
-                subprocess.run(before, check=True)
+            for command in before or ():
+                subprocess.run(command, check=True)
             usage = resource.getrusage(resource.RUSAGE_CHILDREN)
             wall = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "netproxy", "sync", "--source", path, "--backend",
-                                   "nftables", "--hostname-override", gen.LOCAL_NODE], capture_output=True, text=True)
+            proc = subprocess.run([sys.executable, "-m", "netproxy", "sync", "--source", path, *flags,
+                                   "--hostname-override", gen.LOCAL_NODE], capture_output=True, text=True)
             wall = time.perf_counter() - wall
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
             cpu = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
-            adopted = "adopted the tables" in proc.stderr
-            print(json.dumps({"step": label, "services": n, "process_cpu_s": round(cpu, 3),
+            adopted = adopted_log in proc.stderr
+            print(json.dumps({"step": label, "backend": backend, "services": n, "process_cpu_s": round(cpu, 3),
                               "process_wall_s": round(wall, 3), "exit": proc.returncode, "adopted": adopted}),
                   flush=True)
             if proc.returncode != 0:
                 sys.stderr.write(proc.stderr[-3000:])
-        subprocess.run([sys.executable, "-m", "netproxy", "cleanup", "--backend", "nftables"], capture_output=True)
+        subprocess.run([sys.executable, "-m", "netproxy", "cleanup", *flags], capture_output=True)
         os.unlink(same)
         os.unlink(changed)
 
@@ -118,12 +136,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--services", type=int, action="append", help="N (repeatable; default 10000)")
     parser.add_argument("--process", action="store_true", help="time whole `netproxy sync` processes")
+    parser.add_argument("--backend", choices=sorted(BACKENDS), default="nftables",
+                        help="with --process: the backend whose restarts are timed")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = args.services or [10000]
     if args.inside:
         if args.process:
-            processes(sizes, os.environ.get("TMPDIR", "/tmp"))
+            processes(sizes, os.environ.get("TMPDIR", "/tmp"), args.backend)
         else:
             inside(sizes)
         return
@@ -132,7 +152,7 @@ def main() -> None:
     try:
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "bench.adoption", "--inside"]
         if args.process:
-            cmd.append("--process")
+            cmd += ["--process", "--backend", args.backend]
         for n in sizes:
             cmd += ["--services", str(n)]
         sys.exit(subprocess.run(cmd).returncode)

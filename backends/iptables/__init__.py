@@ -13,18 +13,18 @@ import contextlib
 import gc
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from netproxy.backends.base import BackendError, BackendUnavailable, Outcome, Packet, SyncResult
+from netproxy.backends.iptables import adopt, guard, names
 from netproxy.backends.iptables import cleanup as cleanup_mod
-from netproxy.backends.iptables import guard, names
 from netproxy.backends.iptables.assemble import JUMPS, TABLES, Memo, assemble
 from netproxy.backends.iptables.diff import KernelTable, TableChange, full_change, partial_change
 from netproxy.backends.iptables.ipset import Ipsets, KernelIpsets
 from netproxy.backends.iptables.kernel import Writer, create
 from netproxy.backends.iptables.kernel.restore import supports_random_fully
 from netproxy.backends.iptables.kernel.stamp import Stamp
-from netproxy.backends.iptables.payload import plan_text
+from netproxy.backends.iptables.payload import plan_text, table_text
 from netproxy.backends.iptables.render import Chains, FamilyRuleset, Rule, ServiceRules, render_service
 from netproxy.backends.iptables.sets import SetKeeper
 from netproxy.backends.iptables.xtlock import XtablesLock
@@ -82,6 +82,13 @@ class IptablesBackend:
         self._watch: Optional[guard.Watch] = None
         self._commits = 0
         """Notices writes by others between syncs (``netproxy run`` only): see :meth:`tampered`."""
+        self._fresh = True
+        """No sync yet in this process: the first full sync may adopt the tables (adopt.py)."""
+        self._stamp_ok: Set[int] = set()
+        """Families whose stamp in the kernel (adopt.py) describes their tables as they are now."""
+        self._digests = adopt.Digests()
+        self._config_digests: Optional[Tuple[NodeInfo, str]] = None
+        self._node: Optional[NodeInfo] = None
 
     @property
     def kernel(self) -> Writer:
@@ -204,6 +211,8 @@ class IptablesBackend:
 
     def _sync_tables(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
         full = changes.full or self._need_full
+        fresh, self._fresh = self._fresh and self._need_full, False
+        self._node = snapshot.node
         # A first (or after-failure) full sync always writes: read the kernel before rendering, so
         # that its table blob (30 MB at 10k services) is gone before the render's objects arrive.
         read: Dict[int, Union[Dict[str, KernelTable], BackendError]] = {}
@@ -214,6 +223,10 @@ class IptablesBackend:
                 except BackendError as exc:
                     read[family] = exc
         desired, rerendered = self._render(snapshot)
+        adopted = self._adopt(snapshot.node, desired, read) if fresh else {}
+        nft = self.config.iptables_flavour == "nft"
+        # iptables-nft: the generation before our writes, so that the stamp vouches only for them.
+        before = self._generation() if full and nft else None
         if full and self._policy.decide(not self._need_full, self._vouched,
                                         lambda: self._changed(desired)) is Action.WRITE_CHANGES:
             # The periodic full sync of tables nobody touched since our last full write, with nothing
@@ -224,7 +237,7 @@ class IptablesBackend:
         self._rules_written = {(_ip_family(f), t): 0 for f in FAMILIES if f == 4 or self._has_family(f) for t in TABLES}
         try:
             for family in FAMILIES:
-                written = self._sync_family(desired[family], full, read.get(family))
+                written = self._sync_family(desired[family], full, read.get(family), adopted.get(family))
                 if written is not None:
                     total += written
         except BackendError:
@@ -232,6 +245,13 @@ class IptablesBackend:
             self._stamps.clear()
             raise
         self._need_full = False
+        if full:
+            after = self._generation() if nft else None
+            if nft and (before is None or after != before + self._commits):
+                log.debug("iptables: the nf_tables generation moved by more than our commits: not stamping")
+                self._stamp_ok.clear()
+            else:
+                self._write_stamps(snapshot.node, after)
         if self.config.iptables_flavour == "nft" and not self.config.one_shot:
             # The nf_tables generation is one for both families and every write, ours too: taken
             # once after this sync's last write, it vouches for every family we hold (a partial
@@ -267,7 +287,8 @@ class IptablesBackend:
         return True
 
     def _sync_family(self, ruleset: FamilyRuleset, full: bool,
-                     read: Optional[Union[Dict[str, KernelTable], BackendError]] = None) -> Optional[int]:
+                     read: Optional[Union[Dict[str, KernelTable], BackendError]] = None,
+                     adopted: Optional[List[TableChange]] = None) -> Optional[int]:
         family = ruleset.family
         if full:
             try:
@@ -282,7 +303,8 @@ class IptablesBackend:
                     self._stamps.pop(6, None)
                     return None
                 raise
-            table_changes = [full_change(t, ruleset.chains(t), kernel[t]) for t in TABLES]
+            table_changes = adopted if adopted is not None else [
+                full_change(t, ruleset.chains(t), kernel[t]) for t in TABLES]
         else:
             if family not in self._written:
                 return None if family == 6 and not self._has_family(6) else self._sync_family(ruleset, True)
@@ -295,6 +317,10 @@ class IptablesBackend:
             self._rules_written[key] = self._rules_written.get(key, 0) + c.rule_count()
         if changed:
             self._stamps.pop(family, None)  # the write changes the tables: the old fingerprint means nothing
+            if self.config.iptables_flavour == "nft":
+                self._stamp_ok.clear()  # one generation for every family: all their stamps are stale
+            else:
+                self._stamp_ok.discard(family)
         # Sets the new rules name exist, with the new hairpin elements, before the rules do; what
         # the old rules alone needed goes after them (sets.py).
         filled = self._sets.before_write(self.ipsets, ruleset, full)
@@ -311,15 +337,122 @@ class IptablesBackend:
         filled()  # idempotent: returns at once when the writer already waited
         self._written[family] = {t: dict(ruleset.chains(t)) for t in TABLES}
         self._sets.after_write(self.ipsets, ruleset, full)
-        if full and not self.config.one_shot and self.config.iptables_flavour != "nft":
+        if full and self.config.iptables_flavour != "nft" and (
+                not self.config.one_shot or (family not in self._stamp_ok and self._stamps.get(family) is None)):
             # (iptables-nft: one generation for both families, read once after the sync's last
             # write in _sync_tables; reading it here too was a GETGEN per family thrown away.)
             # Right after this family's write (the window in which another writer's change would be
             # taken for ours is this read), and only if the tables hold our chains with our rule
             # counts: a write that went elsewhere (nf_tables behind a "legacy" name) is not trusted.
+            # (One sync and done: taken only for the stamp, when this family's must be written.)
             expect = {(family, t): {c: len(r) for c, r in ruleset.chains(t).items()} for t in TABLES}
             self._stamps[family] = self.kernel.stamp((family,), expect)
         return size
+
+    # -- restart by adoption (adopt.py) -----------------------------------------------------------
+
+    def _config_digest(self, node: NodeInfo) -> str:
+        if self._config_digests is None or self._config_digests[0] != node:
+            from netproxy import version
+
+            random_fully = bool(self._random_fully) if self._random_fully is not None else True
+            self._config_digests = (node, adopt.config_digest(self.config, node, version(), random_fully))
+        return self._config_digests[1]
+
+    def _generation(self) -> Optional[int]:
+        now = self.kernel.stamp(FAMILIES)
+        found = adopt.validator("nft", now, 4)
+        return int(found[len("gen:"):]) if found is not None else None
+
+    def _adopt(self, node: NodeInfo, desired: Dict[int, FamilyRuleset],
+               read: Mapping[int, Union[Dict[str, KernelTable], BackendError]]) -> Dict[int, List[TableChange]]:
+        """Per family whose stamp holds: the changes that turn its tables into ``desired`` (only the
+        chains that differ).  A family missing here is rewritten whole, as before adoption."""
+        out: Dict[int, List[TableChange]] = {}
+        flavour = self.config.iptables_flavour
+        config = self._config_digest(node)
+        generation = self.kernel.stamp(FAMILIES) if flavour == "nft" else None  # one for every family
+        for family in FAMILIES:
+            kernel = read.get(family)
+            if not isinstance(kernel, dict):
+                continue  # unreadable: the full sync reports (or skips) it as before
+            try:
+                try:
+                    text = self.kernel.save(family, adopt.STAMP_TABLE)
+                except BackendError as exc:
+                    raise adopt.NotAdoptable(f"the mangle table cannot be read: {exc}") from None
+                found = adopt.parse(text)
+                now = generation if flavour == "nft" else self.kernel.stamp((family,))
+                adopt.check(found, config, adopt.validator(flavour, now, family))
+                chains = {t: desired[family].chains(t) for t in TABLES}
+                digests = {t: self._digests.of(family, t, chains[t]) for t in TABLES}
+                changes = adopt.changes(chains, digests, found, kernel)
+            except adopt.NotAdoptable as exc:
+                log.info("iptables: IPv%d tables not adopted, rewriting them all: %s", family, exc)
+                continue
+            out[family] = changes
+            if flavour != "nft":
+                self._stamps[family] = now  # nat and filter as our last write left them
+            if all(c.empty() for c in changes):
+                self._stamp_ok.add(family)
+            log.info("iptables: IPv%d tables adopted: %d chains to write, %d to delete, %d jumps to add", family,
+                     sum(len(c.write) for c in changes), sum(len(c.delete) for c in changes),
+                     sum(len(c.jumps) for c in changes))
+        return out
+
+    def _write_stamps(self, node: NodeInfo, generation: Optional[int]) -> None:
+        """Stamp every family we hold whose stamp is not current (``generation``: iptables-nft's, now,
+        with nothing but our writes since the tables were last compared)."""
+        nft = self.config.iptables_flavour == "nft"
+        todo = [f for f in sorted(self._written) if f not in self._stamp_ok]
+        if not todo:
+            return
+        if nft:
+            if generation is None:
+                return
+            todo = sorted(self._written)  # each stamp names the generation after the last stamp's commit
+        config = self._config_digest(node)
+        for family in todo:
+            valid = f"gen:{generation + len(todo)}" if nft and generation is not None else \
+                adopt.validator("legacy", self._stamps.get(family), family)
+            if valid is None:
+                log.debug("iptables: IPv%d tables have no fingerprint: not stamped", family)
+                continue
+            tables = self._written[family]
+            digests = {t: self._digests.of(family, t, tables.get(t, {})) for t in TABLES}
+            rules = adopt.stamp_rules(config, valid, digests)
+            try:
+                self.kernel.restore(family, "\n".join(table_text(adopt.stamp_change(rules))) + "\n")
+            except BackendError as exc:  # the next process rewrites everything: slower, not wrong
+                log.warning("iptables: cannot stamp the IPv%d tables (%s): the next start rewrites them", family, exc)
+                self._stamp_ok.clear() if nft else self._stamp_ok.discard(family)
+                return
+            self._commits += 1
+            self._stamp_ok.add(family)
+        self._digests.keep(self._written)
+
+    def stopping(self) -> None:
+        """``netproxy run`` is stopping: if the tables are ours as we last wrote them (partial writes
+        since the last stamp), stamp them, so that the next process adopts them."""
+        if self.config.one_shot or self._need_full or not self._written or self._node is None or \
+                all(f in self._stamp_ok for f in self._written):
+            return
+        watch = self._watch
+        if watch is None:
+            return  # nobody watched the tables since our last write: no stamp vouches for them
+        try:
+            if watch.suspect() and self._verify() is not None:
+                return  # changed behind our back: the next process rewrites them
+            generation: Optional[int] = None
+            if self.config.iptables_flavour == "nft":
+                generation = self._generation()
+            else:
+                for family, tables in self._written.items():
+                    expect = {(family, t): {c: len(r) for c, r in tables.get(t, {}).items()} for t in TABLES}
+                    self._stamps[family] = self.kernel.stamp((family,), expect)
+            self._write_stamps(self._node, generation)
+        except (OSError, ValueError, BackendError) as exc:
+            log.info("iptables: tables not stamped at exit (%s): the next start rewrites them", exc)
 
     # -- rules changed behind our back ---------------------------------------------------------
 
@@ -332,9 +465,6 @@ class IptablesBackend:
             log.info("no nftables change notifications (%s): changes behind netproxy's back wait for the "
                      "next full sync", exc)
             return None
-
-    def stopping(self) -> None:
-        return None  # no restart by adoption on iptables: a new process writes every chain
 
     def tampered(self) -> Optional[str]:
         """Whether netproxy's rules were changed by someone else since its last write (and why): the
@@ -398,6 +528,7 @@ class IptablesBackend:
         if self.config.iptables_writer == "libiptc" and self.config.iptables_flavour == "nft":
             raise BackendUnavailable("libiptc cannot reach nf_tables; use the restore writer on this node")
         cleanup_mod.cleanup(self.kernel)
+        self._stamp_ok.clear()
         self._sets.destroy_all(self.ipsets)
         self._stamps.clear()
         self._written.clear()

@@ -34,6 +34,18 @@ def cleanup_payload(saved: save.SavedTable) -> List[str]:
     return lines
 
 
+def stamp_payload(tools: Text, family: int) -> List[str]:
+    """Restore lines that delete netproxy's stamp chain (adopt.py) from the mangle table, if it is there."""
+    try:
+        mangle = save.parse(tools.save(family, names.STAMP_TABLE)).get(names.STAMP_TABLE)
+    except (BackendError, save.SaveParseError) as exc:
+        log.info("IPv%d: the mangle table cannot be read (%s): no stamp to remove", family, exc)
+        return []
+    if mangle is None or names.STAMP_CHAIN not in mangle.chains:
+        return []
+    return [f"*{names.STAMP_TABLE}", f":{names.STAMP_CHAIN} - [0:0]", f"-X {names.STAMP_CHAIN}", "COMMIT"]
+
+
 def cleanup(tools: Text) -> None:
     """Both families, both tables; a family whose tools or kernel support are missing is skipped."""
     for family in (4, 6):
@@ -48,6 +60,7 @@ def cleanup(tools: Text) -> None:
                 raise
             log.info("skipping IPv6 cleanup: %s", exc)
             continue
+        lines.extend(stamp_payload(tools, family))
         if lines:
             tools.restore(family, "\n".join(lines) + "\n")
             log.info("removed netproxy's IPv%d chains", family)

@@ -38,6 +38,11 @@ Both names stay owned so that ``cleanup`` removes what those versions left."""
 MASQ_NONCLUSTER = "KUBE-MASQ-NONCLUSTER"
 """nat: marks for masquerade unless the source is inside one of several cluster CIDRs of a family."""
 
+STAMP_TABLE = "mangle"
+STAMP_CHAIN = "KUBE-NP-STAMP"
+"""Where netproxy stamps what it wrote into nat and filter (adopt.py): a table it does not otherwise
+write (kube-proxy and kubelet keep their canary chains there), in a chain nothing jumps to."""
+
 USERSPACE_CHAINS = ("KUBE-PORTALS-CONTAINER", "KUBE-PORTALS-HOST", "KUBE-NODEPORT-CONTAINER",
                     "KUBE-NODEPORT-HOST")
 """The chains of kube-proxy's old userspace mode; cleanup removes them, as kube-proxy's iptables proxier

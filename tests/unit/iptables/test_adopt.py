@@ -1,0 +1,255 @@
+"""Restart by adoption on iptables against the fake kernel: a new backend (a new process) over tables a
+previous one wrote and stamped writes only the chains that differ, and rewrites everything when the
+stamp is missing, foreign, torn or stale, or the tables were changed behind its back (adopt.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import logging
+from typing import List, Tuple
+
+import pytest
+
+from netproxy.backends.iptables import IptablesBackend, adopt, names
+from netproxy.backends.iptables.fake import Commit, FakeIptables
+from netproxy.backends.iptables.payload import table_text
+from netproxy.core.config import ProxyConfig, parse_cidrs
+from netproxy.core.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
+
+ip = ipaddress.ip_address
+CONFIG = ProxyConfig(hostname="node", one_shot=True)
+RUN = dataclasses.replace(CONFIG, one_shot=False)
+N = 40  # beyond 32 services: the dispatch tree has leaves, shared chains whose digests matter too
+
+
+def snapshot(n: int = N, moved: int = -1) -> Snapshot:
+    services, endpoints = [], {}
+    for i in range(n):
+        name = ServicePortName("default", f"s{i}", "")
+        services.append(ServicePort(name, "TCP", 80, 80, (ip(f"10.96.0.{i + 1}"), ip(f"fd00::{i + 1:x}"))))
+        last = 200 if i == moved else 1
+        endpoints[name] = [Endpoint(ip(f"10.1.{i}.1"), 80), Endpoint(ip(f"10.1.{i}.{last + 1}"), 80),
+                           Endpoint(ip(f"fd01::{i + 1:x}"), 80)]
+    return Snapshot.build(services, endpoints)
+
+
+def svc_chain(i: int) -> str:
+    return names.service_chain(ServicePortName("default", f"s{i}", ""), "TCP")
+
+
+class Quiet:
+    """A watch that never suspects anyone (``netproxy run``'s guard on an untouched kernel)."""
+
+    def suspect(self) -> bool:
+        return False
+
+    def rebase(self) -> None:
+        return None
+
+    def pause(self) -> None:
+        return None
+
+    def resume(self, commits: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def written(snap: Snapshot, flavour: str = "legacy", config: ProxyConfig = CONFIG) -> FakeIptables:
+    """A kernel holding what a first ``netproxy sync`` wrote (and stamped) for ``snap``."""
+    kernel = FakeIptables(flavour)
+    IptablesBackend(dataclasses.replace(config, iptables_flavour=flavour), kernel=kernel).sync(snap, Changes())
+    return kernel
+
+
+def restart(kernel: FakeIptables, snap: Snapshot, config: ProxyConfig = CONFIG) -> List[Commit]:
+    """A second process's first sync over ``kernel``: the blocks it committed to nat and filter."""
+    before = len(kernel.commits)
+    b = IptablesBackend(dataclasses.replace(config, iptables_flavour=kernel.flavour), kernel=kernel)
+    assert b.sync(snap, Changes()).full
+    return [c for c in kernel.commits[before:] if c.table != adopt.STAMP_TABLE]
+
+
+def fresh(snap: Snapshot, flavour: str = "legacy") -> FakeIptables:
+    return written(snap, flavour)
+
+
+def rules(kernel: FakeIptables) -> object:
+    """nat and filter of both families, chains sorted (the stamp is checked by the next restart adopting)."""
+    return {k: sorted(v.items()) for k, v in kernel.tables.items() if k[1] in ("nat", "filter")}
+
+
+def rewrote_all(commits: List[Commit], kernel: FakeIptables, family: int = 4) -> bool:
+    """Whether ``commits`` rewrote every chain of ours in ``family``'s nat table."""
+    nat = [c for c in commits if (c.family, c.table) == (family, "nat")]
+    ours = {c for c in kernel.chains(family, "nat") if names.is_owned(c)}
+    return len(nat) == 1 and nat[0].written == ours
+
+
+@pytest.mark.parametrize("flavour", ["legacy", "nft"])
+def test_the_same_input_is_adopted_without_a_write(flavour: str, caplog: pytest.LogCaptureFixture) -> None:
+    kernel = written(snapshot(), flavour)
+    assert kernel.chains(4, adopt.STAMP_TABLE)[adopt.STAMP_CHAIN], "the first sync stamps its tables"
+    texts = len(kernel.texts)
+    caplog.set_level(logging.INFO, logger="netproxy.backends.iptables")
+    assert restart(kernel, snapshot()) == []
+    assert len(kernel.texts) == texts, f"a restart with nothing changed wrote: {kernel.texts[texts:]}"
+    assert "IPv4 tables adopted: 0 chains to write" in caplog.text
+    assert rules(kernel) == rules(fresh(snapshot(), flavour))
+
+
+@pytest.mark.parametrize("flavour", ["legacy", "nft"])
+def test_one_endpoint_changed_writes_that_service_chain_only(flavour: str) -> None:
+    kernel = written(snapshot(), flavour)
+    commits = restart(kernel, snapshot(moved=3))
+    assert [(c.family, c.table, c.written, c.deleted) for c in commits] == [(4, "nat", {svc_chain(3)}, ())]
+    assert kernel.chains(4, "nat")[svc_chain(3)][-1][-2:] == ("--to-destination", "10.1.3.201:80")
+    assert rules(kernel) == rules(fresh(snapshot(moved=3), flavour))
+    assert restart(kernel, snapshot(moved=3)) == []
+
+
+def test_a_service_gone_and_one_added_are_deleted_and_written() -> None:
+    kernel = written(snapshot(N))
+    services = dict(snapshot(N + 1).services)
+    del services[ServicePortName("default", "s5", "")]
+    new = Snapshot.build(list(services.values()), {n: snapshot(N + 1).endpoints_of(n) for n in services})
+    commits = restart(kernel, new)
+    (nat,) = [c for c in commits if (c.family, c.table) == (4, "nat")]
+    assert svc_chain(N) in nat.written and svc_chain(5) in nat.deleted
+    assert svc_chain(1) not in nat.written
+    assert rules(kernel) == rules(fresh(new))
+    assert restart(kernel, new) == []
+
+
+def _rewrites(kernel: FakeIptables, snap: Snapshot, caplog: pytest.LogCaptureFixture, reason: str,
+              config: ProxyConfig = CONFIG) -> None:
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="netproxy.backends.iptables")
+    commits = restart(kernel, snap, config)
+    assert rewrote_all(commits, kernel), [(c.table, sorted(c.written)[:3]) for c in commits]
+    assert "not adopted, rewriting them all" in caplog.text and reason in caplog.text, caplog.text
+    if config == CONFIG:
+        assert rules(kernel) == rules(fresh(snap, kernel.flavour))
+    assert restart(kernel, snap, config) == [], "the rewrite stamped its tables: the next restart adopts them"
+
+
+def test_a_missing_stamp_rewrites_everything(caplog: pytest.LogCaptureFixture) -> None:
+    kernel = written(snapshot())
+    kernel.restore(4, f"*mangle\n:{adopt.STAMP_CHAIN} - [0:0]\n-X {adopt.STAMP_CHAIN}\nCOMMIT\n")
+    _rewrites(kernel, snapshot(), caplog, "no KUBE-NP-STAMP chain")
+
+
+def test_a_flushed_stamp_rewrites_everything(caplog: pytest.LogCaptureFixture) -> None:
+    kernel = written(snapshot())
+    kernel.restore(4, f"*mangle\n-F {adopt.STAMP_CHAIN}\nCOMMIT\n")
+    _rewrites(kernel, snapshot(), caplog, "chain is empty")
+
+
+def test_a_foreign_configuration_rewrites_everything(caplog: pytest.LogCaptureFixture) -> None:
+    kernel = written(snapshot())
+    other = dataclasses.replace(CONFIG, cluster_cidrs=parse_cidrs("10.244.0.0/16"))
+    _rewrites(kernel, snapshot(), caplog, "another netproxy version, configuration or node", other)
+
+
+def _stamp_rules(kernel: FakeIptables) -> List[Tuple[str, ...]]:
+    return list(kernel.chains(4, adopt.STAMP_TABLE)[adopt.STAMP_CHAIN])
+
+
+def test_a_truncated_stamp_rewrites_everything(caplog: pytest.LogCaptureFixture) -> None:
+    kernel = written(snapshot())
+    n = len(_stamp_rules(kernel))
+    assert n > 2
+    kernel.restore(4, f"*mangle\n-D {adopt.STAMP_CHAIN} {n}\nCOMMIT\n")  # the last digests lost
+    _rewrites(kernel, snapshot(), caplog, "the stamp is torn")
+
+
+def test_an_edited_digest_rewrites_everything(caplog: pytest.LogCaptureFixture) -> None:
+    kernel = written(snapshot())
+    rules = _stamp_rules(kernel)
+    comment = rules[1][-1]
+    edited = comment[:-1] + ("0" if comment[-1] != "0" else "1")
+    kernel.restore(4, f'*mangle\n-D {adopt.STAMP_CHAIN} 2\n-I {adopt.STAMP_CHAIN} 2 -m comment --comment '
+                      f'"{edited}"\nCOMMIT\n')
+    _rewrites(kernel, snapshot(), caplog, "the stamp is torn")
+
+
+def test_an_unparsable_stamp_rewrites_everything(caplog: pytest.LogCaptureFixture) -> None:
+    kernel = written(snapshot())
+    kernel.restore(4, f'*mangle\n-D {adopt.STAMP_CHAIN} 1\n-I {adopt.STAMP_CHAIN} 1 -m comment --comment '
+                      f'"netproxy-stamp 1 garbage"\nCOMMIT\n')
+    _rewrites(kernel, snapshot(), caplog, "header does not parse")
+
+
+@pytest.mark.parametrize("flavour", ["legacy", "nft"])
+def test_a_rule_changed_behind_its_back_is_repaired(flavour: str, caplog: pytest.LogCaptureFixture) -> None:
+    kernel = written(snapshot(), flavour)
+    chain = svc_chain(7)
+    # iptables -t nat -R: the last endpoint DNATs elsewhere, same rule count (the stamp's digests unchanged).
+    last = list(kernel.chains(4, "nat")[chain][-1])
+    last[-1] = "10.9.9.9:80"
+    n = len(kernel.chains(4, "nat")[chain])
+    kernel.restore(4, f"*nat\n-D {chain} {n}\n-A {chain} {' '.join(last)}\nCOMMIT\n")
+    _rewrites(kernel, snapshot(), caplog, "the tables changed since netproxy stamped them")
+    assert kernel.chains(4, "nat")[chain][-1][-1] != "10.9.9.9:80"
+
+
+def test_nft_any_foreign_commit_since_the_stamp_rewrites_everything(caplog: pytest.LogCaptureFixture) -> None:
+    kernel = written(snapshot(), "nft")
+    kernel.restore(4, "*raw\n:OTHER - [0:0]\nCOMMIT\n")  # another program's commit, to another table
+    _rewrites(kernel, snapshot(), caplog, "the tables changed since netproxy stamped them")
+
+
+def test_a_partial_write_after_the_stamp_makes_it_stale(caplog: pytest.LogCaptureFixture) -> None:
+    """``netproxy run`` killed (no stopping()) after a partial sync: its stamp describes the tables
+    before that write; the next process must not trust it."""
+    kernel = FakeIptables()
+    b = IptablesBackend(RUN, kernel=kernel)
+    b.sync(snapshot(), Changes())
+    b.sync(snapshot(moved=3), Changes(full=False))
+    _rewrites(kernel, snapshot(moved=3), caplog, "the tables changed since netproxy stamped them")
+
+
+@pytest.mark.parametrize("flavour", ["legacy", "nft"])
+def test_run_stamps_at_exit_after_partial_writes_and_the_next_process_adopts(flavour: str) -> None:
+    kernel = FakeIptables(flavour)
+    b = IptablesBackend(dataclasses.replace(RUN, iptables_flavour=flavour), kernel=kernel)
+    b.sync(snapshot(), Changes())
+    b._watch = Quiet()
+    b.sync(snapshot(moved=3), Changes(full=False))
+    b.stopping()
+    texts = len(kernel.texts)
+    assert restart(kernel, snapshot(moved=3)) == []
+    assert len(kernel.texts) == texts
+
+
+def test_run_does_not_stamp_at_exit_what_was_changed_behind_its_back() -> None:
+    kernel = FakeIptables()
+    b = IptablesBackend(RUN, kernel=kernel)
+    b.sync(snapshot(), Changes())
+    watch = Quiet()
+    watch.suspect = lambda: True  # type: ignore[method-assign]  # the guard saw a foreign write
+    b._watch = watch
+    b.sync(snapshot(moved=3), Changes(full=False))
+    kernel.restore(4, f"*nat\n-D {svc_chain(9)} 1\nCOMMIT\n")
+    b.stopping()
+    commits = restart(kernel, snapshot(moved=3))
+    assert rewrote_all(commits, kernel)
+
+
+def test_cleanup_removes_the_stamp() -> None:
+    kernel = written(snapshot())
+    IptablesBackend(CONFIG, kernel=kernel).cleanup()
+    for family in (4, 6):
+        assert adopt.STAMP_CHAIN not in kernel.chains(family, adopt.STAMP_TABLE)
+
+
+def test_stamp_round_trip_and_size() -> None:
+    digests = {"nat": {f"KUBE-SVC-{i:016d}": f"{i:012x}" for i in range(500)}, "filter": {"KUBE-SERVICES": "0" * 12}}
+    rules = adopt.stamp_rules("0123456789abcdef", "fp:00", digests)
+    assert all(len(r[-1]) <= adopt.MAX_COMMENT for r in rules)
+    kernel = FakeIptables()
+    kernel.restore(4, "\n".join(table_text(adopt.stamp_change(rules))) + "\n")
+    found = adopt.parse(kernel.save(4, adopt.STAMP_TABLE))
+    assert found.chains == digests and found.config == "0123456789abcdef" and found.validator == "fp:00"
