@@ -247,8 +247,13 @@ class IptablesBackend:
         self._need_full = False
         if full:
             after = self._generation() if nft else None
-            if nft and (before is None or after != before + self._commits):
-                log.debug("iptables: the nf_tables generation moved by more than our commits: not stamping")
+            # Each changed table is at most one commit (iptables-nft-restore sends none for a block
+            # that changes nothing, such as an empty chain flushed): more means someone else's
+            # (the guard's NftWatch.resume judges the same way).
+            if nft and (before is None or after is None or not before <= after <= before + self._commits):
+                log.info("iptables: the nf_tables generation moved from %s to %s over our %d commits: someone else "
+                         "committed meanwhile, so the tables are not stamped (the next start rewrites them)",
+                         before, after, self._commits)
                 self._stamp_ok.clear()
             else:
                 self._write_stamps(snapshot.node, after)
