@@ -89,6 +89,9 @@ class IptablesBackend:
         self._digests = adopt.Digests()
         self._config_digests: Optional[Tuple[NodeInfo, str]] = None
         self._node: Optional[NodeInfo] = None
+        self._suspected = False
+        """The guard suspected a foreign write since our last full sync (even one :meth:`_verify` found
+        harmless: it compares rule counts, not rules), so :meth:`stopping` does not vouch for the tables."""
 
     @property
     def kernel(self) -> Writer:
@@ -246,6 +249,7 @@ class IptablesBackend:
             raise
         self._need_full = False
         if full:
+            self._suspected = False  # every chain of ours rewritten, or proven untouched (adopted, skipped)
             after = self._generation() if nft else None
             # Each changed table is at most one commit (iptables-nft-restore sends none for a block
             # that changes nothing, such as an empty chain flushed): more means someone else's
@@ -446,8 +450,12 @@ class IptablesBackend:
         if watch is None:
             return  # nobody watched the tables since our last write: no stamp vouches for them
         try:
-            if watch.suspect() and self._verify() is not None:
-                return  # changed behind our back: the next process rewrites them
+            if self._suspected or watch.suspect():
+                # Someone else wrote nat or filter since our last full sync: the guard can tell a missing
+                # rule, not an edited one, so no stamp vouches for these tables (the next start rewrites).
+                log.info("iptables: tables not stamped at exit: written by someone else since netproxy's last "
+                         "full sync")
+                return
             generation: Optional[int] = None
             if self.config.iptables_flavour == "nft":
                 generation = self._generation()
@@ -487,6 +495,7 @@ class IptablesBackend:
             return None
         if not suspect:
             return None
+        self._suspected = True
         watch.rebase()  # first: what changes while the tables are read below shows at the next look
         reason = self._verify()
         if reason is not None:

@@ -232,10 +232,27 @@ def test_run_does_not_stamp_at_exit_what_was_changed_behind_its_back() -> None:
     watch.suspect = lambda: True  # type: ignore[method-assign]  # the guard saw a foreign write
     b._watch = watch
     b.sync(snapshot(moved=3), Changes(full=False))
-    kernel.restore(4, f"*nat\n-D {svc_chain(9)} 1\nCOMMIT\n")
+    # The same rule count (so only the guard's suspicion, not the stamp's rule-count check, can tell).
+    kernel.restore(4, f"*nat\n-D {svc_chain(9)} 1\n-I {svc_chain(9)} 1 -j KUBE-MARK-MASQ\nCOMMIT\n")
     b.stopping()
     commits = restart(kernel, snapshot(moved=3))
     assert rewrote_all(commits, kernel)
+
+
+def test_run_does_not_stamp_at_exit_after_any_suspicion_even_one_found_harmless() -> None:
+    """The guard checks rule counts: a foreign write it let pass may still have edited one of our rules."""
+    kernel = FakeIptables()
+    b = IptablesBackend(RUN, kernel=kernel)
+    b.sync(snapshot(), Changes())
+    watch = Quiet()
+    b._watch = watch
+    kernel.restore(4, f"*nat\n-D {svc_chain(9)} 1\n-I {svc_chain(9)} 1 -j KUBE-MARK-MASQ\nCOMMIT\n")
+    watch.suspect = lambda: True  # type: ignore[method-assign]
+    assert b.tampered() is None  # the same rule counts: nothing to repair, as far as the guard can tell
+    watch.suspect = lambda: False  # type: ignore[method-assign]
+    b.sync(snapshot(moved=3), Changes(full=False))
+    b.stopping()
+    assert rewrote_all(restart(kernel, snapshot(moved=3)), kernel)
 
 
 def test_cleanup_removes_the_stamp() -> None:
