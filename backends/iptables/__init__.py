@@ -220,9 +220,11 @@ class IptablesBackend:
         # that its table blob (30 MB at 10k services) is gone before the render's objects arrive.
         read: Dict[int, Union[Dict[str, KernelTable], BackendError]] = {}
         if self._need_full:
+            # A new process on legacy tables: their fingerprints from the same read, for its stamp's check.
+            prints = fresh and self.config.iptables_flavour == "legacy"
             for family in FAMILIES:
                 try:
-                    read[family] = self.kernel.read(family)
+                    read[family] = self.kernel.read(family, fingerprint=prints)
                 except BackendError as exc:
                     read[family] = exc
         desired, rerendered = self._render(snapshot)
@@ -391,7 +393,7 @@ class IptablesBackend:
                 except BackendError as exc:
                     raise adopt.NotAdoptable(f"the mangle table cannot be read: {exc}") from None
                 found = adopt.parse(text)
-                now = generation if flavour == "nft" else self.kernel.stamp((family,))
+                now = generation if flavour == "nft" else self._fingerprints(family, kernel)
                 adopt.check(found, config, adopt.validator(flavour, now, family))
                 chains = {t: desired[family].chains(t) for t in TABLES}
                 digests = {t: self._digests.of(family, t, chains[t]) for t in TABLES}
@@ -408,6 +410,18 @@ class IptablesBackend:
                      sum(len(c.write) for c in changes), sum(len(c.delete) for c in changes),
                      sum(len(c.jumps) for c in changes))
         return out
+
+    def _fingerprints(self, family: int, kernel: Mapping[str, KernelTable]) -> Optional[Stamp]:
+        """Legacy: the tables' fingerprints from the full sync's read (one walk of each blob, not two),
+        if the tables' headers still are what they were then (any write since, but a same-size edit in
+        that second, changes a header); otherwise read now."""
+        prints = {(family, t): kernel[t].fingerprint for t in TABLES if t in kernel}
+        if len(prints) != len(TABLES) or any(p is None for p in prints.values()):
+            return self.kernel.stamp((family,))
+        moved = [t for t in TABLES if self.kernel.header(family, t) != kernel[t].header]
+        if moved:
+            raise adopt.NotAdoptable(f"the {moved[0]} table changed while netproxy read it")
+        return {k: p for k, p in prints.items() if p is not None}
 
     def _write_stamps(self, node: NodeInfo, generation: Optional[int]) -> None:
         """Stamp every family we hold whose stamp is not current (``generation``: iptables-nft's, now,

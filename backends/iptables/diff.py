@@ -6,7 +6,7 @@ Every writer (kernel/) applies the same :class:`TableChange`, so they cannot dis
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Mapping, Tuple
+from typing import Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 from netproxy.backends.iptables import names
 from netproxy.backends.iptables.assemble import JUMPS
@@ -21,6 +21,10 @@ class KernelTable:
     chains: FrozenSet[str] = frozenset()
     jumps: FrozenSet[Tuple[str, str]] = frozenset()
     """(built-in chain, target) pairs present in the kernel."""
+    fingerprint: Optional[bytes] = field(default=None, compare=False)
+    """Legacy tables read with ``fingerprint=True``: the table's fingerprint (kernel/stamp.py) from
+    the same read, and its header (``IPT_SO_GET_INFO``), to tell later whether it changed since."""
+    header: Optional[bytes] = field(default=None, compare=False)
 
 
 @dataclass

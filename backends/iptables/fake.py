@@ -18,6 +18,7 @@ full sync against it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import shlex
 from dataclasses import dataclass, field
@@ -265,9 +266,20 @@ class FakeIptables:
     def probe(self) -> None:
         return None
 
-    def read(self, family: int) -> Dict[str, KernelTable]:
+    def read(self, family: int, fingerprint: bool = False) -> Dict[str, KernelTable]:
         self.reads += 1
-        return {t: self._kernel_table(family, t) for t in TABLES}
+        tables = {t: self._kernel_table(family, t) for t in TABLES}
+        if fingerprint and self.flavour == "legacy" and self.stamps:
+            tables = {t: dataclasses.replace(k, fingerprint=self._print(family, t), header=self._print(family, t))
+                      for t, k in tables.items()}
+        return tables
+
+    def header(self, family: int, table: str) -> Optional[bytes]:
+        return self._print(family, table) if self.flavour == "legacy" else None
+
+    def _print(self, family: int, table: str) -> bytes:
+        """This fake's fingerprint of a table (what :meth:`stamp` gives for it)."""
+        return hashlib.sha256(repr(self.chains(family, table)).encode()).digest()
 
     def apply(self, family: int, changes: List[TableChange],
               before_commit: Optional[Callable[[], None]] = None) -> int:
@@ -288,7 +300,7 @@ class FakeIptables:
             held = self.tables.get((f, t), {})
             if any(c not in held or len(held[c]) != n for c, n in counts.items()):
                 return None
-        return {(f, t): hashlib.sha256(repr(self.chains(f, t)).encode()).digest() for f in families for t in TABLES}
+        return {(f, t): self._print(f, t) for f in families for t in TABLES}
 
     def counts(self, family: int, table: str) -> Counts:
         if (family, table) not in self.tables:

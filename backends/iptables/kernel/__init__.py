@@ -50,8 +50,13 @@ class Writer(Text, Protocol):
     def probe(self) -> None:
         """Raise :class:`~netproxy.backends.base.BackendUnavailable` if this writer cannot run here."""
 
-    def read(self, family: int) -> Dict[str, KernelTable]:
-        """Per table: its chains and which built-in chains jump to which (a full sync's read)."""
+    def read(self, family: int, fingerprint: bool = False) -> Dict[str, KernelTable]:
+        """Per table: its chains and which built-in chains jump to which (a full sync's read); with
+        ``fingerprint``, on legacy tables, each table's fingerprint and header from the same read."""
+
+    def header(self, family: int, table: str) -> Optional[bytes]:
+        """A legacy table's header now (``IPT_SO_GET_INFO``: changes with any write; None when there is
+        none to read), to compare with :meth:`read`'s."""
 
     def apply(self, family: int, changes: List[TableChange],
               before_commit: Optional[Callable[[], None]] = None) -> int:
@@ -99,6 +104,16 @@ def saved_counts(text: Text, family: int, table: str) -> Counts:
         return None, set()
     saved = parsed[table]
     return {c.name: len(c.rules) for c in saved.chains.values()}, set(saved.kernel_table().jumps)
+
+
+def legacy_header(family: int, table: str) -> Optional[bytes]:
+    """:meth:`Writer.header` of a legacy table (None: it cannot be read)."""
+    from netproxy.backends.iptables import guard
+
+    try:
+        return guard.table_info(family, table)
+    except OSError:
+        return None
 
 
 def blob_counts(family: int, table: str) -> Counts:

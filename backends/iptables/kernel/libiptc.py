@@ -41,9 +41,9 @@ from typing import AbstractSet, Any, Callable, Dict, List, Optional, Sequence, T
 from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.iptables.assemble import TABLES
 from netproxy.backends.iptables.diff import KernelTable, TableChange
-from netproxy.backends.iptables.kernel import Counts, blob_counts
+from netproxy.backends.iptables.kernel import Counts, blob_counts, legacy_header
 from netproxy.backends.iptables.kernel.restore import RestoreTools
-from netproxy.backends.iptables.kernel.stamp import Expected, Stamp, chains_and_jumps, fingerprint
+from netproxy.backends.iptables.kernel.stamp import Expected, Stamp, fingerprint, read_table
 from netproxy.backends.iptables.payload import rule_line
 from netproxy.backends.iptables.words import options
 from netproxy.backends.iptables.xtlock import XtablesLock
@@ -394,20 +394,23 @@ class LibiptcWriter:
             self._builders[family] = RuleBuilder(family)
         return self._builders[family]
 
-    def read(self, family: int) -> Dict[str, KernelTable]:
+    def read(self, family: int, fingerprint: bool = False) -> Dict[str, KernelTable]:
         self._refuse_nft()
         # The table blob read (stamp.chains_and_jumps): one getsockopt per table, no libiptc handle.
         tables: Dict[str, KernelTable] = {}
         try:
             for table in TABLES:
-                chains, jumps = chains_and_jumps(family, table)
-                tables[table] = KernelTable(frozenset(chains), frozenset(jumps))
+                got = read_table(family, table, fingerprint)
+                tables[table] = KernelTable(frozenset(got.names), frozenset(got.jumps), got.fingerprint, got.header)
         except (OSError, ValueError) as exc:
             raise BackendUnavailable(f"cannot read the IPv{family} legacy tables", detail=str(exc)) from exc
         return tables
 
     def stamp(self, families: Sequence[int], expect: Optional[Expected] = None) -> Optional[Stamp]:
         return fingerprint(families, TABLES, expect)
+
+    def header(self, family: int, table: str) -> Optional[bytes]:
+        return legacy_header(family, table)
 
     def counts(self, family: int, table: str) -> Counts:
         self._refuse_nft()

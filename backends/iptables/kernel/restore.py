@@ -21,8 +21,8 @@ from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.iptables import save
 from netproxy.backends.iptables.assemble import TABLES
 from netproxy.backends.iptables.diff import KernelTable, TableChange
-from netproxy.backends.iptables.kernel import Counts, blob_counts, saved_counts
-from netproxy.backends.iptables.kernel.stamp import Expected, Stamp, chains_and_jumps, fingerprint, generation_stamp
+from netproxy.backends.iptables.kernel import Counts, blob_counts, legacy_header, saved_counts
+from netproxy.backends.iptables.kernel.stamp import Expected, Stamp, fingerprint, generation_stamp, read_table
 from netproxy.backends.iptables.payload import ChainTextCache, restore_chunks
 from netproxy.backends.iptables.xtlock import EXIT_RESOURCE, XtablesLock, timeout_error
 
@@ -208,7 +208,7 @@ class RestoreWriter:
     def probe(self) -> None:
         self.tools.probe()
 
-    def read(self, family: int) -> Dict[str, KernelTable]:
+    def read(self, family: int, fingerprint: bool = False) -> Dict[str, KernelTable]:
         """Chain names and built-in jumps (the libiptc writer reads them the same way).  On legacy
         nodes from the kernel's table blob (one
         ``getsockopt`` per table, walked in Python: ``stamp.chains_and_jumps``) instead of
@@ -218,8 +218,9 @@ class RestoreWriter:
             try:
                 tables: Dict[str, KernelTable] = {}
                 for table in TABLES:
-                    chains, jumps = chains_and_jumps(family, table)
-                    tables[table] = KernelTable(frozenset(chains), frozenset(jumps))
+                    got = read_table(family, table, fingerprint)
+                    tables[table] = KernelTable(frozenset(got.names), frozenset(got.jumps), got.fingerprint,
+                                                got.header)
                 self._blob = True
                 return tables
             except (OSError, ValueError) as exc:
@@ -241,6 +242,9 @@ class RestoreWriter:
     def stamp(self, families: Sequence[int], expect: Optional[Expected] = None) -> Optional[Stamp]:
         # Legacy tables by their fingerprint; iptables-nft's live in nf_tables: its generation.
         return fingerprint(families, TABLES, expect) if self.tools.flavour == "legacy" else generation_stamp()
+
+    def header(self, family: int, table: str) -> Optional[bytes]:
+        return legacy_header(family, table) if self.tools.flavour == "legacy" else None
 
     def counts(self, family: int, table: str) -> Counts:
         if self.tools.flavour == "legacy":

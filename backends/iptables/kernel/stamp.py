@@ -154,13 +154,35 @@ def _blob(family: int, table: str) -> Tuple[Tuple[object, ...], bytearray]:
 HOOKS = ("PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING")
 
 
+@dataclass(frozen=True)
+class TableRead:
+    """One legacy table as a full sync reads it (see :func:`read_table`)."""
+
+    names: List[str]
+    jumps: Set[Tuple[str, str]]
+    fingerprint: Optional[bytes]
+    """:func:`table_fingerprint`'s digest, from the same blob (None unless asked for)."""
+    header: bytes
+    """The table's ``ipt_getinfo`` (as ``guard.table_info`` reads it): any write changes it."""
+
+
 def chains_and_jumps(family: int, table: str) -> Tuple[List[str], Set[Tuple[str, str]]]:
     """A legacy table's chain names and its built-in chains' (chain, target) pairs, from the blob —
     what a full sync reads, without python-iptables (0.3–0.7 s to load) and without
     ``iptables-save`` printing 100k+ rules.  A jump is a standard target holding the offset of the
     chain it goes to; any other target is named by its extension."""
+    read = read_table(family, table)
+    return read.names, read.jumps
+
+
+def read_table(family: int, table: str, fingerprint: bool = False) -> TableRead:
+    """:func:`chains_and_jumps`, and with ``fingerprint`` the table's fingerprint too, in the same walk
+    of the same blob (a new process checking its stamp: one read of the table instead of two)."""
     layout = LAYOUTS[family]
     head, buf = _blob(family, table)
+    lo, hi = layout.volatile
+    zeros = bytes(hi - lo)
+    entries = 0
     valid, hooks = int(head[1]), head[2:7]  # type: ignore[call-overload]
     builtin = {int(hooks[h]): HOOKS[h] for h in range(5) if valid & (1 << h)}  # type: ignore[call-overload]
     policies = {int(head[7 + h]) for h in range(5) if valid & (1 << h)}  # type: ignore[call-overload]
@@ -177,6 +199,9 @@ def chains_and_jumps(family: int, table: str) -> Tuple[List[str], Set[Tuple[str,
         step = u16(buf, at + next_at)[0]
         if step < least or at + step > size:
             raise ValueError(f"entry at {at - start} has next_offset {step}")
+        if fingerprint:
+            buf[at + lo:at + hi] = zeros  # as mask(): counters and comefrom are not the table's content
+            entries += 1
         target = at + u16(buf, at + target_at)[0]
         if buf[target + 2] == 0x45 and buf[target + 2:target + 8] == b"ERROR\0":
             chain = bytes(buf[target + _TARGET_DATA:at + step]).split(b"\0", 1)[0].decode(errors="replace")
@@ -202,7 +227,14 @@ def chains_and_jumps(family: int, table: str) -> Tuple[List[str], Set[Tuple[str,
         to = begins.get(verdict) if verdict >= 0 else verdicts.get(verdict)
         if to:
             jumps.add((chain, to))
-    return names, jumps
+    digest: Optional[bytes] = None
+    if fingerprint:
+        if entries != head[-2]:
+            raise ValueError(f"walked {entries} entries, the kernel counts {head[-2]}")
+        hashed = hashlib.blake2b(repr(head[1:]).encode(), digest_size=32)  # as table_fingerprint()
+        hashed.update(memoryview(buf)[_ENTRIES_HEADER:])
+        digest = hashed.digest()
+    return TableRead(names, jumps, digest, _GETINFO.pack(*head))
 
 
 def table_fingerprint(family: int, table: str) -> Table:

@@ -96,3 +96,33 @@ def test_user_chains_rule_counts(family: int) -> None:
             + _chain_entry(family, e, b"ERROR", b"ERROR"))
     entries, chains = stamp.mask(bytearray(blob), family)
     assert entries == 10 and chains == {"KUBE-A": 3, "KUBE-B": 0}
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_read_table_fingerprints_as_table_fingerprint_in_the_same_walk(family: int,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new process checks its stamp with the fingerprint of the full sync's own read (adopt.py): it
+    must be the very digest that table_fingerprint gave right after the previous process's write."""
+    e = stamp.LAYOUTS[family].entry_size + 64
+    entries = [_chain_entry(family, e, b"ERROR", b"KUBE-A"), _chain_entry(family, e, b"DNAT"),
+               _chain_entry(family, e, b""), _chain_entry(family, e, b"ERROR", b"ERROR")]
+
+    def blob(counters: int) -> bytearray:
+        body = bytearray(b"".join(entries))
+        start, end = stamp.LAYOUTS[family].volatile
+        for at in range(0, len(body), e):
+            body[at + start:at + end] = bytes([counters]) * (end - start)
+        return bytearray(stamp._ENTRIES_HEADER) + body
+
+    head = (b"nat".ljust(32, b"\0"), 0, *([0] * 10), len(entries), len(entries) * e)
+    served = [blob(7)]
+    monkeypatch.setattr(stamp, "_blob", lambda family, table: (head, bytearray(served[0])))
+    before = stamp.table_fingerprint(family, "nat").digest
+    served[0] = blob(0x55)  # traffic moved the counters since
+    read = stamp.read_table(family, "nat", fingerprint=True)
+    assert read.fingerprint == before and "KUBE-A" in read.names
+    assert read.header == stamp._GETINFO.pack(*head)
+    assert stamp.read_table(family, "nat").fingerprint is None  # not asked: no masking, no hashing
+    entries[1] = _chain_entry(family, e, b"SNAT")
+    served[0] = blob(7)
+    assert stamp.read_table(family, "nat", fingerprint=True).fingerprint != before
