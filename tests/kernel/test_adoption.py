@@ -16,7 +16,7 @@ from netproxy_lab.proxy import Proxy
 from netproxy_lab.topology import Pod, Sandbox
 from tests.kernel.test_nftables_backend import Monitor, canonical
 
-# Restart by adoption is the nftables backend's (the iptables backends rewrite at start).
+# The nftables backend's restart by adoption (the iptables backend's: test_iptables_adoption.py).
 pytestmark = [pytest.mark.kernel, pytest.mark.quick_combos("nftables", "nftables/libnftables"),
               pytest.mark.backends("nftables")]
 
