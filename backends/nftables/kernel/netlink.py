@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import struct
-from typing import AbstractSet, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 from typing import Set as PySet
 
 from netproxy.backends.base import BackendUnavailable, SyncError
@@ -106,18 +106,25 @@ class NetlinkRunner:
     def apply(self, ops: Sequence[Op]) -> int:
         containers, wanted = _scan(ops)
         encoder = encode.Encoder(self._known_sets(containers, wanted))
-        try:
-            pairs = list(encoder.messages(ops))
-        except encode.EncodeError as exc:
-            raise SyncError("cannot encode the transaction", detail=str(exc)) from exc
-        bodies = [m for m, _ in pairs]
+        sources: List[Op] = []  # the operation each message came from, by index: to name a refused one
+        written = [0]
+
+        def bodies() -> Iterator[encode.Message]:
+            # Encoded as the socket copies them into its buffers: no list of every message (nlsocket).
+            for message, op in encoder.messages(ops):
+                sources.append(op)
+                written[0] += len(message[3])
+                yield message
+
         before = self.generation()
         try:
-            complete = self._sock.send_batch(bodies)
+            complete = self._sock.send_batch(bodies())
+        except encode.EncodeError as exc:  # raised before anything is sent: the batch is encoded first
+            raise SyncError("cannot encode the transaction", detail=str(exc)) from exc
         except NetlinkError as exc:
             line = None
-            if 0 <= exc.seq < len(pairs):
-                verb, family, obj = pairs[exc.seq][1]
+            if 0 <= exc.seq < len(sources):
+                verb, family, obj = sources[exc.seq]
                 line = serialise.op_text(verb, family, obj)
             raise SyncError("the kernel refused the nftables batch", line=_shorten(line),
                             detail=f"{exc.strerror} (errno {exc.errno})") from exc
@@ -130,7 +137,7 @@ class NetlinkRunner:
                 raise SyncError("the kernel's answers to the batch were lost (ENOBUFS) and the generation "
                                 f"did not move by one ({before} -> {after}): not known to be applied")
         self._remember_sets(containers)
-        return sum(len(b[3]) for b in bodies)
+        return written[0]
 
     def _remember_sets(self, containers: Sequence[Op]) -> None:
         for verb, family, obj in containers:

@@ -207,6 +207,40 @@ def test_a_batch_sent_as_a_vector_is_the_messages_end_to_end() -> None:
     assert s.sock.sent == [expected]  # type: ignore[attr-defined]
 
 
+def test_a_generator_of_messages_is_sent_as_the_same_one_batch() -> None:
+    """The netlink writer hands its encoder's messages over as they are made (a generator): the
+    batch is the one the list gives, byte for byte, in one sendmsg."""
+    bodies = [(wire.NEWTABLE, 0, 2, b"\x08\x00\x01\x00ab\x00\x00"), (wire.NEWCHAIN, 0, 10, b"x" * 300000),
+              (wire.NEWRULE, 0, 2, b"")]
+    as_list = _socket([_answer(102, 0), _answer(103, 0), _answer(104, 0)])
+    assert as_list.send_batch(bodies) is True
+    as_generator = _socket([_answer(102, 0), _answer(103, 0), _answer(104, 0)])
+    assert as_generator.send_batch(b for b in bodies) is True
+    assert as_generator.sock.sent == as_list.sock.sent  # type: ignore[attr-defined]
+    assert len(as_generator.sock.sent) == 1  # type: ignore[attr-defined]
+
+
+def test_a_generated_batch_is_held_in_memory_once() -> None:
+    """20 MB of messages from a generator: the socket's buffers hold the batch, each message is
+    freed once copied (a list of the messages joined for sendmsg held it twice: 156 MB at 100k)."""
+    import tracemalloc
+
+    class Counting(_FakeSock):
+        def sendmsg(self, buffers: List[bytes]) -> int:
+            return sum(len(b) for b in buffers)
+
+    count, size = 400, 50000
+    s = _socket([_answer(102 + i, 0) for i in range(count)])
+    s.sock = Counting(s.sock.answers)  # type: ignore[attr-defined,assignment]
+    tracemalloc.start()
+    try:
+        assert s.send_batch((wire.NEWSETELEM, 0, 2, bytes([i % 251]) * size) for i in range(count)) is True
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.3 * count * size, f"peak {peak:,} bytes for a {count * size:,}-byte batch"
+
+
 def test_a_vector_longer_than_iov_max_is_joined_into_fewer_buffers() -> None:
     parts = [bytes([i % 251]) * 4 for i in range(3 * nlsocket._IOV_MAX + 7)]
     vector = nlsocket._vector(parts)
