@@ -478,6 +478,8 @@ class IptablesBackend:
                     expect = {(family, t): {c: len(r) for c, r in tables.get(t, {}).items()} for t in TABLES}
                     self._stamps[family] = self.kernel.stamp((family,), expect)
             self._write_stamps(self._node, generation)
+            if all(f in self._stamp_ok for f in self._written):
+                log.info("iptables: stamped the tables at exit: the next start adopts them")
         except (OSError, ValueError, BackendError) as exc:
             log.info("iptables: tables not stamped at exit (%s): the next start rewrites them", exc)
 

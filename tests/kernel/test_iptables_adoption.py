@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import re
 import shlex
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import pytest
 
-from netproxy_lab.checks import assert_only_and_all
-from netproxy_lab.manifests import Manifest, endpoint_slice, port, service
+from netproxy_lab.checks import assert_only_and_all, wait_for
+from netproxy_lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
 from netproxy_lab.proxy import Proxy
 from netproxy_lab.topology import Pod, Sandbox
 
@@ -128,6 +128,30 @@ def test_a_flushed_stamp_means_a_full_rewrite(proxy: Proxy, sandbox: Sandbox) ->
     assert "IPv4 tables adopted: 0 chains to write" in third.stderr, third.stderr
     res = sandbox.connect(WEB_IP, 80, count=150)
     assert_only_and_all(res, sandbox.pods[:3], total=150, at_least=20)
+
+
+def test_a_run_stopped_after_partial_syncs_stamps_so_the_next_process_adopts(proxy: Proxy,
+                                                                            sandbox: Sandbox) -> None:
+    """``run`` does not stamp its partial writes (the stamp of its first sync then no longer matches);
+    at SIGTERM, with nobody else having written nat or filter, it stamps the tables as they are."""
+    moved = [sandbox.pods[0], sandbox.pods[1], sandbox.pods[3]]
+    proxy.start_run(cluster(sandbox.pods[:3], sandbox.pods[:2]))
+
+    def reaches(pods: Sequence[Pod]) -> Optional[str]:
+        if proxy.running() is False:
+            raise AssertionError(proxy.run_output()[-3000:])
+        res = sandbox.connect(WEB_IP, 80, count=30, timeout=0.5)
+        return None if res.answered == 30 and set(res.counts) <= {p.name for p in pods} else f"not yet: {res.counts}"
+
+    wait_for(lambda: reaches(sandbox.pods[:3]), 20)
+    write_manifests(proxy.source, cluster(moved, sandbox.pods[:2]))  # a partial sync of web's chain
+    wait_for(lambda: reaches(moved), 20)
+    assert proxy.stop_runs() == [0], proxy.run_output()[-3000:]
+    assert "stamped the tables at exit" in proxy.run_output(), proxy.run_output()[-3000:]
+    second = proxy.sync(cluster(moved, sandbox.pods[:2]))
+    assert "IPv4 tables adopted: 0 chains to write, 0 to delete" in second.stderr, second.stderr
+    res = sandbox.connect(WEB_IP, 80, count=150)
+    assert_only_and_all(res, moved, total=150, at_least=20)
 
 
 def test_cleanup_removes_the_stamp(proxy: Proxy, sandbox: Sandbox) -> None:
