@@ -225,7 +225,8 @@ def _by_service(read: Dict[str, List[Element]], owned: Sequence[str], fam: str) 
             if parsed is None:
                 raise NotAdoptable(f"element {e.key} of {fam} netproxy {set_name} carries no service comment "
                                    f"(comment {e.comment!r})")
-            out.setdefault(parsed[0], {})[(set_name, e.key)] = Element(set_name, e.key, e.value, e.comment)
+            # The element as read (set, key, value, comment: read_named's), not a copy of it.
+            out.setdefault(parsed[0], {})[(set_name, e.key)] = e
     return out
 
 

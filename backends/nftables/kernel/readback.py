@@ -79,6 +79,7 @@ def _elements(sock: NlSocket, number: int, spec: Set) -> Iterator[Element]:
     value_fields = spec.value_type.split(" . ") if spec.value_type not in (None, "verdict") else None
     body = wire.string(wire.SET_ELEM_LIST_TABLE, names.TABLE) + wire.string(wire.SET_ELEM_LIST_SET, spec.name)
     points: List[Tuple[bytes, bool]] = []  # an rbtree interval set: (start or end, is the end)
+    verdicts: Dict[bytes, str] = {}  # a verdict map's 10k-100k elements jump to a few dozen chains
     for attrs in _dump(sock, wire.GETSETELEM, number, body):
         for _, raw in wire.attribute_list(attrs.get(wire.SET_ELEM_LIST_ELEMENTS, b"")):
             e = wire.attributes(raw)
@@ -91,18 +92,26 @@ def _elements(sock: NlSocket, number: int, spec: Set) -> Iterator[Element]:
                     flags = wire.be32(e[wire.ELEM_FLAGS]) if wire.ELEM_FLAGS in e else 0
                     points.append((key, bool(flags & wire.ELEM_F_INTERVAL_END)))
                 continue
-            yield Element(spec.name, unpack(key_fields, key), _value(spec, value_fields, e),
+            yield Element(spec.name, unpack(key_fields, key), _value(spec, value_fields, e, verdicts),
                           _comment(e.get(wire.ELEM_USERDATA)))
     yield from _from_points(spec, points)
 
 
-def _value(spec: Set, value_fields: Optional[List[str]], e: Dict[int, bytes]) -> Optional[str]:
-    """An element's data as nft prints it: a verdict (``goto <chain>``) or typed fields; None without."""
-    if wire.ELEM_DATA not in e:
+def _value(spec: Set, value_fields: Optional[List[str]], e: Dict[int, bytes],
+           verdicts: Optional[Dict[bytes, str]] = None) -> Optional[str]:
+    """An element's data as nft prints it: a verdict (``goto <chain>``) or typed fields; None without.
+    ``verdicts``: the text of verdicts decoded before, by their bytes (a dump's elements share a few)."""
+    data = e.get(wire.ELEM_DATA)
+    if data is None:
         return None
     if spec.value_type == "verdict":
-        code, chain = ex.verdict_of(e[wire.ELEM_DATA])
-        return f"{_VERBS[code]} {chain}".strip()
+        text = verdicts.get(data) if verdicts is not None else None
+        if text is None:
+            code, chain = ex.verdict_of(data)
+            text = f"{_VERBS[code]} {chain}".strip()
+            if verdicts is not None:
+                verdicts[data] = text
+        return text
     return unpack(value_fields, _data_value(e[wire.ELEM_DATA])) if value_fields else None
 
 

@@ -313,3 +313,25 @@ def test_a_goto_statement_is_nfts_immediate_verdict() -> None:
     """Rendered for the affinity exemption of a Local-policy service (render._affinity_rules); its
     expression had no unit test (a mutant dropping the chain survived mutation testing)."""
     assert _debug([st.goto("affinity-tcp-exempt")]) == ["[ immediate reg 0 goto -> affinity-tcp-exempt ]"]
+
+
+def test_a_dump_reads_back_what_was_encoded_and_decodes_each_distinct_verdict_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """readback's element parser over the bytes the encoder writes (the kernel dumps elements in the
+    same attributes): every key, verdict and comment back, and a verdict decoded once per distinct
+    verdict, not per element (10k-100k dispatch elements jump to a few dozen pick chains)."""
+    from netproxy.backends.nftables.kernel import readback
+
+    spec = Set("service-ips", "ipv4_addr . inet_proto . inet_service", "verdict")
+    elements = [Element("service-ips", f"10.96.{i // 250}.{i % 250 + 1} . tcp . 80",
+                        f"goto cluster-tcp-pick-{2 + i % 3}", f"ns/svc-{i}:http") for i in range(3000)]
+    encoder = encode.Encoder({("ip", "service-ips"): spec})
+    dumped = [wire.attributes(body) for (_, _, _, body), _ in encoder.messages([("add", "ip", e) for e in elements])]
+    assert len(dumped) > 1  # the elements span several messages, as a dump's do
+    monkeypatch.setattr(readback, "_dump", lambda *args: iter(dumped))
+    decoded: List[bytes] = []
+    real = readback.ex.verdict_of
+    monkeypatch.setattr(readback.ex, "verdict_of", lambda data: decoded.append(data) or real(data))
+    got = list(readback._elements(None, 2, spec))  # type: ignore[arg-type]  # _dump is replaced
+    assert got == elements
+    assert len(decoded) == 3
