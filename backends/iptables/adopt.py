@@ -207,6 +207,13 @@ def check(found: KernelStamp, config: str, valid: Optional[str]) -> None:
         raise NotAdoptable(f"the tables changed since netproxy stamped them (stamp {found.validator}, now {valid})")
 
 
+def as_read(found: KernelStamp) -> Dict[str, KernelTable]:
+    """What a full sync's read would give for tables that the stamp, still valid, describes: its
+    chains, and every jump netproxy adds (a stamp is written only when they are in place)."""
+    return {t: KernelTable(frozenset(found.chains.get(t, {})), frozenset((h, c) for h, c, _ in JUMPS[t]))
+            for t in TABLES}
+
+
 def changes(desired: Mapping[str, Chains], digests: Mapping[str, Mapping[str, str]], found: KernelStamp,
             kernel: Mapping[str, KernelTable]) -> List[TableChange]:
     """Per table, what turns the adopted tables into ``desired``: the chains whose digest differs from

@@ -92,10 +92,12 @@ def rewrote_all(commits: List[Commit], kernel: FakeIptables, family: int = 4) ->
 def test_the_same_input_is_adopted_without_a_write(flavour: str, caplog: pytest.LogCaptureFixture) -> None:
     kernel = written(snapshot(), flavour)
     assert kernel.chains(4, adopt.STAMP_TABLE)[adopt.STAMP_CHAIN], "the first sync stamps its tables"
-    texts = len(kernel.texts)
+    texts, reads = len(kernel.texts), kernel.reads
     caplog.set_level(logging.INFO, logger="netproxy.backends.iptables")
     assert restart(kernel, snapshot()) == []
     assert len(kernel.texts) == texts, f"a restart with nothing changed wrote: {kernel.texts[texts:]}"
+    # iptables-nft: with the stamp and the generation holding, nat and filter are not even read.
+    assert kernel.reads == reads + (0 if flavour == "nft" else 2)
     assert "IPv4 tables adopted: 0 chains to write" in caplog.text
     assert rules(kernel) == rules(fresh(snapshot(), flavour))
 
@@ -210,6 +212,25 @@ def test_a_table_written_between_the_read_and_the_check_is_not_adopted(caplog: p
     caplog.set_level(logging.INFO, logger="netproxy.backends.iptables")
     assert rewrote_all(restart(kernel, snapshot()), kernel)
     assert "not adopted, rewriting them all: the nat table changed while netproxy read it" in caplog.text
+
+
+def test_nft_a_commit_during_the_render_means_reading_the_tables_after_all_and_rewriting(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = written(snapshot(), "nft")
+    b = IptablesBackend(dataclasses.replace(CONFIG, iptables_flavour="nft"), kernel=kernel)
+    render = b._render
+
+    def meanwhile(snap: Snapshot) -> object:
+        kernel.restore(4, "*raw\n:OTHER - [0:0]\nCOMMIT\n")  # someone commits while netproxy renders
+        return render(snap)
+
+    monkeypatch.setattr(b, "_render", meanwhile)
+    caplog.set_level(logging.INFO, logger="netproxy.backends.iptables")
+    before, reads = len(kernel.commits), kernel.reads
+    b.sync(snapshot(), Changes())
+    assert kernel.reads == reads + 2, "the tables the stamp spared were read after all"
+    assert rewrote_all([c for c in kernel.commits[before:] if c.table != adopt.STAMP_TABLE], kernel)
+    assert "the tables changed since netproxy stamped them" in caplog.text
 
 
 def test_a_partial_write_after_the_stamp_makes_it_stale(caplog: pytest.LogCaptureFixture) -> None:
