@@ -1,7 +1,9 @@
 """The iptables backend's rules as ``iptables-save`` lists them (``netproxy plan --diff``).
 
 Only what netproxy owns is kept: the declarations and rules of ``KUBE-`` chains, and rules of the
-built-in chains that jump to one.  Counters are dropped (traffic moves them).
+built-in chains that jump to one.  Counters are dropped (traffic moves them).  Not the stamp chain
+(``KUBE-NP-STAMP`` in mangle, adopt.py): it says what the rules were built from, it is not a rule
+anything reaches, and no plan holds it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import sys
 from typing import Dict, Iterable, List, Set, Tuple
 
 from netproxy.backends.base import Outcome, Packet
-from netproxy.backends.iptables import ipset
+from netproxy.backends.iptables import ipset, names
 from netproxy.backends.iptables.ipset import KernelIpsets
 from netproxy.backends.iptables.kernel.restore import tool
 from netproxy.backends.iptables.render import FamilyRuleset
@@ -35,10 +37,11 @@ def _ours(save: str, family: int) -> List[str]:
         if line.startswith("*"):
             table = line[1:]
         elif line.startswith(":" + PREFIX):
-            decls.append(f"ipv{family} {table} :{line[1:].split()[0]}")
+            if line[1:].split()[0] != names.STAMP_CHAIN:
+                decls.append(f"ipv{family} {table} :{line[1:].split()[0]}")
         elif line.startswith("-A "):
             chain = line.split(None, 2)[1]
-            if chain.startswith(PREFIX) or _JUMP.search(line):
+            if chain != names.STAMP_CHAIN and (chain.startswith(PREFIX) or _JUMP.search(line)):
                 rules.append((f"{table} {chain}", f"ipv{family} {table} {line}"))
     return sorted(decls) + [line for _, line in sorted(rules, key=lambda item: item[0])]
 

@@ -70,7 +70,8 @@ def _ours(proxy: Proxy) -> str:
     for tool in (f"iptables-{combo.flavour}-save", f"ip6tables-{combo.flavour}-save"):
         out = sb.exec(sb.node, [tool], check=True).stdout
         lines += [_COUNTERS.sub("", ln).strip() for ln in out.splitlines() if "KUBE-" in ln and not ln.startswith("#")]
-    return "\n".join(lines)
+    # iptables-nft: the stamp (mangle KUBE-NP-STAMP) names the generation of the last commit, as above.
+    return re.sub(r"\bv:gen:[0-9]+", "v:gen:*", "\n".join(lines))
 
 
 def _repairs(sb: Sandbox) -> Dict[str, float]:
