@@ -81,9 +81,13 @@ def _cluster(pods: Sequence[Pod], services: int, variant: int) -> List[Dict[str,
 
 
 def _save(sb: Sandbox, flavour: str) -> Tuple[Set[str], str]:
-    """(netproxy's lines, the whole v4 save) — netproxy's lines are those naming a KUBE- chain."""
+    """(netproxy's lines, the whole v4 save) — netproxy's lines are those naming a KUBE- chain, but its
+    stamp's (mangle ``KUBE-NP-STAMP``): that names the tables' fingerprint (the foreign rules in them
+    included) or the generation, and is left stale, as it should be, when the foreign writer's commits
+    come between netproxy's write and its stamp (backends/iptables/README.md, "Restart by adoption")."""
     text = sb.exec(sb.node, [f"iptables-{flavour}-save"], check=True).stdout
-    ours = {_COUNTERS.sub("", ln).strip() for ln in text.splitlines() if "KUBE-" in ln and not ln.startswith("#")}
+    ours = {_COUNTERS.sub("", ln).strip() for ln in text.splitlines()
+            if "KUBE-" in ln and "KUBE-NP-STAMP" not in ln and not ln.startswith("#")}
     return ours, text
 
 
