@@ -23,29 +23,23 @@ class Action(enum.Enum):
 class SkipPolicy:
     """One backend's rule for its full syncs, and its count of full syncs that did not rewrite."""
 
-    def __init__(self, bound: Optional[int] = None, rewrite_changes: bool = False) -> None:
+    def __init__(self, bound: Optional[int] = None) -> None:
         self.bound = bound
         """Full syncs in a row that may go without a rewrite, for evidence with a race window (a
         change made in the instant between our write and the evidence would be taken for ours, and
         lives at most this many sync periods); None where there is none."""
-        self.rewrite_changes = rewrite_changes
-        """A full sync that finds changes rewrites all: for evidence that only a rewrite renews and a
-        write of the changes voids (the next full sync could then not skip either)."""
         self.skipped = 0
         """Full syncs in a row that did not rewrite."""
 
-    def decide(self, record: bool, vouched: Callable[[], Optional[bool]],
-               changed: Optional[Callable[[], bool]] = None) -> Action:
+    def decide(self, record: bool, vouched: Callable[[], Optional[bool]]) -> Action:
         """What a full sync does.
 
         ``record``: netproxy holds a trusted record of what it wrote.  ``vouched``: whether the kernel
-        vouches that nobody else touched netproxy's tables since (True, False, or None: cannot tell).
-        ``changed``: whether the desired state differs from the record (asked only with
-        :attr:`rewrite_changes`).  Both are asked only when the answer depends on them, cheapest
-        first: the evidence may cost a read of the kernel."""
+        vouches that nobody else touched netproxy's tables since (True, False, or None: cannot tell),
+        asked only when the answer depends on it: the evidence may cost a read of the kernel.  With
+        WRITE_CHANGES the backend writes what differs from its record, or nothing."""
         bounded = self.bound is not None and self.skipped >= self.bound
-        rewrite = (not record or bounded or (self.rewrite_changes and (changed is None or changed()))
-                   or vouched() is not True)
+        rewrite = not record or bounded or vouched() is not True
         action = Action.REWRITE if rewrite else Action.WRITE_CHANGES
         self.skipped = self.skipped + 1 if action is Action.WRITE_CHANGES else 0
         return action

@@ -23,45 +23,34 @@ class Asked:
         return self.answer
 
 
-# (record, vouched, changed) → action, for nftables' policy (no bound, changes written alone) and
-# iptables' (changes rewrite: a write of changes alone would void its fingerprint).
+# (record, vouched) → action, for both backends' policies (iptables' has a bound, nftables' none).
 CASES = [
-    # record, vouched, changed, nftables, iptables
-    (False, True, False, REWRITE, REWRITE),
-    (False, None, True, REWRITE, REWRITE),
-    (True, True, False, CHANGES, CHANGES),
-    (True, True, True, CHANGES, REWRITE),
-    (True, False, False, REWRITE, REWRITE),
-    (True, False, True, REWRITE, REWRITE),
-    (True, None, False, REWRITE, REWRITE),
-    (True, None, True, REWRITE, REWRITE),
+    (False, True, REWRITE),
+    (False, None, REWRITE),
+    (True, True, CHANGES),
+    (True, False, REWRITE),
+    (True, None, REWRITE),
 ]
 
 
-@pytest.mark.parametrize("record, vouched, changed, nft, ipt", CASES)
-def test_table_of_cases(record: bool, vouched: Optional[bool], changed: bool, nft: Action, ipt: Action) -> None:
-    assert SkipPolicy().decide(record, lambda: vouched, lambda: changed) is nft
-    assert SkipPolicy(bound=10, rewrite_changes=True).decide(record, lambda: vouched, lambda: changed) is ipt
+@pytest.mark.parametrize("record, vouched, expected", CASES)
+def test_table_of_cases(record: bool, vouched: Optional[bool], expected: Action) -> None:
+    assert SkipPolicy().decide(record, lambda: vouched) is expected
+    assert SkipPolicy(bound=10).decide(record, lambda: vouched) is expected
 
 
 def test_evidence_is_asked_only_when_the_answer_depends_on_it() -> None:
-    vouched, changed = Asked(True), Asked(True)
-    assert SkipPolicy(rewrite_changes=True).decide(False, vouched, changed) is REWRITE
-    assert (vouched.calls, changed.calls) == (0, 0), "no record: nothing to ask"
-    assert SkipPolicy(rewrite_changes=True).decide(True, vouched, changed) is REWRITE
-    assert (vouched.calls, changed.calls) == (0, 1), "changes rewrite anyway: the kernel read is spared"
-    assert SkipPolicy().decide(True, vouched, changed) is CHANGES
-    assert (vouched.calls, changed.calls) == (1, 1), "changes do not matter without rewrite_changes"
-
-
-def test_a_policy_that_rewrites_changes_cannot_skip_without_knowing_them() -> None:
-    assert SkipPolicy(rewrite_changes=True).decide(True, lambda: True) is REWRITE
+    vouched = Asked(True)
+    assert SkipPolicy().decide(False, vouched) is REWRITE
+    assert vouched.calls == 0, "no record: nothing to ask"
+    assert SkipPolicy().decide(True, vouched) is CHANGES
+    assert vouched.calls == 1
 
 
 def test_bound_forces_a_rewrite_after_that_many_skips_in_a_row_then_skips_again() -> None:
-    policy = SkipPolicy(bound=3, rewrite_changes=True)
+    policy = SkipPolicy(bound=3)
     vouched = Asked(True)
-    got: List[Action] = [policy.decide(True, vouched, lambda: False) for _ in range(9)]
+    got: List[Action] = [policy.decide(True, vouched) for _ in range(9)]
     assert got == [CHANGES] * 3 + [REWRITE] + [CHANGES] * 3 + [REWRITE] + [CHANGES]
     assert vouched.calls == 7, "the bounded rewrite does not read the kernel"
 
