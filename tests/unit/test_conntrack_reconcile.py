@@ -307,7 +307,8 @@ class Clock:
         return self.now
 
 
-def test_after_sync_runs_on_a_change_and_every_period_not_on_every_sync() -> None:
+def _counting() -> Tuple[List[FakeTable], Clock, Reconciler]:
+    """A reconciler whose every pass opens a new (empty) fake table: the list counts the passes."""
     tables: List[FakeTable] = []
 
     def opener() -> FakeTable:
@@ -315,7 +316,11 @@ def test_after_sync_runs_on_a_change_and_every_period_not_on_every_sync() -> Non
         return tables[-1]
 
     clock = Clock()
-    rec = Reconciler(period=30.0, clock=clock, opener=opener)
+    return tables, clock, Reconciler(period=30.0, clock=clock, opener=opener)
+
+
+def test_after_sync_runs_on_a_change_and_every_period_not_on_every_sync() -> None:
+    tables, clock, rec = _counting()
     one = snap((service(), [ep("10.244.1.1")]))
     rec.after_sync(None, one)  # the first sync, e.g. after a restart: always a pass
     assert len(tables) == 1
@@ -333,14 +338,7 @@ def test_after_sync_runs_on_a_change_and_every_period_not_on_every_sync() -> Non
 def test_after_sync_told_what_changed_looks_only_at_those_ports() -> None:
     """A partial sync names the ports it changed: a TCP port's change needs no pass and no walk of
     every port; a UDP port's change (or a deleted UDP port) still does."""
-    tables: List[FakeTable] = []
-
-    def opener() -> FakeTable:
-        tables.append(FakeTable({}))
-        return tables[-1]
-
-    clock = Clock()
-    rec = Reconciler(period=30.0, clock=clock, opener=opener)
+    tables, clock, rec = _counting()
     web = service_port("web", "default", "http", protocol="TCP", port=80, target_port=8080, cluster_ip="10.96.0.80")
     one = snap((service(), [ep("10.244.1.1")]), (web, [ep("10.244.2.1", 8080)]))
     rec.after_sync(None, one, None)

@@ -20,6 +20,7 @@ from netproxy.core.model import Changes, Endpoint, ServicePort, ServicePortName,
 from netproxy.core.proxier import Proxier
 from netproxy.core.runner import BoundedFrequencyRunner
 from netproxy.core.tracker import ChangeTracker
+from tests.unit.fakewatch import FakeWatch
 from tests.unit.nlmsg import nlmsg
 from tests.unit.trackers import feed_web
 
@@ -116,28 +117,6 @@ def test_compare_names_what_is_missing() -> None:
     assert guard.compare("nat", written, {"KUBE-SERVICES": 3, "KUBE-SVC-X": 1}, jumps) == "rules-added"
     assert guard.compare("nat", written, {"KUBE-SERVICES": 2, "KUBE-SVC-X": 1},
                          jumps - {("OUTPUT", names.SERVICES)}) == "jump-deleted"
-
-
-class FakeWatch:
-    def __init__(self) -> None:
-        self.dirty = False
-        self.rebases = 0
-
-    def suspect(self) -> bool:
-        return self.dirty
-
-    def rebase(self) -> None:
-        self.rebases += 1
-        self.dirty = False
-
-    def pause(self) -> None:
-        return None
-
-    def resume(self, commits: int) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
 
 
 def _iptables() -> Tuple[IptablesBackend, FakeWatch, FakeIptables]:

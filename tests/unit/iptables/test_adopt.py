@@ -16,6 +16,7 @@ from netproxy.backends.iptables.fake import Commit, FakeIptables
 from netproxy.backends.iptables.payload import table_text
 from netproxy.core.config import ProxyConfig, parse_cidrs
 from netproxy.core.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
+from tests.unit.fakewatch import FakeWatch
 
 ip = ipaddress.ip_address
 CONFIG = ProxyConfig(hostname="node", one_shot=True)
@@ -36,25 +37,6 @@ def snapshot(n: int = N, moved: int = -1) -> Snapshot:
 
 def svc_chain(i: int) -> str:
     return names.service_chain(ServicePortName("default", f"s{i}", ""), "TCP")
-
-
-class Quiet:
-    """A watch that never suspects anyone (``netproxy run``'s guard on an untouched kernel)."""
-
-    def suspect(self) -> bool:
-        return False
-
-    def rebase(self) -> None:
-        return None
-
-    def pause(self) -> None:
-        return None
-
-    def resume(self, commits: int) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
 
 
 def written(snap: Snapshot, flavour: str = "legacy", config: ProxyConfig = CONFIG) -> FakeIptables:
@@ -248,7 +230,7 @@ def test_run_stamps_at_exit_after_partial_writes_and_the_next_process_adopts(fla
     kernel = FakeIptables(flavour)
     b = IptablesBackend(dataclasses.replace(RUN, iptables_flavour=flavour), kernel=kernel)
     b.sync(snapshot(), Changes())
-    b._watch = Quiet()
+    b._watch = FakeWatch()
     b.sync(snapshot(moved=3), Changes(full=False))
     b.stopping()
     texts = len(kernel.texts)
@@ -260,7 +242,7 @@ def test_run_does_not_stamp_at_exit_what_was_changed_behind_its_back() -> None:
     kernel = FakeIptables()
     b = IptablesBackend(RUN, kernel=kernel)
     b.sync(snapshot(), Changes())
-    watch = Quiet()
+    watch = FakeWatch()
     watch.suspect = lambda: True  # type: ignore[method-assign]  # the guard saw a foreign write
     b._watch = watch
     b.sync(snapshot(moved=3), Changes(full=False))
@@ -276,7 +258,7 @@ def test_run_does_not_stamp_at_exit_after_any_suspicion_even_one_found_harmless(
     kernel = FakeIptables()
     b = IptablesBackend(RUN, kernel=kernel)
     b.sync(snapshot(), Changes())
-    watch = Quiet()
+    watch = FakeWatch()
     b._watch = watch
     kernel.restore(4, f"*nat\n-D {svc_chain(9)} 1\n-I {svc_chain(9)} 1 -j KUBE-MARK-MASQ\nCOMMIT\n")
     watch.suspect = lambda: True  # type: ignore[method-assign]

@@ -13,6 +13,7 @@ from netproxy.backends.iptables import MAX_SKIPS, IptablesBackend, names
 from netproxy.backends.iptables.fake import Commit, FakeIptables
 from netproxy.core.config import ProxyConfig
 from netproxy.core.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
+from tests.unit.fakewatch import FakeWatch
 
 ip = ipaddress.ip_address
 
@@ -132,35 +133,13 @@ def test_full_sync_writes_when_the_rules_changed_or_a_partial_sync_came_between(
     assert backend.sync(snapshot(4, moved=1), Changes(full=True)).bytes_written == 0
 
 
-class QuietWatch:
-    """The guard's watch of a node where nobody else writes the tables (``suspect``: set it to see a write)."""
-
-    def __init__(self) -> None:
-        self.suspicious = False
-
-    def suspect(self) -> bool:
-        return self.suspicious
-
-    def rebase(self) -> None:
-        self.suspicious = False
-
-    def pause(self) -> None:
-        return None
-
-    def resume(self, commits: int) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
-
-
 def test_run_fingerprints_again_between_syncs_so_a_full_sync_after_partial_writes_writes_only_changes(
         backend: IptablesBackend, kernel: FakeIptables) -> None:
     """`run` (legacy): a partial write drops the fingerprint; the look between syncs takes it again, so
     the periodic full sync that coincides with a change writes that change, not every chain (the mixed
     10k cluster: ~8 s against ~1.5 s), and repairs the ipsets as a full sync does (test_sets)."""
-    watch = QuietWatch()
-    backend._watch = watch  # type: ignore[assignment]  # the legacy watch reads the host's tables
+    watch = FakeWatch()
+    backend._watch = watch  # the real watch reads the host's tables
     backend.sync(snapshot(4), Changes(full=True))
     backend.sync(snapshot(4, moved=1), Changes(full=False))
     assert backend.tampered() is None  # the look between syncs: nobody else wrote, fingerprinted again
@@ -177,13 +156,13 @@ def test_no_fingerprint_between_syncs_after_a_foreign_write_so_the_full_sync_rew
         backend: IptablesBackend, kernel: FakeIptables) -> None:
     """A write by someone else since the last full sync (seen by the watch, harmless to the rule
     counts: an `iptables -R` keeps them) must not be vouched for by a new fingerprint."""
-    watch = QuietWatch()
-    backend._watch = watch  # type: ignore[assignment]
+    watch = FakeWatch()
+    backend._watch = watch
     backend.sync(snapshot(4), Changes(full=True))
     edited = f"*nat\n:{svc_chain(3)} - [0:0]\n" + "".join(f"-A {svc_chain(3)} -j ACCEPT\n" for _ in
                                                             kernel.chains(4, "nat")[svc_chain(3)]) + "COMMIT\n"
     kernel.restore(4, edited)  # same rule count, other rules
-    watch.suspicious = True
+    watch.dirty = True
     assert backend.tampered() is None  # the counts match: not a repair now...
     backend.sync(snapshot(4, moved=1), Changes(full=False))
     assert backend.tampered() is None  # ...and no new fingerprint either
