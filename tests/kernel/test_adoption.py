@@ -6,29 +6,21 @@ traffic is right after each.  ``nft monitor`` in the node says what each restart
 from __future__ import annotations
 
 import subprocess
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import pytest
 
 from netproxy_lab.checks import assert_only_and_all, wait_for
-from netproxy_lab.manifests import Manifest, endpoint_slice, port, service
+from netproxy_lab.manifests import endpoint_slice, port, service
 from netproxy_lab.proxy import Proxy
-from netproxy_lab.topology import Pod, Sandbox
+from netproxy_lab.topology import Sandbox
 from tests.kernel.test_nftables_backend import Monitor, canonical
+from tests.kernel.webdns import DNS_IP, WEB_IP, cluster
 
 # The nftables backend's restart by adoption (the iptables backend's: test_iptables_adoption.py).
 pytestmark = [pytest.mark.kernel, pytest.mark.quick_combos("nftables", "nftables/libnftables"),
               pytest.mark.backends("nftables")]
 
-WEB_IP = "10.96.0.10"
-DNS_IP = "10.96.0.53"
-
-
-def cluster(web: Sequence[Pod], dns: Sequence[Pod]) -> List[Manifest]:
-    return [service("web", WEB_IP, [port(80, 8080, name="http")]),
-            endpoint_slice("web", web, [port(8080, name="http")]),
-            service("dns", DNS_IP, [port(53, 8080, name="dns", protocol="UDP")]),
-            endpoint_slice("dns", dns, [port(8080, name="dns", protocol="UDP")])]
 
 
 def committed(monitor: Monitor) -> int:

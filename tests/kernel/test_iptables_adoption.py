@@ -13,23 +13,15 @@ from typing import List, Optional, Sequence
 import pytest
 
 from netproxy_lab.checks import assert_only_and_all, wait_for
-from netproxy_lab.manifests import Manifest, endpoint_slice, port, service, write_manifests
+from netproxy_lab.manifests import write_manifests
 from netproxy_lab.proxy import Proxy
 from netproxy_lab.topology import Pod, Sandbox
+from tests.kernel.webdns import DNS_IP, WEB_IP, cluster
 
 pytestmark = [pytest.mark.kernel, pytest.mark.backends("iptables"),
               pytest.mark.quick_combos("iptables-legacy/restore", "iptables-nft/restore")]
 
-WEB_IP = "10.96.0.10"
-DNS_IP = "10.96.0.53"
 STAMP = "KUBE-NP-STAMP"
-
-
-def cluster(web: Sequence[Pod], dns: Sequence[Pod]) -> List[Manifest]:
-    return [service("web", WEB_IP, [port(80, 8080, name="http")]),
-            endpoint_slice("web", web, [port(8080, name="http")]),
-            service("dns", DNS_IP, [port(53, 8080, name="dns", protocol="UDP")]),
-            endpoint_slice("dns", dns, [port(8080, name="dns", protocol="UDP")])]
 
 
 def iptables(proxy: Proxy, sandbox: Sandbox, *args: str) -> str:
