@@ -152,6 +152,23 @@ def test_run_fingerprints_again_between_syncs_so_a_full_sync_after_partial_write
     assert backend.sync(snapshot(4, moved=2), Changes(full=True)).bytes_written == 0  # then skipped
 
 
+def test_a_fingerprint_that_cannot_be_had_is_asked_once_per_write_not_at_every_look(
+        backend: IptablesBackend, kernel: FakeIptables) -> None:
+    backend._watch = FakeWatch()
+    backend.sync(snapshot(4), Changes(full=True))
+    backend.sync(snapshot(4, moved=1), Changes(full=False))
+    kernel.stamps = False  # the tables cannot be fingerprinted (the look every 0.5 s must not keep trying)
+    asked: List[int] = []
+    real = kernel.stamp
+    kernel.stamp = lambda families, expect=None: asked.append(1) or real(families, expect)  # type: ignore[method-assign]
+    for _ in range(5):
+        assert backend.tampered() is None
+    assert len(asked) == 1
+    backend.sync(snapshot(4, moved=2), Changes(full=False))  # a new write: worth one more try
+    backend.tampered()
+    assert len(asked) == 2
+
+
 def test_no_fingerprint_between_syncs_after_a_foreign_write_so_the_full_sync_rewrites(
         backend: IptablesBackend, kernel: FakeIptables) -> None:
     """A write by someone else since the last full sync (seen by the watch, harmless to the rule
