@@ -13,18 +13,21 @@ import logging
 import os
 import signal
 import subprocess
+import time
 from typing import Optional
 
 log = logging.getLogger(__name__)
 
 
-def stop_process(proc: subprocess.Popen, timeout: float = 3.0) -> Optional[int]:  # type: ignore[type-arg]
+def stop_process(proc: subprocess.Popen, timeout: float = 3.0,  # type: ignore[type-arg]
+                 dump: Optional[int] = None) -> Optional[int]:
     """SIGTERM ``proc``, wait up to ``timeout`` seconds, then SIGKILL it; its exit status.
 
     A child started with ``start_new_session`` leads a process group of its own (whose id is its
     PID): the whole group gets the signals, and what is left of the group once the child has
     exited is killed, so that nothing it forked outlives it.  Any other child gets the signals
-    alone.  Its pipes are closed afterwards.
+    alone.  Its pipes are closed afterwards.  ``dump``: a signal sent to the child alone before the
+    SIGKILL, for its stacks (netproxy prints them on SIGUSR1: :func:`stop_netproxy`).
     """
     if proc.poll() is None:
         group = _leads_group(proc)
@@ -34,7 +37,11 @@ def stop_process(proc: subprocess.Popen, timeout: float = 3.0) -> Optional[int]:
                 proc.wait(timeout)
                 break
             except subprocess.TimeoutExpired:
-                continue
+                if dump is not None and sig == signal.SIGTERM:
+                    # Where it is stuck, into its own log, before the kill erases it.
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(dump)
+                    time.sleep(1.0)
         if group:
             # The group's id stays reserved while any member lives, so this reaches only our child's.
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -44,6 +51,12 @@ def stop_process(proc: subprocess.Popen, timeout: float = 3.0) -> Optional[int]:
             with contextlib.suppress(OSError):
                 stream.close()
     return proc.returncode
+
+
+def stop_netproxy(proc: subprocess.Popen, timeout: float = 10.0) -> Optional[int]:  # type: ignore[type-arg]
+    """:func:`stop_process` for a ``netproxy run``: if SIGTERM does not stop it in ``timeout``
+    seconds, its threads' stacks reach its log (SIGUSR1) before it is killed."""
+    return stop_process(proc, timeout, dump=signal.SIGUSR1)
 
 
 def _leads_group(proc: subprocess.Popen) -> bool:  # type: ignore[type-arg]

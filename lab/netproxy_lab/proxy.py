@@ -8,7 +8,7 @@ import shutil
 import subprocess
 from typing import List, Mapping, Optional, Sequence
 
-from netproxy_lab.cleanup import stop_process
+from netproxy_lab.cleanup import stop_netproxy
 from netproxy_lab.combos import Combo, has_iptables
 from netproxy_lab.manifests import Manifest, write_manifests
 from netproxy_lab.topology import NODE_NAME, Sandbox
@@ -69,7 +69,7 @@ class Proxy:
 
     def stop_runs(self) -> List[int]:
         """SIGTERM every ``run`` this proxy started; their exit codes."""
-        codes = [stop_process(proc, timeout=10) for proc in self._runs]
+        codes = [stop_netproxy(proc, timeout=15) for proc in self._runs]
         self._runs.clear()
         return [code for code in codes if code is not None]
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 from typing import Any, List, Tuple
 
 from netproxy import version
 from netproxy.cli.args import EXIT_FAILED, EXIT_OK
 from netproxy.cli.settings import conntrack_settings, make_backend, set_conntrack_sysctls
+from netproxy.cli.signals import on_stop_signals
 from netproxy.node import detect as detect_mod
 from netproxy.node import skew
 from netproxy.node.nodeconfig import ensure_localhost_nodeports, hostname, start_node
@@ -41,12 +41,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     proxy.zpages = zpages.pages(config, zpages.conntrack_section(conntrack_settings(args)), args.feature_gates,
                                 flag_values(args), ver, kubeconfig=args.kubeconfig or "")
 
-    def _stop(signum: int, _frame: object) -> None:
+    def _stop(signum: int) -> None:
         log.info("signal %d: stopping", signum)
         proxy.halt()
 
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    on_stop_signals(_stop)
     proxy.start()
     chosen = ("the version check" if args.backend == "auto"
               else "--config's mode" if "backend" in getattr(args, "from_config", ()) else "--backend")

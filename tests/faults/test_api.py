@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import pytest
 
 from netproxy_lab.apiserver_process import StandInProcess
-from netproxy_lab.cleanup import stop_process
+from netproxy_lab.cleanup import stop_netproxy
 from netproxy_lab.combos import Combo
 from netproxy_lab.manifests import api_object, port, service
 from netproxy_lab.proxy import Proxy
@@ -165,7 +165,7 @@ def test_the_api_going_away(proxy: Proxy, sandbox: Sandbox, combo: Combo, tmp_pa
         finally:
             sampler.kill()
             sampler.wait()
-            stop_process(run, timeout=15)
+            stop_netproxy(run, timeout=15)
     log = proxy.run_output()
     codes = healthz_codes(samples, down_at, end)
     bad = [code for code in codes if code != 200]

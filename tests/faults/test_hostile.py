@@ -20,7 +20,7 @@ import pytest
 
 from netproxy_lab.apiserver_process import StandInProcess
 from netproxy_lab.checks import assert_only_and_all, wait_for
-from netproxy_lab.cleanup import stop_process
+from netproxy_lab.cleanup import stop_netproxy
 from netproxy_lab.combos import Combo
 from netproxy_lab.manifests import endpoint_slice, port, service
 from netproxy_lab.proxy import Proxy
@@ -153,7 +153,7 @@ def test_hostile_api_objects_are_logged_counted_and_the_rest_applied(proxy: Prox
             assert_clean(proxy.ruleset(), cases)
             assert run.poll() is None, "netproxy run exited"
         finally:
-            stop_process(run, timeout=15)
+            stop_netproxy(run, timeout=15)
             with open(log_path, errors="replace") as f:
                 log = f.read()
     logged = [ln for ln in log.splitlines() if "rejected " in ln]

@@ -25,7 +25,7 @@ import pytest
 
 from netproxy_lab.apiserver_process import StandInProcess
 from netproxy_lab.checks import assert_only_and_all
-from netproxy_lab.cleanup import stop_process
+from netproxy_lab.cleanup import stop_netproxy
 from netproxy_lab.combos import Combo
 from netproxy_lab.manifests import api_object
 from netproxy_lab.proxy import Proxy
@@ -242,4 +242,4 @@ def test_an_api_storm_coalesces_and_ends_exact(proxy: Proxy, sandbox: Sandbox, c
             check_storm(proxy, sandbox, combo, final, items, started, ended, result["changes"], rss_first, pid,
                         "API source", run)
         finally:
-            stop_process(run, timeout=15)
+            stop_netproxy(run, timeout=15)

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from netproxy_lab.checks import assert_only_and_all, wait_for
-from netproxy_lab.cleanup import stop_process
+from netproxy_lab.cleanup import stop_netproxy
 from netproxy_lab.combos import Combo
 from netproxy_lab.controlplane import ControlPlane, Unavailable, version_line
 from netproxy_lab.kubeapi import ApiError, Client, Obj, free_port
@@ -188,7 +188,7 @@ class Run:
             return f.read()
 
     def stop(self) -> str:
-        stop_process(self.proc, timeout=15)
+        stop_netproxy(self.proc, timeout=15)
         log = self.log()
         print(log[-3000:])
         return log

@@ -17,7 +17,7 @@ import pytest
 
 from netproxy_lab.apiserver_process import StandInProcess, write_kubeconfig
 from netproxy_lab.checks import assert_only_and_all, wait_for
-from netproxy_lab.cleanup import stop_process
+from netproxy_lab.cleanup import stop_netproxy
 from netproxy_lab.combos import Combo
 from netproxy_lab.manifests import api_object, endpoint_slice, port, service, slice_port
 from netproxy_lab.proxy import Proxy
@@ -59,7 +59,7 @@ def change_slice(sandbox: Sandbox, url: str, pods: Sequence[Pod]) -> None:
 
 def stopped(run: Any, log_path: str) -> str:
     """Stop a ``netproxy run``; its log, printed (its tail) for the test's output."""
-    stop_process(run, timeout=15)
+    stop_netproxy(run, timeout=15)
     with open(log_path, errors="replace") as f:
         log = f.read()
     print(log[-4000:])
@@ -134,7 +134,7 @@ def test_services_of_another_proxy_and_headless_slices_are_not_programmed(proxy:
             other = sandbox.connect(OTHER_IP, 80, count=3, timeout=0.5)
             assert other.answered == 0, f"another proxy's service answered through netproxy's rules: {other}"
         finally:
-            stop_process(run, timeout=15)
+            stop_netproxy(run, timeout=15)
     assert run.returncode == 0
 
 
@@ -214,7 +214,7 @@ def test_run_programs_at_once_and_its_health_check_tells_the_truth_through_the_a
             took = wait_for(answered_by(sandbox, here), timeout=15)
             assert took < 10, f"the first sync waited {took:.1f} s (a --min-sync-period tick is 20 s)"
         finally:
-            stop_process(run, timeout=15)
+            stop_netproxy(run, timeout=15)
         run = start("--min-sync-period", "200ms", "--sync-period", "2s")  # healthz: 503 after 4 s waiting
         try:
             wait_for(health(200, 2, True), timeout=20)

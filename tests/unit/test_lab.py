@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from netproxy_lab import combos
-from netproxy_lab.cleanup import stop_process
+from netproxy_lab.cleanup import stop_netproxy, stop_process
 from netproxy_lab.manifests import endpoint_slice, port, service, write_manifests
 from netproxy_lab.topology import Pod
 
@@ -36,6 +37,18 @@ def test_stop_process_kills_a_child_that_ignores_sigterm_after_the_timeout() -> 
     t0 = time.monotonic()
     assert stop_process(proc, timeout=0.5) == -signal.SIGKILL
     assert 0.4 < time.monotonic() - t0 < 5
+
+
+def test_stop_netproxy_has_a_stuck_run_print_its_stacks_before_the_kill(tmp_path: pathlib.Path) -> None:
+    # A child stuck as netproxy run once was: SIGTERM does nothing; SIGUSR1 prints its stacks (as
+    # netproxy/cli/signals.py installs it), which must reach its log before SIGKILL.
+    code = ("import faulthandler, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "faulthandler.register(signal.SIGUSR1, all_threads=True); print('ready', flush=True); time.sleep(60)")
+    log = tmp_path / "run.log"
+    with open(log, "wb") as err:
+        proc = _started([sys.executable, "-c", code], stderr=err)
+    assert stop_netproxy(proc, timeout=0.5) == -signal.SIGKILL
+    assert "Current thread" in log.read_text() and "<string>" in log.read_text(), log.read_text()
 
 
 def test_stop_process_takes_a_session_leaders_group_with_it() -> None:
