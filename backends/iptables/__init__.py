@@ -81,6 +81,10 @@ class IptablesBackend:
         """The kernel's ipsets (hairpin and affinity sets); unit tests put a FakeIpsets here."""
         self._sets = SetKeeper()
         self._memo = {f: Memo() for f in FAMILIES}
+        self._assembled: Optional[Tuple[object, Dict[int, FamilyRuleset]]] = None
+        """The last assembly and its node-wide inputs: a render that re-rendered no service port
+        hands it over again (the periodic full sync with nothing changed: assembling both families
+        anew was 30 of its ~50 ms at 10k on iptables-nft)."""
         self._watch: Optional[guard.Watch] = None
         self._commits = 0
         """Notices writes by others between syncs (``netproxy run`` only): see :meth:`tampered`."""
@@ -153,11 +157,16 @@ class IptablesBackend:
                     del self._order[at]
             for name in added:
                 bisect.insort(self._order, name)
-        ordered = [self._cache[n] for n in self._order]
         if self._random_fully is None:
             self._random_fully = supports_random_fully(self.config.iptables_flavour)
+        inputs = (node, snapshot.service_cidrs, self._random_fully, comments)
+        if rerendered == 0 and not added and self._assembled is not None and self._assembled[0] == inputs:
+            # Every service port's rules are the cached objects of the last assembly, in its order.
+            return self._assembled[1], 0
+        ordered = [self._cache[n] for n in self._order]
         desired = {f: assemble(f, (r.rules[f] for r in ordered if f in r.rules), self.config, node,
                                self._random_fully, self._memo[f], snapshot.service_cidrs) for f in FAMILIES}
+        self._assembled = (inputs, desired)
         return desired, rerendered
 
     def _has_family(self, family: int) -> bool:

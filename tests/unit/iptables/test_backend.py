@@ -262,3 +262,28 @@ def test_rules_that_did_not_land_in_the_fingerprinted_tables_are_never_trusted(b
     kernel.misdirected = True  # e.g. an nf_tables iptables-restore behind a "legacy" name
     backend.sync(snapshot(3), Changes(full=True))
     assert backend.sync(snapshot(3), Changes(full=True)).bytes_written > 0
+
+
+def test_a_render_that_rerenders_nothing_reuses_the_last_assembly_unless_a_node_wide_input_changed(
+        backend: IptablesBackend, kernel: FakeIptables, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The periodic full sync with nothing changed skips the assembly of both families (30 of its
+    ~50 ms at 10k); an input that no service port's render carries (the service CIDRs) still
+    re-assembles, and the rule it adds reaches the kernel."""
+    import netproxy.backends.iptables as module
+
+    calls: List[int] = []
+    real = module.assemble
+    monkeypatch.setattr(module, "assemble", lambda family, *a, **k: calls.append(family) or real(family, *a, **k))
+    backend.sync(snapshot(4), Changes(full=True))
+    assert calls == [4, 6]
+    assert backend.sync(snapshot(4), Changes(full=True)).bytes_written == 0
+    assert calls == [4, 6], "nothing re-rendered: the last assembly is handed over"
+    cidr = Snapshot(snapshot(4).services, snapshot(4).endpoints, service_cidrs=(ipaddress.ip_network("10.96.0.0/16"),))
+    assert backend.sync(cidr, Changes(full=True)).bytes_written > 0
+    assert calls == [4, 6, 4, 6]
+    assert any("10.96.0.0/16" in rule for rule in kernel.chains(4, "filter")[names.SERVICES]), \
+        kernel.chains(4, "filter")[names.SERVICES]
+    # One service gone, none re-rendered: assembled again without it.
+    backend.sync(Snapshot.build(list(snapshot(3).services.values()), snapshot(3).endpoints,
+                                service_cidrs=cidr.service_cidrs), Changes(full=False))
+    assert calls == [4, 6, 4, 6, 4, 6] and svc_chain(3) not in kernel.chains(4, "nat")
