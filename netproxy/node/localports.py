@@ -50,12 +50,16 @@ def families_served(nodeport_addresses: Sequence[IPNetwork]) -> Tuple[int, ...]:
 def targets(snapshot: Snapshot, families: Sequence[int]) -> Dict[Key, Tuple[Target, ...]]:
     """Every TCP NodePort of ``snapshot`` in each served family, with the endpoints a connection from
     the node itself may reach (possibly none)."""
-    return _merged(port_targets(svc, snapshot.endpoints_of(name), snapshot.node, families)
+    return merged(port_targets(svc, snapshot.endpoints_of(name), snapshot.node, families)
                    for name, svc in snapshot.services.items())
 
 
+PortTargets = Optional[Tuple[Tuple[Key, Tuple[Target, ...]], ...]]
+"""One service port's relay targets per (family, NodePort); None: not a TCP NodePort."""
+
+
 def port_targets(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeInfo,
-                 families: Sequence[int]) -> Optional[Tuple[Tuple[Key, Tuple[Target, ...]], ...]]:
+                 families: Sequence[int]) -> PortTargets:
     """One service port's part of :func:`targets` (None: not a TCP NodePort)."""
     if svc.protocol != "TCP" or not svc.node_port:
         return None
@@ -64,7 +68,8 @@ def port_targets(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeInfo
                  for family in families)
 
 
-def _merged(parts: Iterable[Optional[Tuple[Tuple[Key, Tuple[Target, ...]], ...]]]) -> Dict[Key, Tuple[Target, ...]]:
+def merged(parts: Iterable[PortTargets]) -> Dict[Key, Tuple[Target, ...]]:
+    """Every service port's part, merged by (family, NodePort) (two services may share one)."""
     out: Dict[Key, Tuple[Target, ...]] = {}
     for part in parts:
         for key, found in part or ():
@@ -98,7 +103,7 @@ class LocalhostNodePorts:
         ``changed``: only these service ports changed since the last update (None: any may have)."""
         if not self._ports.update(snapshot, changed) and changed is not None and not self._refused:
             return  # no NodePort changed and none to try again
-        wanted = _merged(self._ports.values.values())
+        wanted = merged(self._ports.values.values())
         asyncio.run_coroutine_threadsafe(self._apply(wanted), self._loop).result(timeout=30)
 
     def close(self) -> None:

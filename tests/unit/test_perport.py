@@ -6,15 +6,15 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import random
-from typing import Dict, Optional, Tuple
+from typing import Dict, FrozenSet, Optional, Tuple
 
 import pytest
 
 from netproxy.core.endpoints import no_local_endpoints, no_local_kinds
-from netproxy.core.model import Endpoint, EndpointSet, NodeInfo, ServicePort, SlicePort, Snapshot
+from netproxy.core.model import Endpoint, EndpointSet, NodeInfo, ServicePort, ServicePortName, SlicePort, Snapshot
 from netproxy.core.perport import PerPort, Tally
 from netproxy.core.tracker import ChangeTracker
-from netproxy.node.localports import port_targets, targets
+from netproxy.node.localports import PortTargets, merged, port_targets, targets
 from netproxy_lab.manifests import service_port
 
 NODES = ("node-a", "node-b")
@@ -51,7 +51,7 @@ def test_values_kept_from_changes_equal_values_from_every_port(seed: int) -> Non
     tracker = ChangeTracker(NodeInfo(name="node-a"))
     ports: PerPort[Tuple[Tuple[int, str], ...]] = PerPort(no_local_kinds)
     tally: Tally[Tuple[int, str]] = Tally(no_local_kinds)
-    relay: PerPort[object] = PerPort(lambda svc, eps, node: port_targets(svc, eps, node, (4, 6)))
+    relay: PerPort[PortTargets] = PerPort(lambda svc, eps, node: port_targets(svc, eps, node, (4, 6)))
     v6: Dict[int, bool] = {}
     partial = 0
     for step in range(60):
@@ -71,18 +71,14 @@ def test_values_kept_from_changes_equal_values_from_every_port(seed: int) -> Non
             else:  # the node moves: every port's locality may change (the tracker says full)
                 tracker.set_node(NodeInfo(name=rng.choice(NODES)))
         snapshot, changes = tracker.take()
-        changed: Optional[frozenset] = None if changes.full or step % 17 == 0 else changes.services
+        changed: Optional[FrozenSet[ServicePortName]] = None if changes.full or step % 17 == 0 else changes.services
         partial += changed is not None
         ports.update(snapshot, changed)
         counts = tally.update(snapshot, changed)
         relay.update(snapshot, changed)
         assert ports.values == _full(snapshot), f"seed {seed}, step {step}"
         assert counts == no_local_endpoints(snapshot), f"seed {seed}, step {step}"
-        merged: Dict[object, object] = {}
-        for part in relay.values.values():
-            for key, found in part:  # type: ignore[attr-defined]
-                merged[key] = tuple(sorted(set(merged.get(key, ()) + found)))  # type: ignore[operator]
-        assert merged == targets(snapshot, (4, 6)), f"seed {seed}, step {step}"
+        assert merged(relay.values.values()) == targets(snapshot, (4, 6)), f"seed {seed}, step {step}"
     assert partial > 30  # most steps were kept from the changes, not recomputed
 
 
