@@ -145,6 +145,10 @@ class Backend(Protocol):
         """What of this backend's last full sync the kernel does not hold now, one line each (empty:
         all of it); ``netproxy migrate`` asks before it removes the old ruleset."""
 
+    def halting(self) -> None:
+        """``netproxy run`` was asked to stop, from another thread than its syncs': end any wait
+        that only delays the stop (iptables: the xtables lock held by someone else); never raises."""
+
     def stopping(self) -> None:
         """``netproxy run`` stops (after its last sync): leave the kernel ready for the next process
         (nftables: re-stamp its tables, restart by adoption); never raises."""

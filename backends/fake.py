@@ -26,6 +26,8 @@ class FakeBackend:
         self.syncs: List[Changes] = []
         self.fail_next: Optional[str] = None
         self.cleaned = False
+        self.halted = False
+        """Whether ``run`` was asked to stop (:meth:`halting`)."""
         self.tamper: Optional[str] = None
         """What the next :meth:`tampered` reports (unit tests play "someone flushed the rules")."""
         self.looks = 0
@@ -62,6 +64,9 @@ class FakeBackend:
 
     def missing_in_kernel(self) -> List[str]:
         return []  # its "kernel" is the state the last sync assigned, all or nothing
+
+    def halting(self) -> None:
+        self.halted = True
 
     def stopping(self) -> None:
         return None

@@ -115,6 +115,7 @@ class Proxy:
     def halt(self) -> None:
         """Ask the loop to end (a signal, or a reason in ``failures``)."""
         self.stop.set()
+        self.backend.halting()  # a sync waiting for a lock gives up: the loop can see the stop
         self.runner.wake()
 
     def close(self) -> None:

@@ -507,6 +507,11 @@ class IptablesBackend:
             self._stamp_ok.add(family)
         self._digests.keep(self._written)
 
+    def halting(self) -> None:
+        # A sync waiting for the xtables lock gives up, and so does the stamp at exit: a stop is
+        # not delayed by another program's write (xtlock.XtablesLock.stop_waiting).
+        self.lock.stop_waiting()
+
     def stopping(self) -> None:
         """``netproxy run`` is stopping: if the tables are ours as we last wrote them (partial writes
         since the last stamp), stamp them, so that the next process adopts them."""

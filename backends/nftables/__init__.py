@@ -138,6 +138,9 @@ class NftablesBackend:
                     "" if vouched is False else " (or change notifications were lost)")
         return "rules-changed" if vouched is False else "unknown"
 
+    def halting(self) -> None:
+        return None  # nftables takes no lock a sync could wait for
+
     def stopping(self) -> None:
         """``netproxy run`` stops: if others' commits moved the generation since netproxy's last one
         and (say the change notifications) none touched its tables, re-stamp them in one small

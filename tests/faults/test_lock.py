@@ -254,3 +254,37 @@ def test_a_lock_held_past_the_timeout_fails_naming_the_holder(iproxy: Proxy, ipt
     assert not written, "a write went through without the lock"
     figure(f"xtables lock held past --iptables-lock-timeout=1s [{ipt.name}]",
            f"sync failed after {took:.2f} s naming {LOCK} and pid {holder.pid}", "a clear error, nothing written")
+
+
+def test_sigterm_while_a_sync_waits_for_the_lock_stops_at_once(iproxy: Proxy, tmp_path: Any) -> None:
+    """SIGTERM while a sync waits for a lock another program holds: ``run`` exits 0 within 3 s, not
+    when the lock is free or ``--iptables-lock-timeout`` (60 s here) ran out, and its stamp at exit
+    does not wait a second time.  Found by stressing ``run``'s stop beside another legacy writer: the
+    stop took the lock timeout (> 10 s).  A private lock file (``XTABLES_LOCKFILE``): no write of a
+    test beside this one waits on it.  iptables-nft takes no lock: there the stop is simply quick."""
+    lock = str(tmp_path / "xtables.lock")
+    pods = iproxy.sandbox.pods[:2]
+    one = [service("web", "10.96.0.10", [port(80, 8080, name="http")]),
+           endpoint_slice("web", pods[:1], [port(8080, name="http")])]
+    two = one[:1] + [endpoint_slice("web", pods, [port(8080, name="http")])]
+    run = iproxy.start_run(one, "--iptables-lock-timeout", "60s", "--min-sync-period", "0s",
+                           env={"XTABLES_LOCKFILE": lock})
+    wait_for(lambda: None if "synced " in iproxy.run_output() else "not synced", 30)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, lock, "120"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        write_manifests(iproxy.source, two)
+        wait_for(lambda: None if "changed, reloading" in iproxy.run_output() else "change not seen", 15)
+        time.sleep(1.0)  # the sync is under way: on legacy, waiting for the lock
+        assert run.poll() is None, iproxy.run_output()[-3000:]
+        begun = time.monotonic()
+        run.terminate()
+        try:
+            code = run.wait(30)
+        except subprocess.TimeoutExpired:
+            code = None
+        took = time.monotonic() - begun
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 0 and took < 3.0, f"exit {code} {took:.1f} s after SIGTERM\n{iproxy.run_output()[-3000:]}"

@@ -76,6 +76,15 @@ def test_a_changed_pod_cidr_stops_the_proxy_with_a_reason() -> None:
     assert proxy.stop.is_set() and "10.244.9.0/24" in proxy.failures[0]
 
 
+def test_halt_tells_the_backend_so_that_a_lock_wait_ends() -> None:
+    """The stop (SIGTERM) reaches the backend at once, not after the sync under way: an iptables sync
+    waiting for the xtables lock gives up (test_xtlock.py) instead of delaying the exit."""
+    proxy, backend, _ = build()
+    assert not backend.halted
+    proxy.halt()
+    assert backend.halted and proxy.stop.is_set()
+
+
 def test_the_fake_backend_needs_no_kernel_cleanup() -> None:
     proxy, _, _ = build()
     assert not wiring.is_kernel(proxy.backend)
