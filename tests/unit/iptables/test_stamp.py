@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import random
 import struct
 import sys
+from typing import Dict, List, Tuple
 
 import pytest
 
@@ -126,3 +128,129 @@ def test_read_table_fingerprints_as_table_fingerprint_in_the_same_walk(family: i
     entries[1] = _chain_entry(family, e, b"SNAT")
     served[0] = blob(7)
     assert stamp.read_table(family, "nat", fingerprint=True).fingerprint != before
+
+
+def _reference_mask(blob: bytearray, family: int) -> Tuple[int, Dict[str, int]]:
+    """The walk as first written (one entry at a time, the counts kept as it goes): the spec the
+    faster :func:`stamp.mask` must match byte for byte and count for count."""
+    layout = stamp.LAYOUTS[family]
+    lo, hi = layout.volatile
+    chains: Dict[str, int] = {}
+    chain, entries, at = "", 0, 0
+    while at < len(blob):
+        entries += 1
+        step = int.from_bytes(blob[at + layout.next_offset:at + layout.next_offset + 2], sys.byteorder)
+        target = at + int.from_bytes(blob[at + layout.target_offset:at + layout.target_offset + 2], sys.byteorder)
+        if bytes(blob[target + 2:target + 31]).rstrip(b"\0") == b"ERROR":
+            chain = bytes(blob[target + 32:at + step]).split(b"\0", 1)[0].decode(errors="replace")
+            chains[chain] = -1
+        elif chain:
+            chains[chain] += 1
+        blob[at + lo:at + hi] = bytes(hi - lo)
+        at += step
+    chains.pop("ERROR", None)
+    return entries, chains
+
+
+def _random_table(family: int, rng: random.Random, count: int) -> bytes:
+    """Entries of random sizes, counters and targets: rules, RETURN tails, chain heads (some with a
+    name seen before, an empty one, an ``ERROR`` name with more after it, which is no head)."""
+    least = stamp.LAYOUTS[family].entry_size
+    names = [b"KUBE-A", b"KUBE-B", b"KUBE-SVC-X", b"", b"ERROR"]
+    out = []
+    for _ in range(count):
+        kind = rng.random()
+        if kind < 0.2:
+            target, data = b"ERROR", rng.choice(names[:-1])
+        elif kind < 0.25:
+            target, data = b"ERROR\0\0x", b"KUBE-NOT-A-HEAD"  # a name that only starts with ERROR
+        else:
+            target, data = rng.choice([b"", b"DNAT", b"MARK", b"ERRORS"]), bytes(rng.randrange(256) for _ in range(8))
+        raw = bytearray(_chain_entry(family, least + 32 + 8 * rng.randrange(4, 12), target, data))
+        lo, hi = stamp.LAYOUTS[family].volatile
+        raw[lo:hi] = bytes(rng.randrange(256) for _ in range(hi - lo))
+        out.append(bytes(raw))
+    out.append(_chain_entry(family, least + 64, b"ERROR", b"ERROR"))
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("family", [4, 6])
+@pytest.mark.parametrize("seed", range(20))
+def test_mask_matches_the_entry_by_entry_walk(family: int, seed: int) -> None:
+    rng = random.Random(seed)
+    blob = _random_table(family, rng, rng.randrange(1, 300))
+    fast, slow = bytearray(blob), bytearray(blob)
+    got = stamp.mask(fast, family)
+    want = _reference_mask(slow, family)
+    assert got == want and list(got[1]) == list(want[1])  # same counts, same chain order
+    assert fast == slow  # the same bytes masked: the same digest
+
+
+@pytest.mark.parametrize("family", [4, 6])
+@pytest.mark.parametrize("seed", range(10))
+def test_read_table_names_jumps_and_fingerprint_on_random_tables(family: int, seed: int,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built-in chains (hook entries, policies) then random user chains: the names, the built-in
+    chains' jumps (by extension name, or by offset to a chain's first entry) and the fingerprint of
+    read_table are what a plain reading of the same blob gives, and the fingerprint is
+    table_fingerprint's."""
+    rng = random.Random(seed)
+    layout = stamp.LAYOUTS[family]
+    least, size = layout.entry_size, layout.entry_size + 40
+    # A kernel's user part always opens with a chain head.
+    user = _chain_entry(family, least + 64, b"ERROR", b"KUBE-FIRST") + _random_table(family, rng, rng.randrange(1, 200))
+    heads: Dict[str, int] = {}  # user chain → offset of its first entry, inside the user part
+    for at in _walk(user, layout):
+        step = int.from_bytes(user[at + layout.next_offset:at + layout.next_offset + 2], sys.byteorder)
+        if user[at + least + 2:at + least + 8] == b"ERROR\0":
+            name = user[at + least + 32:at + step].split(b"\0", 1)[0].decode()
+            if name not in ("ERROR", ""):
+                heads[name] = at + step
+    # Built-in chains: fixed-size entries, so every offset is known before writing them.
+    plan: List[Tuple[int, object]] = []  # (hook, extension name or user chain or None for the policy)
+    hooks, policies = [0] * 5, [0] * 5
+    for h in (0, 2, 4):  # PREROUTING, FORWARD, POSTROUTING
+        hooks[h] = len(plan) * size
+        for _ in range(rng.randrange(0, 4)):
+            plan.append((h, rng.choice(sorted(heads)) if rng.random() < 0.5 else rng.choice([b"DNAT", b"MASQ"])))
+        policies[h] = len(plan) * size
+        plan.append((h, None))
+    builtin_size = len(plan) * size
+    body, want_jumps = b"", set()
+    for h, what in plan:
+        if what is None:
+            body += _chain_entry(family, size, b"", struct.pack("=i", -2))  # ACCEPT policy: no jump
+        elif isinstance(what, bytes):
+            body += _chain_entry(family, size, what)
+            want_jumps.add((stamp.HOOKS[h], what.decode()))
+        else:
+            body += _chain_entry(family, size, b"", struct.pack("=i", builtin_size + heads[str(what)]))
+            want_jumps.add((stamp.HOOKS[h], str(what)))
+    blob = body + user
+    entries = len(plan) + len(_walk(user, layout))
+    head = (b"nat".ljust(32, b"\0"), 0b10101, *hooks, *policies, entries, len(blob))
+    monkeypatch.setattr(stamp, "_blob", lambda family, table: (head, bytearray(stamp._ENTRIES_HEADER) + blob))
+    read = stamp.read_table(family, "nat", fingerprint=True)
+    assert read.names == ["PREROUTING", "FORWARD", "POSTROUTING"] + [
+        n for n in _head_names(user, layout) if n != "ERROR"]
+    assert read.jumps == want_jumps
+    assert read.fingerprint == stamp.table_fingerprint(family, "nat").digest
+
+
+def _walk(blob: bytes, layout: stamp._Layout) -> List[int]:
+    out, at = [], 0
+    while at < len(blob):
+        out.append(at)
+        at += int.from_bytes(blob[at + layout.next_offset:at + layout.next_offset + 2], sys.byteorder)
+    return out
+
+
+def _head_names(blob: bytes, layout: stamp._Layout) -> List[str]:
+    """read_table's chain heads: a target named ``ERROR`` (whatever follows its NUL)."""
+    names = []
+    for at in _walk(blob, layout):
+        size = int.from_bytes(blob[at + layout.next_offset:at + layout.next_offset + 2], sys.byteorder)
+        target = at + layout.entry_size
+        if blob[target + 2:target + 8] == b"ERROR\0":
+            names.append(blob[target + 32:at + size].split(b"\0", 1)[0].decode(errors="replace"))
+    return names
