@@ -9,6 +9,7 @@ from netproxy.backends.iptables.diff import TableChange
 from netproxy.backends.iptables.tree import Chains, Rule
 
 _SAFE = re.compile(r"[A-Za-z0-9_.:/\-\[\]!,=+@%]+")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def quote(arg: str) -> str:
@@ -20,7 +21,7 @@ def quote(arg: str) -> str:
     """
     if _SAFE.fullmatch(arg):
         return arg
-    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in arg):
+    if _CONTROL.search(arg):  # one regex, not a Python test per character (the stamp's comments: 9 MB at 100k)
         raise ValueError(f"argument {arg!r} contains a control character")
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
 

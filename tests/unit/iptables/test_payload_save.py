@@ -50,6 +50,18 @@ def test_quote_refuses_control_characters() -> None:
         quote("evil\nCOMMIT")
 
 
+@pytest.mark.parametrize("code", range(0x100))
+def test_quote_refuses_exactly_the_control_characters(code: int) -> None:
+    # Every C0 control and DEL, anywhere in an argument that needs quoting, is refused; every other
+    # character (space, Latin-1 letters, C1 range included: no line ends in them) is quoted.
+    arg = f"a b{chr(code)}c"
+    if code < 0x20 or code == 0x7F:
+        with pytest.raises(ValueError, match="control character"):
+            quote(arg)
+    else:
+        assert restore_tokens(f"-A C --comment {quote(arg)}") == ["-A", "C", "--comment", arg]
+
+
 def test_rule_line_quotes_comments_always_and_odd_args() -> None:
     line = rule_line("-A", "KUBE-SVC-X", ("-m", "comment", "--comment", "ns/a:b", "-j", "DNAT", "--to-destination",
                                           "10.0.0.1:80"))
