@@ -197,36 +197,36 @@ def read_table(family: int, table: str, fingerprint: bool = False) -> TableRead:
     zeros = bytes(hi - lo)
     entries = 0
     valid, hooks = int(head[1]), head[2:7]  # type: ignore[call-overload]
-    start, size = _ENTRIES_HEADER, len(buf)
-    # By offset in the buffer (not in the table): one lookup per entry, no subtraction.
-    builtin = {start + int(hooks[h]): HOOKS[h] for h in range(5) if valid & (1 << h)}  # type: ignore[call-overload]
-    policies = {start + int(head[7 + h]) for h in range(5) if valid & (1 << h)}  # type: ignore[call-overload]
-    offsets = _OFFSETS.unpack_from
+    builtin = {int(hooks[h]): HOOKS[h] for h in range(5) if valid & (1 << h)}  # type: ignore[call-overload]
+    policies = {int(head[7 + h]) for h in range(5) if valid & (1 << h)}  # type: ignore[call-overload]
+    u16 = struct.Struct("=H").unpack_from
     i32 = struct.Struct("=i").unpack_from
+    start, size = _ENTRIES_HEADER, len(buf)
     names: List[str] = [HOOKS[h] for h in range(5) if valid & (1 << h)]
     begins: Dict[int, str] = {}
     rules: List[Tuple[str, int]] = []  # (built-in chain, offset of its entry's target)
-    is_error = buf.startswith
     chain = ""
     at = start
-    head_at, least = layout.target_offset, layout.entry_size
-    while at < size:  # as mask(): per entry only what a chain head or a built-in chain's rule needs
-        target, step = offsets(buf, at + head_at)
+    next_at, target_at, least = layout.next_offset, layout.target_offset, layout.entry_size
+    while at < size:  # ~1 µs per entry: only what a chain head or a built-in chain's rule needs
+        step = u16(buf, at + next_at)[0]
         if step < least or at + step > size:
             raise ValueError(f"entry at {at - start} has next_offset {step}")
         if fingerprint:
             buf[at + lo:at + hi] = zeros  # as mask(): counters and comefrom are not the table's content
-        entries += 1
-        target += at
-        if is_error(b"ERROR\0", target + _TARGET_NAME.start):
+            entries += 1
+        target = at + u16(buf, at + target_at)[0]
+        if buf[target + 2] == 0x45 and buf[target + 2:target + 8] == b"ERROR\0":
             chain = bytes(buf[target + _TARGET_DATA:at + step]).split(b"\0", 1)[0].decode(errors="replace")
             if chain != "ERROR":  # the table's end marker
                 names.append(chain)
                 begins[at + step - start] = chain
             chain = ""
-        elif chain or at in builtin:
-            chain = builtin.get(at, chain)
-            if at not in policies:  # a built-in chain's last entry is its policy
+        else:
+            rel = at - start
+            if rel in builtin:
+                chain = builtin[rel]
+            if chain and rel not in policies:  # a built-in chain's last entry is its policy
                 rules.append((chain, target))
         at += step
     jumps: Set[Tuple[str, str]] = set()
