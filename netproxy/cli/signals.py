@@ -3,8 +3,9 @@
 Python runs a signal handler in the main thread between two bytecodes, wherever that thread is:
 also inside ``threading.Event.clear()`` or ``Event.wait()``, which hold the event's lock, which is
 not reentrant.  A handler that sets that event (the runner's wake-up) then waits forever for a lock
-its own thread holds: ``netproxy run`` hung at SIGTERM, once in a few thousand stops under load,
-until it was killed.  Logging from a handler can likewise re-enter a stream mid-write.
+its own thread holds (reproduced in a small script on Python 3.11; rare in a real ``run``: a CI run
+saw one stop on SIGTERM hang until it was killed, ~3,700 stops under stress did not).  Logging from
+a handler can likewise re-enter a stream mid-write.
 
 So the handler only does what takes no lock: it notes the signal and writes one byte to a pipe.  A
 thread of its own reads the pipe and does the real work (log, stop the proxy) as any thread would.

@@ -51,7 +51,7 @@ def targets(snapshot: Snapshot, families: Sequence[int]) -> Dict[Key, Tuple[Targ
     """Every TCP NodePort of ``snapshot`` in each served family, with the endpoints a connection from
     the node itself may reach (possibly none)."""
     return merged(port_targets(svc, snapshot.endpoints_of(name), snapshot.node, families)
-                   for name, svc in snapshot.services.items())
+                  for name, svc in snapshot.services.items())
 
 
 PortTargets = Optional[Tuple[Tuple[Key, Tuple[Target, ...]], ...]]
