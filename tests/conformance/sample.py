@@ -75,6 +75,12 @@ SAMPLE: Dict[str, Tuple[str, ...]] = {
         "masqueradeAll::pod to ClusterIP [TCP]",
         "masqueradeAll, no LocalTrafficDetector::localhost to NodePort with iTP:Local [TCP]",
     ),
+    "iptables/TestTracePacket": (
+        "multiple endpoints [TCP]",
+        "LOCAL, KUBE-MARK-MASQ [TCP]",
+        "DROP [TCP]",
+        "REJECT [TCP]",
+    ),
     "nftables/TestNoEndpointsReject": (
         "pod to NodePort with no endpoints [TCP]",
         "external to external IP with no endpoints [TCP]",

@@ -114,6 +114,9 @@ class Table:
     version: str
     test: str
     cases: Tuple[Case, ...] = field(default=())
+    objects_from: Optional[str] = None
+    """The test function whose objects these are, when the table's own test traces a ruleset written
+    out by hand (iptables' TestTracePacket: the ruleset another test expects from these objects)."""
 
     @property
     def name(self) -> str:
@@ -151,7 +154,7 @@ def load(path: Path) -> Table:
 def _table(path: Path, doc: Mapping[str, Any]) -> Table:
     _known(doc, "table", {"kube_proxy", "node", "cases"}, prefix="x-")
     kp = doc["kube_proxy"]
-    _known(kp, "kube_proxy", {"file", "version", "test"})
+    _known(kp, "kube_proxy", {"file", "version", "test", "objects_from"})
     if path.parent.name not in MODES or f"pkg/proxy/{path.parent.name}/" not in kp["file"]:
         raise TableError(f"a table of {kp['file']} belongs under tables/<its mode>/")
     if kp["test"] != path.stem:
@@ -162,7 +165,9 @@ def _table(path: Path, doc: Mapping[str, Any]) -> Table:
         ipaddress.ip_address(a)
     name = f"{path.parent.name}/{path.stem}"
     cases = tuple(_case(name, i, c, node) for i, c in enumerate(doc["cases"]))
-    table = Table(path, str(kp["file"]), str(kp["version"]), str(kp["test"]), cases)
+    origin = kp.get("objects_from")
+    table = Table(path, str(kp["file"]), str(kp["version"]), str(kp["test"]), cases,
+                  None if origin is None else str(origin))
     seen: Dict[str, int] = {}
     for case, state, flow in table.flows():
         fid = flow_id(case, state, flow)

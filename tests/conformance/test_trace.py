@@ -61,4 +61,6 @@ def test_tables_cover_both_files_and_name_their_source() -> None:
     files = {t.file for t in TABLES}
     assert files == {"pkg/proxy/iptables/proxier_test.go", "pkg/proxy/nftables/proxier_test.go"}, files
     assert all(t.version and t.test.startswith("Test") for t in TABLES)
-    assert len(TABLES) == 21 and sum(1 for _ in CHECKS) == 2 * 446, (len(TABLES), len(CHECKS))
+    assert {t.name: t.objects_from for t in TABLES if t.objects_from} == {
+        "iptables/TestTracePacket": "TestOverallIPTablesRules"}
+    assert len(TABLES) == 22 and sum(1 for _ in CHECKS) == 2 * 453, (len(TABLES), len(CHECKS))
