@@ -66,6 +66,9 @@ class NftablesBackend:
         """The node the config digest of the table stamps was computed for, and that digest."""
         self._stamped: Optional[int] = None
         """The generation the table stamps in the kernel name (None: not known to be right)."""
+        self._partial = False
+        """``_state`` holds the tables and generation of an adoption but no record of the services
+        (a one-shot sync renders only what it writes): a later sync rebuilds from nothing."""
 
     @property
     def kernel(self) -> Runner:
@@ -84,7 +87,7 @@ class NftablesBackend:
 
     def sync(self, snapshot: Snapshot, changes: Changes) -> SyncResult:
         try:
-            if changes.full or self._state is None:
+            if changes.full or self._state is None or self._partial:
                 return self._full(snapshot)
             return self._incremental(snapshot, changes.services)
         except Exception:
@@ -189,7 +192,7 @@ class NftablesBackend:
             entry = render_entry(snapshot.services[name], snapshot.endpoints_of(name), snapshot.node,
                                  self.config, old.get(name))
             for fam, objs in entry.rendered.items():
-                entry.objects[fam] = written = claim(state, fam, name, objs)
+                entry.objects[fam] = written = claim(state, fam, entry, objs)
                 count_users(state.family(fam), written, 1)
             state.entries[name] = entry
         for fam in layout.FAMILIES:
@@ -216,13 +219,14 @@ class NftablesBackend:
         return self._digest[1]
 
     def _full_sync(self, snapshot: Snapshot) -> SyncResult:
+        if self._partial:
+            self._state, self._partial = None, False
         if self._state is None and self._adopt_pending:
             self._adopt_pending = False
-            built = self._build_state(snapshot, None)
-            adopted = self._adopt(snapshot, built)
+            adopted = self._adopt(snapshot)
             if adopted is not None:
                 return adopted
-            return self._rewrite(snapshot, self.kernel.generation(), built)
+            return self._rewrite(snapshot, self.kernel.generation())
         before = self.kernel.generation()
         state = self._state
         if self._policy.decide(state is not None, lambda: self._vouched(state, before)) is Action.WRITE_CHANGES:
@@ -248,12 +252,17 @@ class NftablesBackend:
             return True
         return None if touched is None else False
 
-    def _adopt(self, snapshot: Snapshot, state: State) -> Optional[SyncResult]:
+    def _adopt(self, snapshot: Snapshot) -> Optional[SyncResult]:
         """Take over the tables a previous netproxy wrote, writing only the service ports whose
-        stamps differ (adopt.py); None (logged at info, with the reason) when they cannot be adopted."""
+        stamps differ (adopt.py); None (logged at info, with the reason) when they cannot be adopted.
+
+        Only those ports are rendered.  A one-shot ``sync`` ends there: it keeps no record of the
+        others.  ``run`` renders its record whole after the write (its incremental syncs need every
+        port's objects, and the counts of who uses each shared chain and element): the kernel is
+        right as soon as a one-shot sync's would be, and the render it used to need first comes after."""
         digest = self._config_digest(snapshot.node)
         try:
-            plan = adopt.plan(self.kernel, state, self.config, digest)
+            plan = adopt.plan(self.kernel, snapshot, self.config, digest)
         except adopt.NotAdoptable as why:
             log.info("nftables: rewriting the tables, not adopting them: %s", why)
             return None
@@ -261,7 +270,6 @@ class NftablesBackend:
             log.info("nftables: rewriting the tables, not adopting them: reading them failed: %s", exc)
             return None
         written = 0
-        state.tables = plan.tables
         self.last_transaction = plan.tx
         if len(plan.tx):
             before = self.kernel.generation()
@@ -277,13 +285,20 @@ class NftablesBackend:
             log.debug("written the kernel: %d bytes", written)
             self.kernel.watch(True)
             after = self.kernel.generation()
-            state.generation = after if before is not None and after == before + 1 else None
-            self._stamped = state.generation
+            generation = after if before is not None and after == before + 1 else None
+            self._stamped = generation
         else:
             self.kernel.watch(True)
             now = self.kernel.generation()
-            state.generation = now if now == plan.generation else None
+            generation = now if now == plan.generation else None
             self._stamped = plan.generation
+        if self.config.one_shot:
+            state = State()
+            self._partial = True
+        else:
+            state = self._build_state(snapshot, None)
+        state.tables = plan.tables
+        state.generation = generation
         self._state = state
         log.info("nftables: adopted the tables in the kernel at generation %d: %d of %d service ports written",
                  plan.generation, len(plan.written), len(snapshot.services))
@@ -423,7 +438,7 @@ class NftablesBackend:
                 self._state = None
                 return self._rewrite(snapshot, self.kernel.generation())
             for fam, objs in entry.rendered.items():
-                entry.objects[fam] = written = claim(state, fam, name, objs)
+                entry.objects[fam] = written = claim(state, fam, entry, objs)
                 count_users(state.family(fam), written, 1, before.setdefault(fam, Before()))
             new_entries[name] = entry
         first = {fam: b.first_used(state.family(fam)) for fam, b in before.items()}

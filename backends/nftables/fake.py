@@ -111,6 +111,25 @@ class FakeNft:
         t = self.tables.get(family)
         return frozenset(t.chains) if t is not None else frozenset()
 
+    def chain_uses(self, family: str) -> Dict[str, int]:
+        """As the kernel counts them: a chain's rules, plus the rules and verdict-map elements that
+        jump or go to it."""
+        self.reads += 1
+        t = self.tables.get(family)
+        if t is None:
+            return {}
+        uses = {name: len(t.rules.get(name, ())) for name in t.chains}
+        for rules in t.rules.values():
+            for r in rules:
+                for target in _CHAIN_REF.findall(r.body):
+                    uses[target] = uses.get(target, 0) + 1
+        for els in t.elements.values():
+            for e in els.values():
+                verb, _, target = (e.value or "").partition(" ")
+                if verb in ("goto", "jump"):
+                    uses[target] = uses.get(target, 0) + 1
+        return uses
+
     def probe(self) -> None:
         return None
 

@@ -242,6 +242,22 @@ def _hairpin_refs(node: NodeInfo, choices: Sequence[Tuple[_Choice, ...]]) -> Lis
     return [Element(names.HAIRPIN, f"{a} . {a}") for a in found]
 
 
+def dispatch_keys(svc: ServicePort, family: str) -> Tuple[str, ...]:
+    """The keys ``svc`` claims in ``family`` (``address . protocol . port``, ``protocol . nodePort``),
+    in the order :func:`render_service` claims them, without rendering it: what restart by adoption
+    needs of every service port to know which keys another one owns (stamp.py).  Empty: the port
+    renders nothing in ``family``."""
+    version = VERSIONS[family]
+    addrs = [ip for ip in svc.addresses() if ip.version == version]
+    if not addrs:
+        return ()
+    proto, port = svc.protocol.lower(), svc.port
+    keys = dict.fromkeys(f"{ip_text(ip)} . {proto} . {port}" for ip in addrs)  # the first of a twice-listed address
+    if svc.node_port:
+        keys[f"{proto} . {svc.node_port}"] = None
+    return tuple(keys)
+
+
 def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeInfo, family: str,
                    config: ProxyConfig) -> ServiceObjects:
     """The objects one service port owns in ``family``'s table (empty if it has no such address)."""

@@ -66,7 +66,10 @@ class Entry:
     rendered: Dict[str, render.ServiceObjects] = field(default_factory=dict)
     """What render produced, per family."""
     objects: Dict[str, render.ServiceObjects] = field(default_factory=dict)
-    """What was written: ``rendered`` less the keys another service owns."""
+    """What was written: ``rendered`` less the keys another service owns, with its service stamp."""
+    stamps: Dict[str, Tuple[Tuple[str, ...], str]] = field(default_factory=dict)
+    """Per family, the keys another service owned and the service stamp's digest they gave
+    (:func:`stamp.input_digest`), kept while the inputs stay the same."""
 
 
 @dataclass
@@ -101,7 +104,7 @@ def render_entry(svc: ServicePort, eps: Tuple[Endpoint, ...], node: NodeInfo, co
                  previous: Optional[Entry]) -> Entry:
     """Render one service port for every family, reusing ``previous`` when nothing it depends on changed."""
     if previous is not None and previous.service == svc and previous.endpoints == eps and previous.node == node:
-        return Entry(svc, eps, node, previous.rendered)
+        return Entry(svc, eps, node, previous.rendered, stamps=dict(previous.stamps))
     rendered = {}
     # type() rather than the Python-level .version property: this runs for every service port.
     versions = {4 if type(ip) is ipaddress.IPv4Address else 6 for ip in svc.addresses()}
@@ -110,8 +113,7 @@ def render_entry(svc: ServicePort, eps: Tuple[Endpoint, ...], node: NodeInfo, co
             continue
         objs = render.render_service(svc, eps, node, fam, config)
         if not objs.is_empty():
-            # Its own elements carry its service stamp: what a new process compares (stamp.py).
-            rendered[fam] = stamp.stamped(objs, svc.name)
+            rendered[fam] = objs
     return Entry(svc, eps, node, rendered)
 
 
@@ -121,7 +123,7 @@ def _owned_by(key: str, taken: PySet[str]) -> bool:
     return key in taken or any(key.startswith(f"{t} . ") for t in taken)
 
 
-def _drop_keys(objs: render.ServiceObjects, taken: PySet[str]) -> render.ServiceObjects:
+def drop_keys(objs: render.ServiceObjects, taken: PySet[str]) -> render.ServiceObjects:
     """``objs`` without the dispatch keys another service owns (a duplicate address . port)."""
     keep = {k: e for k, e in objs.elements.items() if not _owned_by(e.key, taken)}
     runs = {k: r for k, r in objs.runs.items() if k[1] not in taken}
@@ -132,17 +134,23 @@ def _drop_keys(objs: render.ServiceObjects, taken: PySet[str]) -> render.Service
                                  tuple(k for k in objs.dispatch_keys if k not in taken), objs.refs)
 
 
-def claim(state: State, fam: str, name: ServicePortName, objs: render.ServiceObjects) -> render.ServiceObjects:
-    """Record ``name`` as the owner of its keys; keys owned by another service are left out and logged."""
+def claim(state: State, fam: str, entry: Entry, objs: render.ServiceObjects) -> render.ServiceObjects:
+    """Record ``entry``'s service port as the owner of its keys; keys owned by another service are
+    left out and logged.  What is left carries its service stamp (stamp.py): the digest of its
+    inputs and of the keys left out."""
+    name = entry.service.name
     owners = state.family(fam).owners
-    taken = {k for k in objs.dispatch_keys if owners.get(k) not in (None, name)}
+    taken = tuple(k for k in objs.dispatch_keys if owners.get(k) not in (None, name))
     for k in taken:
         log.warning("service port %s: %s is already used by %s; not routed", name, k, owners[k])
     if taken:
-        objs = _drop_keys(objs, taken)
+        objs = drop_keys(objs, set(taken))
     for k in objs.dispatch_keys:
         owners[k] = name
-    return objs
+    known = entry.stamps.get(fam)
+    if known is None or known[0] != taken:
+        known = entry.stamps[fam] = (taken, stamp.input_digest(entry.service, entry.endpoints, fam, taken))
+    return stamp.stamped(objs, name, known[1])
 
 
 def release(state: State, fam: str, name: ServicePortName, objs: render.ServiceObjects) -> None:

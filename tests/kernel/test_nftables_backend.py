@@ -344,7 +344,7 @@ def test_ipv6_sctp_udp_and_affinity_are_accepted_and_listed_readably(ns: str, dr
     assert driver.sync(services)["ok"]
     v6 = nft(ns, "list", "table", "ip6", "netproxy").stdout
     assert 'fd00::10 . tcp . 80 comment "default/web6:p" : goto cluster-tcp-pick-2' in v6, v6
-    assert re.search(r' comment "default/web6:p d:[0-9a-f]{16}"', v6), v6  # its stamp, in service-stamps
+    assert re.search(r' comment "default/web6:p d:[0-9a-f]{16} n:[0-9]+"', v6), v6  # its stamp, in service-stamps
     assert "2001:db8::10 . tcp . 80" in v6 and "external-tcp-pick-2" in v6
     assert "set aff-default/sticky6/p" in v6 and "timeout 30s" in v6
     v4 = nft(ns, "list", "table", "ip", "netproxy").stdout

@@ -50,6 +50,11 @@ class Runner(Protocol):
     def chain_names(self, family: str) -> FrozenSet[str]:
         """The chains of ``family netproxy`` (empty without the table)."""
 
+    def chain_uses(self, family: str) -> Dict[str, int]:
+        """The chains of ``family netproxy`` with the kernel's use count of each: its rules plus the
+        rules and verdict-map elements that jump or go to it (restart by adoption: whether a shared
+        chain still has users, without reading the maps)."""
+
     def delete_tables(self) -> List[str]:
         """Delete netproxy's tables (and only them); return which were deleted."""
 

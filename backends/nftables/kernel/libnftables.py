@@ -236,6 +236,12 @@ class LibNftRunner:
         chains: FrozenSet[str] = readback.chain_names(self._netlink(), family)
         return chains
 
+    def chain_uses(self, family: str) -> Dict[str, int]:
+        from netproxy.backends.nftables.kernel import readback
+
+        uses: Dict[str, int] = readback.chain_uses(self._netlink(), family)
+        return uses
+
     def probe(self) -> None:
         if self._list("list tables") is None:
             raise BackendUnavailable("libnftables cannot list tables")

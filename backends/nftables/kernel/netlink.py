@@ -243,6 +243,11 @@ class NetlinkRunner:
 
         return readback.chain_names(self._sock, family)
 
+    def chain_uses(self, family: str) -> Dict[str, int]:
+        from netproxy.backends.nftables.kernel import readback
+
+        return readback.chain_uses(self._sock, family)
+
     def _elements(self, family: str, spec: Set) -> List[Element]:
         key_fields = spec.key_type.split(" . ")
         value_fields = spec.value_type.split(" . ") if spec.value_type not in (None, "verdict") else None

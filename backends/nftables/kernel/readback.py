@@ -177,6 +177,14 @@ def chain_names(sock: NlSocket, family: str) -> FrozenSet[str]:
     return frozenset(wire.text(a[wire.CHAIN_NAME]) for a in chains)
 
 
+def chain_uses(sock: NlSocket, family: str) -> Dict[str, int]:
+    """The chains of ``family netproxy`` and the kernel's use count of each (``NFTA_CHAIN_USE``: its
+    rules, plus every rule and verdict-map element that jumps or goes to it)."""
+    chains = _dump(sock, wire.GETCHAIN, encode.FAMILIES[family], wire.string(wire.CHAIN_TABLE, names.TABLE))
+    return {wire.text(a[wire.CHAIN_NAME]): wire.be32(a[wire.CHAIN_USE]) if wire.CHAIN_USE in a else -1
+            for a in chains}
+
+
 Address = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 
 

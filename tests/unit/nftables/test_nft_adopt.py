@@ -228,10 +228,24 @@ def test_torn_or_missing_stamps_mean_a_rewrite(caplog: pytest.LogCaptureFixture)
     fake.tables["ip"].elements[names.STAMP][stamp.STAMP_KEY] = s._replace(comment="netproxy 1 config:zz gen:1")
     _rewrites(fake, _base(), caplog, "does not parse")
 
+    # A service port's own elements are read when its stamp differs (an unchanged one's are vouched
+    # for by the generation): the torn comment is then seen.
     fake = _written(_base())
     dispatch = fake.tables["ip"].elements[names.SERVICE_IPS]
     dispatch["10.96.0.11 . tcp . 80"] = dispatch["10.96.0.11 . tcp . 80"]._replace(comment=None)
+    _rewrites(fake, _api_changed(), caplog, "carries no service comment")
+
+    fake = _written(_base())
+    stamps = fake.tables["ip"].elements[names.SERVICE_STAMPS]
+    key = stamp.stamp_key(WEB.name)
+    stamps[key] = stamps[key]._replace(comment=None)
     _rewrites(fake, _base(), caplog, "carries no service comment")
+
+
+def _api_changed() -> Snapshot:
+    later = _base()
+    later.endpoints[API.name] = eps("10.1.1.1", "10.1.1.9", "10.1.1.3")  # type: ignore[index]
+    return later
 
 
 def test_a_service_whose_stamp_is_torn_or_missing_is_rewritten_alone() -> None:
@@ -282,7 +296,13 @@ def test_an_object_a_stamp_promises_that_is_missing_means_a_rewrite(caplog: pyte
 
     fake = _written(_base())
     del fake.tables["ip"].sets[names.EXEMPT_IPS], fake.tables["ip"].elements[names.EXEMPT_IPS]
-    _rewrites(fake, _base(), caplog, "has no exempt-ips")
+    # Read when a service port went away (its elements are not known by key): the set is then seen.
+    gone = snap(*[(s, _base().endpoints[s.name]) for s in _base().services.values() if s is not DNS], node="node-a")
+    _rewrites(fake, gone, caplog, "has no exempt-ips")
+
+    fake = _written(_base())
+    del fake.tables["ip"].sets[names.SERVICE_STAMPS], fake.tables["ip"].elements[names.SERVICE_STAMPS]
+    _rewrites(fake, _base(), caplog, "has no service-stamps")
 
     fake = _written(_base())
     del fake.tables["ip6"]
@@ -400,7 +420,7 @@ def test_stamped_objects_keep_every_field_but_their_own_elements() -> None:
 
     objs = render.render_service(svc("web", "10.96.0.10", ext_policy="Local", external=["203.0.113.5"]),
                                  eps("10.0.0.1", "10.0.0.2", node="node-a"), NodeInfo("node-a"), "ip", ProxyConfig())
-    out = stamp.stamped(objs, svc("web", "10.96.0.10").name)
+    out = stamp.stamped(objs, svc("web", "10.96.0.10").name, "0123456789abcdef")
     for f in dataclasses.fields(render.ServiceObjects):
         if f.name != "elements":
             assert getattr(out, f.name) is getattr(objs, f.name), f.name
