@@ -5,7 +5,10 @@ traffic is right after each.  ``nft monitor`` in the node says what each restart
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
+import sys
 from typing import List, Optional
 
 import pytest
@@ -157,3 +160,26 @@ def test_a_full_listing_after_adoption_equals_a_fresh_sync(proxy: Proxy, sandbox
     assert adopted == tables(sandbox)
     res = sandbox.connect("10.96.0.11", 443, count=20)
     assert_only_and_all(res, sandbox.pods[:1], total=20, at_least=20)
+
+
+_USES = ("import json; from netproxy.backends.nftables.kernel.nlsocket import NlSocket; "
+         "from netproxy.backends.nftables.kernel.readback import chain_uses; "
+         "print(json.dumps(chain_uses(NlSocket(), 'ip')))")
+
+
+def test_the_kernels_chain_use_count_is_rules_plus_what_goes_to_the_chain(proxy: Proxy, sandbox: Sandbox) -> None:
+    """What adoption reads to know whether a shared chain keeps a user when changed ports leave it
+    (adopt._shared_chains): the kernel's count is the chain's rules plus every rule and verdict-map
+    element that jumps or goes to it, counted here from nft's own listing."""
+    proxy.sync(cluster(sandbox.pods[:3], sandbox.pods[:2]))
+    got = json.loads(sandbox.exec(sandbox.node, [sys.executable, "-c", _USES], check=True).stdout)
+    listing = json.loads(sandbox.exec(sandbox.node, ["nft", "-j", "list", "table", "ip", "netproxy"],
+                                      check=True).stdout)["nftables"]
+    want = {o["chain"]["name"]: 0 for o in listing if "chain" in o}
+    for o in listing:
+        if "rule" in o:
+            want[o["rule"]["chain"]] += 1
+    for target in re.findall(r'"(?:goto|jump)": \{"target": "([^"]+)"\}', json.dumps(listing)):
+        want[target] += 1
+    assert got == want
+    assert got["cluster-tcp-pick-3"] == 2  # its one rule and web's cluster IP's element
