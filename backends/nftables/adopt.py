@@ -1,11 +1,13 @@
 """Restart by adoption: a new process takes over the tables a previous netproxy wrote, writing only
 the service ports whose objects differ (README.md, "Restart by adoption").
 
-:func:`plan` compares the record a full sync would write (:class:`~transaction.State`, rendered
-from the snapshot) with what the kernel holds, read from the small maps only: the table stamps,
-every element a service port owns alone (each carries its service stamp), the chain names, and the
-node-wide sets.  The endpoint maps are never read.  Any doubt raises :class:`NotAdoptable` with the
-reason, and the caller rewrites the tables whole.
+:func:`plan` first computes every service port's stamp from the snapshot, without rendering it
+(:func:`wanted`: the digest of its inputs, stamp.py), then compares them with the kernel's
+``service-stamps`` and renders only the ports whose stamps differ.  What it reads: the table
+stamps, the service stamps, the node-wide sets and the chains with their use counts; a changed
+port's own elements by key (or the small per-service maps whole when that cannot be done), its
+endpoint elements by key.  The endpoint maps are never read whole.  Any doubt raises
+:class:`NotAdoptable` with the reason, and the caller rewrites the tables whole.
 
 Why a service's stamp can be trusted: the table stamp names the ruleset generation netproxy's last
 commit got, and every commit of anyone in the network namespace moves it.  If the generation is

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence
 
 import pytest
 
@@ -200,7 +200,8 @@ def test_the_inputs_digest_covers_every_field_and_nothing_else() -> None:
     assert stamp.input_digest(again, (Endpoint(*ep),), "ip") == digest
     assert stamp.input_digest(port, (ep,), "ip6") != digest
     assert stamp.input_digest(port, (ep,), "ip", ("10.96.0.10 . tcp . 80",)) != digest
-    changed_fields = {"protocol": "UDP", "port": 81, "target_port": 81, "cluster_ips": (ipaddress.ip_address("10.96.0.11"),),
+    changed_fields = {"protocol": "UDP", "port": 81, "target_port": 81,
+                      "cluster_ips": (ipaddress.ip_address("10.96.0.11"),),
                       "node_port": 30001, "external_ips": (), "load_balancer_ips": (),
                       "source_ranges": (ipaddress.ip_network("10.0.0.0/9"),), "affinity": "ClientIP",
                       "affinity_timeout": 60, "external_traffic_policy": "Local", "internal_traffic_policy": "Local",
