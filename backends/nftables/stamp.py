@@ -38,7 +38,7 @@ import operator
 import os
 import re
 import socket
-from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from netproxy.backends.nftables import names, render
 from netproxy.backends.nftables.objects import Element
@@ -228,9 +228,12 @@ def stamped(objs: render.ServiceObjects, name: ServicePortName, digest: str) -> 
     ``digest`` (:func:`input_digest`) and the count of its own elements.  Also when another port
     owns every key it claims (it has no own element then): its stamp says so."""
     base = service_base(name)
-    # Element(...) rather than _replace(): a third of the cost, for every element of every full sync.
-    elements: Dict[Tuple[str, str], Element] = {k: Element(e.set, e.key, e.value, base)
-                                                for k, e in objs.elements.items()}
+    if len(base) == len(names.service_comment(name)):
+        # The comment render gave them (names.service_comment) already: the elements as they are.
+        elements = dict(objs.elements)
+    else:
+        # Element(...) rather than _replace(): a third of the cost, for every element of every full sync.
+        elements = {k: Element(e.set, e.key, e.value, base) for k, e in objs.elements.items()}
     key = stamp_key(name)
     count = len(elements)
     counted = f"{_COUNT}{count}" if len(str(count)) <= _COUNT_CHARS else ""
