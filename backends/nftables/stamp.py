@@ -235,6 +235,7 @@ def stamped(objs: render.ServiceObjects, name: ServicePortName, digest: str) -> 
         # Element(...) rather than _replace(): a third of the cost, for every element of every full sync.
         elements = {k: Element(e.set, e.key, e.value, base) for k, e in objs.elements.items()}
     key = stamp_key(name)
+    elements.pop((SERVICE_STAMPS, key), None)  # stamped again (transaction.claim): its own stamp is not counted
     count = len(elements)
     counted = f"{_COUNT}{count}" if len(str(count)) <= _COUNT_CHARS else ""
     elements[(SERVICE_STAMPS, key)] = Element(SERVICE_STAMPS, key, None, f"{base}{_SUFFIX}{digest}{counted}")

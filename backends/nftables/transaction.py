@@ -66,10 +66,7 @@ class Entry:
     rendered: Dict[str, render.ServiceObjects] = field(default_factory=dict)
     """What render produced, per family."""
     objects: Dict[str, render.ServiceObjects] = field(default_factory=dict)
-    """What was written: ``rendered`` less the keys another service owns, with its service stamp."""
-    stamps: Dict[str, Tuple[Tuple[str, ...], str]] = field(default_factory=dict)
-    """Per family, the keys another service owned and the service stamp's digest they gave
-    (:func:`stamp.input_digest`), kept while the inputs stay the same."""
+    """What was written: ``rendered`` less the keys another service owns (stamped again then)."""
 
 
 @dataclass
@@ -104,7 +101,7 @@ def render_entry(svc: ServicePort, eps: Tuple[Endpoint, ...], node: NodeInfo, co
                  previous: Optional[Entry]) -> Entry:
     """Render one service port for every family, reusing ``previous`` when nothing it depends on changed."""
     if previous is not None and previous.service == svc and previous.endpoints == eps and previous.node == node:
-        return Entry(svc, eps, node, previous.rendered, stamps=dict(previous.stamps))
+        return Entry(svc, eps, node, previous.rendered)
     rendered = {}
     # type() rather than the Python-level .version property: this runs for every service port.
     versions = {4 if type(ip) is ipaddress.IPv4Address else 6 for ip in svc.addresses()}
@@ -113,7 +110,9 @@ def render_entry(svc: ServicePort, eps: Tuple[Endpoint, ...], node: NodeInfo, co
             continue
         objs = render.render_service(svc, eps, node, fam, config)
         if not objs.is_empty():
-            rendered[fam] = objs
+            # Stamped as if it owned every key it claims (the common case); :func:`claim` stamps it
+            # again when another port owns some (stamp.py).
+            rendered[fam] = stamp.stamped(objs, svc.name, stamp.input_digest(svc, eps, fam))
     return Entry(svc, eps, node, rendered)
 
 
@@ -136,8 +135,7 @@ def drop_keys(objs: render.ServiceObjects, taken: PySet[str]) -> render.ServiceO
 
 def claim(state: State, fam: str, entry: Entry, objs: render.ServiceObjects) -> render.ServiceObjects:
     """Record ``entry``'s service port as the owner of its keys; keys owned by another service are
-    left out and logged.  What is left carries its service stamp (stamp.py): the digest of its
-    inputs and of the keys left out."""
+    left out and logged, and its service stamp (stamp.py) then names them."""
     name = entry.service.name
     owners = state.family(fam).owners
     taken = tuple(k for k in objs.dispatch_keys if owners.get(k) not in (None, name))
@@ -147,10 +145,9 @@ def claim(state: State, fam: str, entry: Entry, objs: render.ServiceObjects) -> 
         objs = drop_keys(objs, set(taken))
     for k in objs.dispatch_keys:
         owners[k] = name
-    known = entry.stamps.get(fam)
-    if known is None or known[0] != taken:
-        known = entry.stamps[fam] = (taken, stamp.input_digest(entry.service, entry.endpoints, fam, taken))
-    return stamp.stamped(objs, name, known[1])
+    if taken:
+        objs = stamp.stamped(objs, name, stamp.input_digest(entry.service, entry.endpoints, fam, taken))
+    return objs
 
 
 def release(state: State, fam: str, name: ServicePortName, objs: render.ServiceObjects) -> None:
