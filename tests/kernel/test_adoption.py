@@ -183,3 +183,24 @@ def test_the_kernels_chain_use_count_is_rules_plus_what_goes_to_the_chain(proxy:
         want[target] += 1
     assert got == want
     assert got["cluster-tcp-pick-3"] == 2  # its one rule and web's cluster IP's element
+
+
+_BOTH = ("import json; from netproxy.backends.nftables.kernel import readback; "
+         "from netproxy.backends.nftables.kernel.nlsocket import NlSocket; "
+         "from netproxy.backends.nftables.kernel.netlink import _set_from_attrs; "
+         "from netproxy.backends.nftables import encode, names, wire; s = NlSocket(); n = encode.FAMILIES['ip']; "
+         "specs = [_set_from_attrs(a) for a in s.dump(wire.GETSET, n, wire.string(wire.SET_TABLE, names.TABLE))]; "
+         "print(json.dumps({x.name: [sorted(map(list, readback._plain_elements(s, n, x))), "
+         "sorted(map(list, readback._elements(s, n, x)))] for x in specs if x.name in "
+         "('service-stamps', 'stamp', 'cluster-ips', 'hairpin')}))")
+
+
+def test_the_plain_sets_quick_reader_reads_what_the_general_one_does(proxy: Proxy, sandbox: Sandbox) -> None:
+    """readback._plain_elements (one loop over the dump's bytes, for ``service-stamps`` at each start)
+    against the general reader, in a real kernel, on the plain sets of several key types."""
+    proxy.sync(cluster(sandbox.pods[:3], sandbox.pods[:2]))
+    both = json.loads(sandbox.exec(sandbox.node, [sys.executable, "-c", _BOTH], check=True).stdout)
+    assert set(both) == {"service-stamps", "stamp", "cluster-ips", "hairpin"}
+    for name, (quick, general) in both.items():
+        assert quick == general and quick, name
+    assert all(comment and " d:" in comment for _, _, _, comment, *_ in both["service-stamps"][0])

@@ -11,6 +11,7 @@ family; nothing is written.
 from __future__ import annotations
 
 import ipaddress
+import socket
 from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union
 
 from netproxy.backends.base import BackendUnavailable
@@ -137,7 +138,52 @@ def read_named(sock: NlSocket, family: str, set_names: Sequence[str]) -> Dict[st
     for attrs in _dump(sock, wire.GETSET, number, wire.string(wire.SET_TABLE, names.TABLE)):
         spec = _set_from_attrs(attrs)
         if spec is not None and spec.name in wanted:
-            out[spec.name] = list(_elements(sock, number, spec))
+            plain = not spec.is_map and "interval" not in spec.flags and "timeout" not in spec.flags
+            out[spec.name] = _plain_elements(sock, number, spec) if plain else list(_elements(sock, number, spec))
+    return out
+
+
+_HEADER = wire.ATTR_HEADER.unpack_from
+
+
+def _plain_elements(sock: NlSocket, number: int, spec: Set) -> List[Element]:
+    """The elements (key, comment) of a set without values, ranges or timeouts (``service-stamps``:
+    10k-100k of them at each start), parsed in one loop over the dump's bytes: the general reader's
+    attribute dicts and lists per element were ~1 s of a 100k-service restart.  An element whose
+    key is not one plain value falls back to the general parse of the whole set."""
+    fields = spec.key_type.split(" . ")
+    ipv6 = fields == ["ipv6_addr"]
+    body = wire.string(wire.SET_ELEM_LIST_TABLE, names.TABLE) + wire.string(wire.SET_ELEM_LIST_SET, spec.name)
+    out = []
+    name = spec.name
+    for attrs in _dump(sock, wire.GETSETELEM, number, body):
+        data = attrs.get(wire.SET_ELEM_LIST_ELEMENTS, b"")
+        at, end = 0, len(data)
+        while at + 4 <= end:
+            length, _ = _HEADER(data, at)
+            if length < 4:
+                break
+            inner, stop = at + 4, min(at + length, end)
+            key: Optional[bytes] = None
+            udata: Optional[bytes] = None
+            while inner + 4 <= stop:
+                size, kind = _HEADER(data, inner)
+                if size < 4:
+                    break
+                kind &= 0x3FFF
+                if kind == wire.ELEM_KEY:
+                    vsize, vkind = _HEADER(data, inner + 4)
+                    if vkind & 0x3FFF != wire.DATA_VALUE or vsize < 4:
+                        return list(_elements(sock, number, spec))
+                    key = data[inner + 8:inner + 4 + vsize]
+                elif kind == wire.ELEM_USERDATA:
+                    udata = data[inner + 4:inner + size]
+                inner += (size + 3) & ~3
+            at += (length + 3) & ~3
+            if key is None:
+                return list(_elements(sock, number, spec))
+            text = socket.inet_ntop(socket.AF_INET6, key) if ipv6 and len(key) == 16 else unpack(fields, key)
+            out.append(Element(name, text, None, _comment(udata)))
     return out
 
 
