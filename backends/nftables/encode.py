@@ -17,7 +17,17 @@ import struct
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from netproxy.backends.nftables import names, wire
-from netproxy.backends.nftables.objects import Chain, Element, ElementRun, Object, Rule, Set, Table
+from netproxy.backends.nftables.objects import (
+    ELEMENT_TYPES,
+    Chain,
+    Element,
+    ElementRun,
+    Elements,
+    Object,
+    Rule,
+    Set,
+    Table,
+)
 from netproxy.backends.nftables.serialise import Op
 
 Message = Tuple[int, int, int, bytes]
@@ -240,7 +250,27 @@ def _verdict(text: str) -> bytes:
 
 def _same_run(op: Op, verb: str, family: str, set_name: str) -> bool:
     obj = op[2]
-    return op[0] == verb and op[1] == family and isinstance(obj, (Element, ElementRun)) and obj.set == set_name
+    return op[0] == verb and op[1] == family and isinstance(obj, ELEMENT_TYPES) and obj.set == set_name
+
+
+def _first_item(op: Op) -> Op:
+    """``op``, or for a group (:class:`~objects.Elements`) the operation of its first item: what a
+    message names when the kernel refuses it."""
+    obj = op[2]
+    return (op[0], op[1], obj.items[0]) if isinstance(obj, Elements) and obj.items else op
+
+
+def _item_ops(ops: Sequence[Op]) -> Iterator[Op]:
+    """The operations of ``ops`` with each group expanded into one per item (made only for a group:
+    the per-element tuples a full sync no longer holds exist one at a time here)."""
+    for op in ops:
+        obj = op[2]
+        if isinstance(obj, Elements):
+            verb, family = op[0], op[1]
+            for item in obj.items:
+                yield verb, family, item
+        else:
+            yield op
 
 
 class Encoder:
@@ -257,7 +287,7 @@ class Encoder:
         i, n = 0, len(ops)
         while i < n:
             verb, family, obj = ops[i]
-            if isinstance(obj, (Element, ElementRun)):
+            if isinstance(obj, ELEMENT_TYPES):
                 j = i + 1
                 while j < n and _same_run(ops[j], verb, family, obj.set):
                     j += 1
@@ -325,11 +355,11 @@ class Encoder:
         fam = FAMILIES[family]
         chunk: List[bytes] = []
         size = 0
-        first: Op = ops[0]
+        first: Op = _first_item(ops[0])
         if verb == "add" and "interval" in s.flags and len(_fields(s.key_type, s.typeof)) == 1:
             chunk.append(interval_anchor(family))
         run_encoder = self._run_encoder(s, family, verb == "add")
-        for op in ops:
+        for op in _item_ops(ops):
             obj = op[2]
             if isinstance(obj, Element):
                 blobs: Sequence[bytes] = encode_one(obj)

@@ -14,7 +14,16 @@ from typing import AbstractSet, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from netproxy.backends.base import SyncError
 from netproxy.backends.nftables import names, serialise
-from netproxy.backends.nftables.objects import Chain, Element, ElementRun, Rule, Set, Table
+from netproxy.backends.nftables.objects import (
+    ELEMENT_TYPES,
+    Chain,
+    Element,
+    ElementRun,
+    Rule,
+    Set,
+    Table,
+    element_items,
+)
 from netproxy.backends.nftables.serialise import Op
 
 # --- the fake ---------------------------------------------------------------------------------------
@@ -36,10 +45,11 @@ class _FakeTable:
 def _expand_runs(ops: Sequence[Op]) -> List[Op]:
     out: List[Op] = []
     for verb, family, obj in ops:
-        if isinstance(obj, ElementRun):
-            out.extend((verb, family, e) for e in obj.elements())
-        else:
-            out.append((verb, family, obj))
+        for item in element_items(obj) if isinstance(obj, ELEMENT_TYPES) else (obj,):
+            if isinstance(item, ElementRun):
+                out.extend((verb, family, e) for e in item.elements())
+            else:
+                out.append((verb, family, item))
     return out
 
 

@@ -11,7 +11,17 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 from netproxy.backends.nftables import names
-from netproxy.backends.nftables.objects import Chain, Element, ElementRun, Object, Rule, Set, Table
+from netproxy.backends.nftables.objects import (
+    ELEMENT_TYPES,
+    Chain,
+    Element,
+    ElementRun,
+    Object,
+    Rule,
+    Set,
+    Table,
+    element_items,
+)
 
 Op = Tuple[str, str, Object]
 """(verb, family, object): verb is "add", "flush" or "delete"."""
@@ -75,7 +85,7 @@ def op_text(verb: str, family: str, obj: Object, table: str = names.TABLE) -> st
         kw = "map" if obj.is_map else "set"
         spec = set_spec(obj) if verb == "add" else ""
         return f"{verb} {kw} {where} {names.identifier(obj.name)}{spec}"
-    if isinstance(obj, (Element, ElementRun)):
+    if isinstance(obj, ELEMENT_TYPES):
         return ops_lines([(verb, family, obj)], table)[0]
     raise TypeError(f"not an nftables object: {obj!r}")
 
@@ -86,7 +96,7 @@ def ops_lines(ops: Sequence[Op], table: str = names.TABLE) -> List[str]:
     i, n = 0, len(ops)
     while i < n:
         verb, family, obj = ops[i]
-        if not isinstance(obj, (Element, ElementRun)):
+        if not isinstance(obj, ELEMENT_TYPES):
             lines.append(op_text(verb, family, obj, table))
             i += 1
             continue
@@ -95,19 +105,20 @@ def ops_lines(ops: Sequence[Op], table: str = names.TABLE) -> List[str]:
         batch: List[str] = []
         while j < n:
             v2, f2, o2 = ops[j]
-            if v2 != verb or f2 != family or not isinstance(o2, (Element, ElementRun)) or o2.set != obj.set:
+            if v2 != verb or f2 != family or not isinstance(o2, ELEMENT_TYPES) or o2.set != obj.set:
                 break
-            if isinstance(o2, ElementRun):
-                # This loop runs once per endpoint (100k at 10k services): keep it to one f-string.
-                p = o2.prefix
-                if not o2.indexed:
-                    batch.extend([f"{p} : {v}" if with_value else p for v in o2.values])
-                elif with_value:
-                    batch.extend([f"{p} . {k} : {v}" for k, v in enumerate(o2.values)])
+            for item in element_items(o2):
+                if isinstance(item, ElementRun):
+                    # This loop runs once per endpoint (100k at 10k services): keep it to one f-string.
+                    p = item.prefix
+                    if not item.indexed:
+                        batch.extend([f"{p} : {v}" if with_value else p for v in item.values])
+                    elif with_value:
+                        batch.extend([f"{p} . {k} : {v}" for k, v in enumerate(item.values)])
+                    else:
+                        batch.extend([f"{p} . {k}" for k in range(len(item.values))])
                 else:
-                    batch.extend([f"{p} . {k}" for k in range(len(o2.values))])
-            else:
-                batch.append(element_text(o2, with_value))
+                    batch.append(element_text(item, with_value))
             j += 1
         lines.append(f"{verb} element {family} {table} {names.identifier(obj.set)} {{ {', '.join(batch)} }}")
         i = j

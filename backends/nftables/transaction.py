@@ -17,10 +17,10 @@ from typing import Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional,
 from typing import Set as PySet
 
 from netproxy.backends.nftables import layout, names, render, stamp
-from netproxy.backends.nftables.objects import Chain, Element, ElementRun, Object, Rule
+from netproxy.backends.nftables.objects import Chain, Element, ElementRun, Elements, Object, Rule
 from netproxy.backends.nftables.serialise import Op, ops_text
 from netproxy.core.config import ProxyConfig
-from netproxy.core.model import Endpoint, IPNetwork, NodeInfo, ServicePort, ServicePortName
+from netproxy.core.model import SLOTS, Endpoint, IPNetwork, NodeInfo, ServicePort, ServicePortName
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,10 @@ class Transaction:
         return text
 
 
-@dataclass
+@dataclass(**SLOTS)
 class Entry:
-    """One service port as last written: its inputs (to skip re-rendering) and its objects per family."""
+    """One service port as last written: its inputs (to skip re-rendering) and its objects per family.
+    Slotted, as :class:`~render.ServiceObjects`: one per service port."""
 
     service: ServicePort
     endpoints: Tuple[Endpoint, ...]
@@ -304,8 +305,9 @@ def _create_family(tx: Transaction, fam: str, objs: Sequence[render.ServiceObjec
             tx.put("containers", "add", fam, s)
         for cname, rules in o.chains.items():
             _add_chain(tx, fam, Chain(cname), rules)
-    # Grouped per map so that the serialiser writes one command per map.
-    buckets: Dict[str, List[Op]] = {}
+    # Grouped per map, one operation each (objects.Elements): the serialiser writes one command per
+    # map, and the transaction holds no tuple per element.
+    buckets: Dict[str, List[Union[Element, ElementRun]]] = {}
     for o in objs:
         # Annotated: two NamedTuples' join is their common base, a plain tuple with no .set.
         contents: Iterable[Union[Element, ElementRun]] = itertools.chain(o.elements.values(), o.runs.values())
@@ -313,16 +315,16 @@ def _create_family(tx: Transaction, fam: str, objs: Sequence[render.ServiceObjec
             bucket = buckets.get(item.set)
             if bucket is None:
                 bucket = buckets[item.set] = []
-            bucket.append(("add", fam, item))
+            bucket.append(item)
     for ref, count in sorted(fstate.refs.items()):
         if count > 0:
-            buckets.setdefault(ref.set, []).append(("add", fam, ref))
+            buckets.setdefault(ref.set, []).append(ref)
     for e in sorted(fstate.node):
-        buckets.setdefault(e.set, []).append(("add", fam, e))
+        buckets.setdefault(e.set, []).append(e)
     for e in config_elements(fam, config):
-        buckets.setdefault(e.set, []).append(("add", fam, e))
-    for bucket in buckets.values():
-        tx.phases["elements"].extend(bucket)
+        buckets.setdefault(e.set, []).append(e)
+    for set_name, bucket in buckets.items():
+        tx.put("elements", "add", fam, Elements(set_name, tuple(bucket)))
 
 
 def _shared_key(shared: layout.Shared) -> str:

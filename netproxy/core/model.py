@@ -20,9 +20,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Iterable, List, Mapping, NamedTuple, Optional, Tuple, Union
 
-_SLOTS = {"slots": True} if sys.version_info >= (3, 10) else {}
-"""No per-instance ``__dict__`` for the objects there are 100k of (Python >= 3.10: 40 MB at 10k
-services x 10 endpoints); Python 3.9 (Debian 11) gets plain dataclasses."""
+SLOTS = {"slots": True} if sys.version_info >= (3, 10) else {}
+"""No per-instance ``__dict__`` for the objects there are 10k-100k of (Python >= 3.10: 40 MB at 10k
+services x 10 endpoints); Python 3.9 (Debian 11) gets plain dataclasses.  ``@dataclass(**SLOTS)``."""
 
 IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
@@ -199,7 +199,7 @@ def check_zone(value: object, field_path: str) -> Optional[str]:
     return value
 
 
-@dataclass(frozen=True, order=True, **_SLOTS)
+@dataclass(frozen=True, order=True, **SLOTS)
 class ServicePortName:
     """namespace/name:port — the identity of one service port, as kube-proxy's proxier keys it."""
 
@@ -228,7 +228,7 @@ class ServicePortName:
         return (self.namespace, self.name)
 
 
-@dataclass(frozen=True, **_SLOTS)
+@dataclass(frozen=True, **SLOTS)
 class ServicePort:
     """One port of one service, with everything a backend needs to route it.  Slotted: a
     ``__dict__`` each was 150 bytes of every service port (15 MB at 100k services)."""

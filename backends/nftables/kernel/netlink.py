@@ -17,7 +17,7 @@ from netproxy.backends.base import BackendUnavailable, SyncError
 from netproxy.backends.nftables import encode, names, serialise, wire
 from netproxy.backends.nftables.kernel.nlsocket import NetlinkError, NlSocket
 from netproxy.backends.nftables.monitor import Watched
-from netproxy.backends.nftables.objects import Element, ElementRun, Set, Table
+from netproxy.backends.nftables.objects import ELEMENT_TYPES, Element, Set, Table
 from netproxy.backends.nftables.serialise import Op
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def _scan(ops: Sequence[Op]) -> Tuple[List[Op], PySet[Tuple[str, str]]]:
     last_set, last_family = None, None
     for op in ops:
         obj = op[2]
-        if isinstance(obj, (Element, ElementRun)):
+        if isinstance(obj, ELEMENT_TYPES):
             name = obj.set
             if name != last_set or op[1] != last_family:
                 last_set, last_family = name, op[1]

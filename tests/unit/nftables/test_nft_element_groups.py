@@ -1,0 +1,62 @@
+"""A full sync's elements travel as one :class:`~objects.Elements` operation per set (no 3-tuple per
+element at the write's peak): the writers and the fake
+must read a group exactly as the elements one by one (docs/performance.md, the seventh pass)."""
+
+from __future__ import annotations
+
+from typing import List
+
+from netproxy.backends.nftables import encode, names, serialise
+from netproxy.backends.nftables.objects import ElementRun, Elements
+from netproxy.backends.nftables.serialise import Op
+from netproxy.core.model import Changes
+
+from .nft_helpers import backend, fresh_dumps, mixed_snapshot
+
+
+def _one_by_one(ops: List[Op]) -> List[Op]:
+    return [(v, f, item) for v, f, o in ops for item in (o.items if isinstance(o, Elements) else (o,))]
+
+
+def _full_ops() -> List[Op]:
+    b, _ = backend()
+    b.sync(mixed_snapshot(), Changes())
+    assert b.last_transaction is not None
+    return b.last_transaction.ops
+
+
+def test_a_full_sync_carries_one_element_operation_per_set() -> None:
+    b, _ = backend()
+    b.sync(mixed_snapshot(), Changes())
+    tx = b.last_transaction
+    assert tx is not None
+    # The table stamps are added one by one after the transaction is built (put_stamp).
+    assert {o.set for _, _, o in tx.phases["elements"] if not isinstance(o, Elements)} == {names.STAMP}
+    groups = [op for op in tx.phases["elements"] if isinstance(op[2], Elements)]
+    assert groups and all(o.items for _, _, o in groups)
+    assert len({(f, o.set) for _, f, o in groups}) == len(groups), "one operation per family and set"
+    assert all(item.set == o.set for _, _, o in groups for item in o.items)
+    runs = [item for _, _, o in groups for item in o.items if isinstance(item, ElementRun)]
+    assert len(runs) >= 4, "the endpoint runs of web, dns, sticky and v6"
+
+
+def test_groups_encode_and_serialise_as_their_elements_one_by_one() -> None:
+    ops = _full_ops()
+    flat = _one_by_one(ops)
+    assert len(flat) > len(ops)
+    grouped = list(encode.Encoder().messages(ops))
+    single = list(encode.Encoder().messages(flat))
+    assert [m for m, _ in grouped] == [m for m, _ in single]
+    # A refused message names an element, never the whole group (netlink.py prints it).
+    assert [op for _, op in grouped] == [op for _, op in single]
+    assert serialise.ops_text(ops) == serialise.ops_text(flat)
+
+
+def test_the_fake_applies_a_group_as_its_elements() -> None:
+    snapshot = mixed_snapshot()
+    b, fake = backend()
+    b.sync(snapshot, Changes())
+    _, flat_fake = backend()
+    flat_fake.apply(_one_by_one(_full_ops()))
+    for fam in ("ip", "ip6"):
+        assert fake.dump(fam) == flat_fake.dump(fam) == fresh_dumps(snapshot)[fam]
