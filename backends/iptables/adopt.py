@@ -25,7 +25,6 @@ Pure: the backend reads and writes the stamp through its writer's ``save``/``res
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import re
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
@@ -35,6 +34,7 @@ from netproxy.backends.iptables.assemble import JUMPS, TABLES
 from netproxy.backends.iptables.diff import STALE_EXACT, KernelTable, TableChange
 from netproxy.backends.iptables.kernel.stamp import GENERATION_KEY, Stamp
 from netproxy.backends.iptables.tree import Chains, Rule
+from netproxy.core import hashes as hashlib  # hashlib's hashes without OpenSSL (core/hashes.py)
 from netproxy.core.config import ProxyConfig
 from netproxy.core.model import NodeInfo
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import shlex
 from dataclasses import dataclass, field
 from typing import AbstractSet, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
@@ -30,6 +29,7 @@ from netproxy.backends.iptables.diff import KernelTable, TableChange
 from netproxy.backends.iptables.kernel import Counts
 from netproxy.backends.iptables.kernel.stamp import GENERATION_KEY, Expected, Stamp
 from netproxy.backends.iptables.payload import ChainTextCache, restore_chunks, rule_line
+from netproxy.core import hashes as hashlib  # hashlib's hashes without OpenSSL (core/hashes.py)
 
 Rule = Tuple[str, ...]
 

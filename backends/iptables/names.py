@@ -8,9 +8,9 @@ recomputing sha256 for every service on every sync cost 1.1 s at 10k services (d
 from __future__ import annotations
 
 import base64
-import hashlib
 from typing import Any, Dict, Tuple
 
+from netproxy.core import hashes as hashlib  # hashlib's hashes without OpenSSL (core/hashes.py)
 from netproxy.core.model import ServicePortName
 
 MAX_CHAIN_LEN = 28

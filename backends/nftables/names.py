@@ -9,9 +9,9 @@ can end a name or a quoted comment early.
 
 from __future__ import annotations
 
-import hashlib
 import re
 
+from netproxy.core import hashes as hashlib  # hashlib's hashes without OpenSSL (core/hashes.py)
 from netproxy.core.model import ServicePortName
 
 TABLE = "netproxy"

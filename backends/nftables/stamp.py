@@ -31,7 +31,6 @@ Two kinds:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import ipaddress
 import marshal
 import operator
@@ -42,6 +41,7 @@ from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from netproxy.backends.nftables import names, render
 from netproxy.backends.nftables.objects import Element
+from netproxy.core import hashes as hashlib  # hashlib's hashes without OpenSSL (core/hashes.py)
 from netproxy.core.config import ProxyConfig
 from netproxy.core.model import Endpoint, NodeInfo, ServicePort, ServicePortName
 

@@ -16,8 +16,9 @@ not, so a reused object is judged against the others exactly as a fresh one.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Dict, Generic, Optional, TypeVar
+
+from netproxy.core import hashes as hashlib  # hashlib's hashes without OpenSSL (core/hashes.py)
 
 T = TypeVar("T")
 

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import logging
 import os
 import socket
 import struct
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+from netproxy.core import hashes as hashlib  # hashlib's hashes without OpenSSL (core/hashes.py)
 
 TABLE_NAME_LEN = 32
 log = logging.getLogger(__name__)
