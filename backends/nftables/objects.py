@@ -8,7 +8,7 @@ turns these objects into libnftables input, :mod:`encode` into netlink messages.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Tuple, Union
+from typing import Any, Iterable, NamedTuple, Optional, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -80,21 +80,50 @@ class Element(NamedTuple):
     """Its own timeout in seconds (elements the kernel added to a map with no default timeout)."""
 
 
-class ElementRun(NamedTuple):
+class _RunFields(NamedTuple):
+    set: str
+    prefix: str
+    packed: str
+    """The values joined by newlines (no value text holds one): see :class:`ElementRun`."""
+
+
+_SEP = "\n"
+
+
+class ElementRun(_RunFields):
     """The elements ``<prefix> . 0 : values[0]``, ``<prefix> . 1 : values[1]``, ... of one map.
 
     How a service address's endpoint list travels: one object instead of one per endpoint (110k
-    Element objects were a third of a 10k-service render); the serialiser expands it.
+    Element objects were a third of a 10k-service render); the serialiser expands it.  Its values
+    are kept as one string, made into a tuple when asked for: a tuple of one string per endpoint
+    was ~80 bytes an endpoint more (5 MB of the record at 10k services x 10, alive at the write).
+    Made, compared and replaced by its values as a plain named tuple of (set, prefix, values) was.
     """
 
-    set: str
-    prefix: str
-    values: Tuple[str, ...]
+    __slots__ = ()
+
+    def __new__(cls, set: str, prefix: str, values: Iterable[str]) -> ElementRun:
+        return super().__new__(cls, set, prefix, _SEP.join(values))
+
+    def __getnewargs__(self) -> Tuple[str, str, Tuple[str, ...]]:
+        return (self.set, self.prefix, self.values)
+
+    def _replace(self, *, set: Optional[str] = None, prefix: Optional[str] = None,
+                 packed: Optional[str] = None, values: Optional[Iterable[str]] = None) -> ElementRun:
+        """As a named tuple's, with ``values`` (``packed`` as the field itself)."""
+        if values is not None:
+            packed = _SEP.join(values)
+        return _RunFields.__new__(ElementRun, self.set if set is None else set,
+                                  self.prefix if prefix is None else prefix, self.packed if packed is None else packed)
+
+    @property
+    def values(self) -> Tuple[str, ...]:
+        return tuple(self.packed.split(_SEP)) if self.packed else ()
 
     @property
     def indexed(self) -> bool:
         """False for one endpoint: its map draws nothing, so its only element is ``<prefix> : value``."""
-        return len(self.values) > 1
+        return _SEP in self.packed
 
     def elements(self) -> Tuple[Element, ...]:
         """One :class:`Element` per endpoint (the slow path: the serialisers expand runs themselves)."""

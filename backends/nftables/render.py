@@ -161,7 +161,7 @@ class _Port:
             # and map, and the record keeps each copy (1.4 MB of a 10k-service render).
             verdict = intern(f"goto {pick.chain}")
             if choices:
-                self.out.runs[("main", key)] = ElementRun(intern(pick.map), run_prefix, tuple(v for v, _ in choices))
+                self.out.runs[("main", key)] = ElementRun(intern(pick.map), run_prefix, [v for v, _ in choices])
             if sticky:
                 record = Record(self.proto, self.svc.affinity_timeout)
                 self.uses[key].append(record)
@@ -175,7 +175,7 @@ class _Port:
         pick = Pick(EXEMPT, self.proto, len(choices), nodeport, self.svc.client_ip_affinity)
         self.uses.setdefault(key, []).append(pick)
         self.put(names.EXEMPT_NODEPORTS if nodeport else names.EXEMPT_IPS, key, intern(f"goto {pick.chain}"))
-        self.out.runs[("exempt", key)] = ElementRun(intern(pick.map), run_prefix, tuple(v for v, _ in choices))
+        self.out.runs[("exempt", key)] = ElementRun(intern(pick.map), run_prefix, [v for v, _ in choices])
 
     def affinity_chain(self, kind: str) -> str:
         """The per-service ClientIP affinity chain for ``kind`` (built once)."""

@@ -4,6 +4,8 @@ must read a group exactly as the elements one by one (docs/performance.md, the s
 
 from __future__ import annotations
 
+import copy
+import pickle
 from typing import List
 
 from netproxy.backends.nftables import encode, names, serialise
@@ -60,3 +62,18 @@ def test_the_fake_applies_a_group_as_its_elements() -> None:
     flat_fake.apply(_one_by_one(_full_ops()))
     for fam in ("ip", "ip6"):
         assert fake.dump(fam) == flat_fake.dump(fam) == fresh_dumps(snapshot)[fam]
+
+
+def test_a_run_keeps_its_values_as_one_string_and_behaves_as_the_tuple_did() -> None:
+    values = ("10.1.0.1 . 8080", "10.1.0.2 . 8080", "10.1.0.3 . 8080")
+    run = ElementRun("eps", "10.96.0.10 . 80", values)
+    assert run.values == values and run.indexed and type(run.packed) is str
+    assert run == ElementRun("eps", "10.96.0.10 . 80", list(values)) and hash(run) == hash(ElementRun(*run[:2], values))
+    assert run != ElementRun("eps", "10.96.0.10 . 80", values[:2])
+    one = ElementRun("eps", "10.96.0.10 . 80", values[:1])
+    assert one.values == values[:1] and not one.indexed and ElementRun("eps", "p", ()).values == ()
+    moved = run._replace(values=values[::-1])
+    assert moved.values == values[::-1] and (moved.set, moved.prefix) == (run.set, run.prefix)
+    assert run._replace(prefix="10.96.0.11 . 80").values == values
+    assert copy.deepcopy(run) == run and pickle.loads(pickle.dumps(run)) == run
+    assert [e.key for e in run.elements()] == [f"10.96.0.10 . 80 . {i}" for i in range(3)]
