@@ -152,6 +152,7 @@ def new_v4(number: int) -> ipaddress.IPv4Address:
 
 
 _NEW_V4 = object.__new__
+_NEW_TUPLE = tuple.__new__
 
 
 @functools.lru_cache(maxsize=1 << 18)
@@ -265,25 +266,70 @@ class ServicePort:
         return self.cluster_ips + self.external_ips + self.load_balancer_ips
 
 
-class Endpoint(NamedTuple):
+READY, SERVING, TERMINATING = 4, 2, 1
+"""The bits of :attr:`Endpoint.conditions`."""
+
+
+def conditions(ready: bool, serving: bool, terminating: bool) -> int:
+    """An endpoint's three conditions as :attr:`Endpoint.conditions`' bits (0..7: a cached small int)."""
+    return (READY if ready else 0) | (SERVING if serving else 0) | (TERMINATING if terminating else 0)
+
+
+class _EndpointFields(NamedTuple):
+    ip: IPAddress
+    port: int
+    conditions: int
+    """``READY | SERVING | TERMINATING``, as far as they hold (:func:`conditions`)."""
+    node_name: Optional[str]
+    zone: Optional[str]
+    hints: Tuple[Tuple[str, ...], ...]
+    """``()``, or (``zone_hints``, ``node_hints``) when either is set."""
+
+
+class Endpoint(_EndpointFields):
     """One backend of a service port: an address and a (resolved) port.
 
     A named tuple rather than a frozen dataclass: a cluster has 100k of them, and a frozen slotted
     dataclass's ``__init__`` (one ``object.__setattr__`` per field) cost five times a tuple's
     construction — a fifth of converting an EndpointSlice list.  Immutable, hashable and ordered by
-    its fields all the same."""
+    its fields all the same.  Six fields, made and read as the nine they stand for (the three
+    conditions as bits of one small int, the two hint lists as one field, empty for nearly every
+    endpoint): 24 bytes an endpoint less (2.3 MB at 10k services x 10, 6 MB at the mixed cluster)."""
 
-    ip: IPAddress
-    port: int
-    ready: bool = True
-    serving: bool = True
-    terminating: bool = False
-    node_name: Optional[str] = None
-    zone: Optional[str] = None
-    zone_hints: Tuple[str, ...] = ()
-    """EndpointSlice ``hints.forZones``: the zones whose nodes should route to this endpoint."""
-    node_hints: Tuple[str, ...] = ()
-    """EndpointSlice ``hints.forNodes`` (KEP-3015, PreferSameNode): the nodes that should route to it."""
+    __slots__ = ()
+
+    def __new__(cls, ip: IPAddress, port: int, ready: bool = True, serving: bool = True, terminating: bool = False,
+                node_name: Optional[str] = None, zone: Optional[str] = None, zone_hints: Tuple[str, ...] = (),
+                node_hints: Tuple[str, ...] = ()) -> Endpoint:
+        return _NEW_TUPLE(cls, (ip, port, conditions(ready, serving, terminating), node_name, zone,
+                                (zone_hints, node_hints) if zone_hints or node_hints else ()))
+
+    def __getnewargs__(self) -> Tuple[IPAddress, int, bool, bool, bool, Optional[str], Optional[str],
+                                      Tuple[str, ...], Tuple[str, ...]]:
+        return (self.ip, self.port, self.ready, self.serving, self.terminating, self.node_name, self.zone,
+                self.zone_hints, self.node_hints)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.conditions & READY)
+
+    @property
+    def serving(self) -> bool:
+        return bool(self.conditions & SERVING)
+
+    @property
+    def terminating(self) -> bool:
+        return bool(self.conditions & TERMINATING)
+
+    @property
+    def zone_hints(self) -> Tuple[str, ...]:
+        """EndpointSlice ``hints.forZones``: the zones whose nodes should route to this endpoint."""
+        return self.hints[0] if self.hints else ()
+
+    @property
+    def node_hints(self) -> Tuple[str, ...]:
+        """EndpointSlice ``hints.forNodes`` (KEP-3015, PreferSameNode): the nodes that should route to it."""
+        return self.hints[1] if self.hints else ()
 
     def __str__(self) -> str:
         if self.ip.version == 6:
@@ -328,8 +374,7 @@ class EndpointSet:
             out: List[Endpoint] = []
             for p in self.ports:
                 if p.name == port_name and p.protocol == protocol:
-                    out.extend(Endpoint(e.ip, p.port, e.ready, e.serving, e.terminating, e.node_name, e.zone,
-                                        e.zone_hints, e.node_hints) for e in self.endpoints)
+                    out.extend(_NEW_TUPLE(Endpoint, (e.ip, p.port, *e[2:])) for e in self.endpoints)
             hit = cache[key] = tuple(out)
         return hit
 

@@ -20,6 +20,8 @@ from netproxy.core.model import (
     AFFINITIES,
     DEFAULT_AFFINITY_TIMEOUT,
     MAX_AFFINITY_TIMEOUT,
+    READY,
+    SERVING,
     TRAFFIC_POLICIES,
     Endpoint,
     EndpointSet,
@@ -371,12 +373,13 @@ def _plain_v4_endpoints(raw_eps: List[Any], port: int, out: List[Endpoint], star
         if type(addrs) is not list or len(addrs) != 1 or "hints" in e:
             return i
         if cond is None:
-            ready, serving, terminating = True, True, False  # the API's defaults (see _slice_endpoint)
+            bits = READY | SERVING  # the API's defaults (see _slice_endpoint)
         elif type(cond) is dict:
             ready, serving, terminating = cond.get("ready", True), cond.get("serving", True), \
                 cond.get("terminating", False)
             if type(ready) is not bool or type(serving) is not bool or type(terminating) is not bool:
                 return i
+            bits = (ready << 2) | (serving << 1) | terminating  # model.conditions(), inlined
         else:
             return i
         node, zone = e.get("nodeName"), e.get("zone")
@@ -400,8 +403,7 @@ def _plain_v4_endpoints(raw_eps: List[Any], port: int, out: List[Endpoint], star
             return i
         if ntop(inet, packed) != addr:
             return i
-        out.append(_NEW(Endpoint, (v4(from_bytes(packed, "big")), port, ready, serving, terminating, node, zone,
-                                   (), ())))
+        out.append(_NEW(Endpoint, (v4(from_bytes(packed, "big")), port, bits, node, zone, ())))
     return len(raw_eps)
 
 

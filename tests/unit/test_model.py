@@ -248,3 +248,26 @@ def test_snapshot_build_and_lookup() -> None:
 def test_changes_everything_is_full() -> None:
     assert Changes.everything() == Changes(full=True, services=frozenset())
     assert Changes().full
+
+
+def test_an_endpoint_is_six_fields_made_and_read_as_nine() -> None:
+    """Endpoint keeps its conditions as bits of one int and its two hint lists as one field (24 bytes
+    an endpoint: docs/performance.md, the seventh pass), made and read as the nine fields it stands for."""
+    import copy
+    import itertools
+    import pickle
+
+    from netproxy.core.model import Endpoint
+
+    ip = ipaddress.ip_address("10.1.0.1")
+    for ready, serving, terminating in itertools.product((True, False), repeat=3):
+        for zone_hints, node_hints in (((), ()), (("z1",), ()), ((), ("n1", "n2")), (("z1", "z2"), ("n1",))):
+            e = Endpoint(ip, 80, ready=ready, serving=serving, terminating=terminating, node_name="n", zone="z",
+                         zone_hints=zone_hints, node_hints=node_hints)
+            assert (e.ready, e.serving, e.terminating) == (ready, serving, terminating)
+            assert (e.zone_hints, e.node_hints, e.node_name, e.zone) == (zone_hints, node_hints, "n", "z")
+            assert len(e) == 6 and type(e.conditions) is int and 0 <= e.conditions <= 7
+            assert e == Endpoint(ip, 80, ready, serving, terminating, "n", "z", zone_hints, node_hints)
+            assert pickle.loads(pickle.dumps(e)) == e and copy.deepcopy(e) == e
+    assert Endpoint(ip, 80).hints == () and (Endpoint(ip, 80).ready, Endpoint(ip, 80).serving) == (True, True)
+    assert Endpoint(ip, 80, ready=False) < Endpoint(ip, 80), "ordered by its conditions as the three booleans were"
