@@ -8,12 +8,15 @@ import copy
 import pickle
 from typing import List
 
+import pytest
+
 from netproxy.backends.nftables import encode, names, serialise
 from netproxy.backends.nftables.objects import ElementRun, Elements
 from netproxy.backends.nftables.serialise import Op
+from netproxy.core.config import ProxyConfig
 from netproxy.core.model import Changes
 
-from .nft_helpers import backend, fresh_dumps, mixed_snapshot
+from .nft_helpers import backend, eps, fresh_dumps, mixed_snapshot, snap, svc
 
 
 def _one_by_one(ops: List[Op]) -> List[Op]:
@@ -77,3 +80,17 @@ def test_a_run_keeps_its_values_as_one_string_and_behaves_as_the_tuple_did() -> 
     assert run._replace(prefix="10.96.0.11 . 80").values == values
     assert copy.deepcopy(run) == run and pickle.loads(pickle.dumps(run)) == run
     assert [e.key for e in run.elements()] == [f"10.96.0.10 . 80 . {i}" for i in range(3)]
+
+
+def test_ports_without_chains_of_their_own_share_one_read_only_empty_mapping() -> None:
+    b, _ = backend(ProxyConfig(hostname="node-a", ipv6_affinity="sets"))
+    b.sync(snap((svc("web", "10.96.0.10"), eps("10.1.0.1")), (svc("v6", "fd00::10"), eps("fd01::1")),
+                (svc("s6", "fd00::20", affinity=True), eps("fd01::5", "fd01::6"))), Changes())
+    assert b._state is not None
+    objs = {str(n): e.objects for n, e in b._state.entries.items()}
+    plain, v6, sticky = objs["ns/web:http"]["ip"], objs["ns/v6:http"]["ip6"], objs["ns/s6:http"]["ip6"]
+    assert plain.chains is v6.chains and plain.sets is v6.sets and not plain.chains and not plain.sets
+    with pytest.raises(TypeError):
+        plain.chains["x"] = ()  # type: ignore[index]
+    # IPv6 ClientIP affinity as per-service sets (nft < 1.1): its own chain and sets.
+    assert sticky.chains and len(sticky.sets) == 2 and not v6.chains
