@@ -23,7 +23,7 @@ from netproxy.backends.iptables.diff import KernelTable, TableChange, full_chang
 from netproxy.backends.iptables.ipset import Ipsets, KernelIpsets
 from netproxy.backends.iptables.kernel import Writer, create
 from netproxy.backends.iptables.kernel.restore import supports_random_fully
-from netproxy.backends.iptables.kernel.stamp import Stamp
+from netproxy.backends.iptables.kernel.stamp import Stamp, stamp_value
 from netproxy.backends.iptables.payload import plan_text, table_text
 from netproxy.backends.iptables.render import Chains, FamilyRuleset, Rule, ServiceRules, render_service
 from netproxy.backends.iptables.sets import SetKeeper
@@ -229,21 +229,11 @@ class IptablesBackend:
         self._node = snapshot.node
         # A first (or after-failure) full sync always writes: read the kernel before rendering, so
         # that its table blob (30 MB at 10k services) is gone before the render's objects arrive.
-        read: Dict[int, Union[Dict[str, KernelTable], BackendError]] = {}
         early = self._early_stamps(snapshot.node) if fresh and self.config.iptables_flavour == "nft" else {}
-        if self._need_full:
-            # A new process on legacy tables: their fingerprints from the same read, for its stamp's check.
-            prints = fresh and self.config.iptables_flavour == "legacy"
-            for family in FAMILIES:
-                if family in early:  # iptables-nft, stamp and generation hold: the stamp says what is there
-                    read[family] = adopt.as_read(early[family])
-                    continue
-                try:
-                    read[family] = self.kernel.read(family, fingerprint=prints)
-                except BackendError as exc:
-                    read[family] = exc
+        legacy = self._legacy_stamps(snapshot.node) if fresh and self.config.iptables_flavour == "legacy" else {}
+        read = self._read_kernel(early, legacy) if self._need_full else {}
         desired, rerendered = self._render(snapshot)
-        adopted = self._adopt(snapshot.node, desired, read, early) if fresh else {}
+        adopted = self._adopt(snapshot.node, desired, read, early, legacy) if fresh else {}
         nft = self.config.iptables_flavour == "nft"
         # iptables-nft: the generation before our writes, so that the stamp vouches only for them.
         before = self._generation() if full and nft else None
@@ -292,6 +282,25 @@ class IptablesBackend:
         return SyncResult(full=full, services_written=len(snapshot.services) if full else rerendered,
                           bytes_written=total, rules_owned=_rule_counts(self._written),
                           rules_written=tuple(sorted((f, t, n) for (f, t), n in self._rules_written.items())))
+
+    def _read_kernel(self, early: Mapping[int, adopt.KernelStamp],
+                     legacy: Mapping[int, Union[adopt.KernelStamp, adopt.NotAdoptable]]
+                     ) -> Dict[int, Union[Dict[str, KernelTable], BackendError]]:
+        """A full sync's read of each family's tables (or why not), before the render (``early``:
+        :meth:`_early_stamps`, ``legacy``: :meth:`_legacy_stamps`)."""
+        read: Dict[int, Union[Dict[str, KernelTable], BackendError]] = {}
+        for family in FAMILIES:
+            if family in early:  # iptables-nft, stamp and generation hold: the stamp says what is there
+                read[family] = adopt.as_read(early[family])
+                continue
+            # A new process on legacy tables whose stamp may hold: their fingerprints from the same
+            # read, for its check (a stale or missing stamp: not worth the walk's masking and hash).
+            prints = isinstance(legacy.get(family), adopt.KernelStamp)
+            try:
+                read[family] = self.kernel.read(family, fingerprint=prints)
+            except BackendError as exc:
+                read[family] = exc
+        return read
 
     def _changed(self, desired: Dict[int, FamilyRuleset]) -> bool:
         """Whether a full sync would write other rules than those of our last write."""
@@ -418,12 +427,33 @@ class IptablesBackend:
             out[family] = found
         return out
 
+    def _legacy_stamps(self, node: NodeInfo) -> Dict[int, Union[adopt.KernelStamp, adopt.NotAdoptable]]:
+        """Legacy, a new process, before the full sync's read: per family, its stamp if it parses, is
+        this config's and its nat and filter headers are the tables' now (``adopt.check_headers``),
+        else why not.  Only a family whose stamp may hold has its tables fingerprinted as they are
+        read: a stale stamp (a foreign chain, a partial write since) is known from the headers, without
+        masking and hashing a blob of ~250 MB at 100k services; the stamp is read once, here."""
+        if self._random_fully is None:
+            self._random_fully = supports_random_fully(self.config.iptables_flavour)
+        config = self._config_digest(node)
+        out: Dict[int, Union[adopt.KernelStamp, adopt.NotAdoptable]] = {}
+        for family in FAMILIES:
+            try:
+                found = self._read_stamp(family)
+                adopt.check_headers(found, config, [self.kernel.header(family, t) for t in TABLES])
+            except adopt.NotAdoptable as exc:
+                out[family] = exc  # _adopt says why, if the tables can be read at all
+                continue
+            out[family] = found
+        return out
+
     def _adopt(self, node: NodeInfo, desired: Dict[int, FamilyRuleset],
                read: Dict[int, Union[Dict[str, KernelTable], BackendError]],
-               early: Mapping[int, adopt.KernelStamp]) -> Dict[int, List[TableChange]]:
+               early: Mapping[int, adopt.KernelStamp],
+               legacy: Mapping[int, Union[adopt.KernelStamp, adopt.NotAdoptable]]) -> Dict[int, List[TableChange]]:
         """Per family whose stamp holds: the changes that turn its tables into ``desired`` (only the
         chains that differ).  A family missing here is rewritten whole, as before adoption (read now
-        if :meth:`_early_stamps` spared its read)."""
+        if :meth:`_early_stamps` spared its read).  ``legacy``: :meth:`_legacy_stamps`."""
         out: Dict[int, List[TableChange]] = {}
         flavour = self.config.iptables_flavour
         config = self._config_digest(node)
@@ -433,7 +463,10 @@ class IptablesBackend:
             if not isinstance(kernel, dict):
                 continue  # unreadable: the full sync reports (or skips) it as before
             try:
-                found = early.get(family) or self._read_stamp(family)
+                pre = legacy.get(family)
+                if isinstance(pre, adopt.NotAdoptable):
+                    raise pre
+                found = early.get(family) or pre or self._read_stamp(family)
                 now = generation if flavour == "nft" else self._fingerprints(family, kernel)
                 adopt.check(found, config, adopt.validator(flavour, now, family))
                 chains = {t: desired[family].chains(t) for t in TABLES}
@@ -468,13 +501,16 @@ class IptablesBackend:
         """Legacy: the tables' fingerprints from the full sync's read (one walk of each blob, not two),
         if the tables' headers still are what they were then (any write since, but a same-size edit in
         that second, changes a header); otherwise read now."""
-        prints = {(family, t): kernel[t].fingerprint for t in TABLES if t in kernel}
-        if len(prints) != len(TABLES) or any(p is None for p in prints.values()):
-            return self.kernel.stamp((family,))
+        prints: Stamp = {}
+        for table in TABLES:
+            got = kernel.get(table)
+            if got is None or got.fingerprint is None or got.header is None:
+                return self.kernel.stamp((family,))
+            prints[(family, table)] = stamp_value(got.fingerprint, got.header)
         moved = [t for t in TABLES if self.kernel.header(family, t) != kernel[t].header]
         if moved:
             raise adopt.NotAdoptable(f"the {moved[0]} table changed while netproxy read it")
-        return {k: p for k, p in prints.items() if p is not None}
+        return prints
 
     def _write_stamps(self, node: NodeInfo, generation: Optional[int]) -> None:
         """Stamp every family we hold whose stamp is not current (``generation``: iptables-nft's, now,

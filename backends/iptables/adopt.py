@@ -12,8 +12,11 @@ comment (a comment holds at most 255 bytes).
 - *config*: netproxy's version, this format and every setting that shapes the rules (all but the
   run-time ones), the node, and whether MASQUERADE takes ``--random-fully`` here;
 - *validator*: what proves that nat and filter are still exactly what the stamp describes.  Legacy
-  tables: the fingerprint of both (``kernel/stamp.py``: the table blob with counters masked) taken
-  right after netproxy's write, checked against the rule counts it wrote; the stamp lives outside
+  tables: ``fp:<digest>/<headers>``, a digest of both tables' fingerprints (``kernel/stamp.py``: the
+  table blob with counters masked) taken right after netproxy's write, checked against the rule
+  counts it wrote, then a digest of their headers from the same reads (``ipt_getinfo``: entry count,
+  size, hook offsets), which a new process compares before it reads the blobs: headers that differ
+  mean a stale stamp without the fingerprint's walk of the blob (format 2); the stamp lives outside
   those tables, so writing it does not change them.  iptables-nft: the nf_tables generation the
   stamp's own commits leave (the one read before them plus their number);
 - *n* and *sum*: the number of chain digests and a digest over them all, so that a stamp cut short
@@ -27,12 +30,12 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from netproxy.backends.iptables import names, save
 from netproxy.backends.iptables.assemble import JUMPS, TABLES
 from netproxy.backends.iptables.diff import STALE_EXACT, KernelTable, TableChange
-from netproxy.backends.iptables.kernel.stamp import GENERATION_KEY, Stamp
+from netproxy.backends.iptables.kernel.stamp import GENERATION_KEY, Stamp, header_of
 from netproxy.backends.iptables.tree import Chains, Rule
 from netproxy.core import hashes as hashlib  # hashlib's hashes without OpenSSL (core/hashes.py)
 from netproxy.core.config import ProxyConfig
@@ -40,8 +43,10 @@ from netproxy.core.model import NodeInfo
 
 STAMP_TABLE = names.STAMP_TABLE
 STAMP_CHAIN = names.STAMP_CHAIN
-FORMAT = 1
-"""Bumped whenever what a digest covers changes without the rules showing it."""
+FORMAT = 2
+"""Bumped whenever what a digest covers changes without the rules showing it, or what the stamp
+says changes (2: the legacy validator carries the tables' headers; a stamp of format 1 is not
+adopted: the first start after the upgrade rewrites everything)."""
 _DIGEST = 12
 """Hex digits of a chain's digest (48 bits): a changed chain taken for unchanged is a 2^-48 chance."""
 _TABLE_CODE = {"nat": "n", "filter": "f"}
@@ -119,10 +124,16 @@ def validator(flavour: str, now: Optional[Stamp], family: int) -> Optional[str]:
     if flavour == "nft":
         gen = now.get(GENERATION_KEY)
         return None if gen is None else f"gen:{int.from_bytes(gen, 'big')}"
-    parts = [now.get((family, t)) for t in TABLES]
-    if any(p is None for p in parts):
+    parts = [p for p in (now.get((family, t)) for t in TABLES) if p is not None]
+    if len(parts) != len(TABLES):
         return None
-    return "fp:" + hashlib.blake2b(b"".join(p for p in parts if p is not None), digest_size=8).hexdigest()
+    return "fp:" + hashlib.blake2b(b"".join(parts), digest_size=8).hexdigest() + "/" + \
+        _headers([header_of(p) for p in parts])
+
+
+def _headers(headers: Sequence[bytes]) -> str:
+    """The legacy validator's second part: nat's and filter's headers, hashed."""
+    return hashlib.blake2b(b"".join(headers), digest_size=6).hexdigest()
 
 
 def stamp_rules(config: str, valid: str, digests: Mapping[str, Mapping[str, str]]) -> Tuple[Rule, ...]:
@@ -196,11 +207,31 @@ def parse(saved: str) -> KernelStamp:
     return KernelStamp(head.group("config"), head.group("validator"), chains)
 
 
-def check(found: KernelStamp, config: str, valid: Optional[str]) -> None:
-    """NotAdoptable unless the stamp was made with this config and its validator holds now."""
+def _check_config(found: KernelStamp, config: str) -> None:
     if found.config != config:
         raise NotAdoptable(f"the stamp was written by another netproxy version, configuration or node "
                            f"(config {found.config}, this process {config})")
+
+
+def check_headers(found: KernelStamp, config: str, headers: Sequence[Optional[bytes]]) -> None:
+    """Legacy, before the tables are read: NotAdoptable unless the stamp was made with this config and
+    nat's and filter's headers now (``headers``, in TABLES order; None: unreadable) are those its
+    fingerprints were taken with.  Cheap (one ``IPT_SO_GET_INFO`` per table): a stamp that fails
+    here is stale without reading, masking and hashing the blobs (~1 s at 100k services); one that
+    passes is judged by :func:`check` with the fingerprints (a same-size edit keeps the headers)."""
+    _check_config(found, config)
+    _, _, stamped = found.validator.partition("/")
+    if not found.validator.startswith("fp:") or not stamped:
+        raise NotAdoptable(f"the stamp has no legacy tables' headers (validator {found.validator})")
+    now = [h for h in headers if h is not None]
+    if len(now) != len(TABLES) or _headers(now) != stamped:
+        raise NotAdoptable("the tables changed since netproxy stamped them (their headers — entry counts, sizes — "
+                           "differ from the stamp's)")
+
+
+def check(found: KernelStamp, config: str, valid: Optional[str]) -> None:
+    """NotAdoptable unless the stamp was made with this config and its validator holds now."""
+    _check_config(found, config)
     if valid is None:
         raise NotAdoptable("the tables' fingerprint or generation cannot be read")
     if found.validator != valid:

@@ -27,7 +27,7 @@ from netproxy.backends.base import SyncError
 from netproxy.backends.iptables.assemble import TABLES
 from netproxy.backends.iptables.diff import KernelTable, TableChange
 from netproxy.backends.iptables.kernel import Counts
-from netproxy.backends.iptables.kernel.stamp import GENERATION_KEY, Expected, Stamp
+from netproxy.backends.iptables.kernel.stamp import GENERATION_KEY, Expected, Stamp, stamp_value
 from netproxy.backends.iptables.payload import ChainTextCache, restore_chunks, rule_line
 from netproxy.core import hashes as hashlib  # hashlib's hashes without OpenSSL (core/hashes.py)
 
@@ -243,6 +243,9 @@ class FakeIptables:
         self.commits: List[Commit] = []
         """Every committed block, in order."""
         self.reads = 0
+        self.fingerprinted: List[Tuple[str, int]] = []
+        """Every fingerprinting read of a family's tables, in order: ("read", family) for :meth:`read`
+        with ``fingerprint``, ("stamp", family) for :meth:`stamp` (legacy)."""
         self.fail_next: Optional[str] = None
         """Refuse the next payload whatever it holds, naming this line (a kernel that says no)."""
         self.misdirected = False
@@ -270,12 +273,20 @@ class FakeIptables:
         self.reads += 1
         tables = {t: self._kernel_table(family, t) for t in TABLES}
         if fingerprint and self.flavour == "legacy" and self.stamps:
-            tables = {t: dataclasses.replace(k, fingerprint=self._print(family, t), header=self._print(family, t))
+            tables = {t: dataclasses.replace(k, fingerprint=self._print(family, t), header=self._header(family, t))
                       for t, k in tables.items()}
+            self.fingerprinted.append(("read", family))
         return tables
 
     def header(self, family: int, table: str) -> Optional[bytes]:
-        return self._print(family, table) if self.flavour == "legacy" else None
+        return self._header(family, table) if self.flavour == "legacy" else None
+
+    def _header(self, family: int, table: str) -> bytes:
+        """This fake's ``ipt_getinfo``: as the kernel's, it moves with the number of chains and rules and
+        their size, not with a rule edited to another of the same length (``iptables -R``)."""
+        chains = self.tables.get((family, table), {})
+        size = sum(len(c) for c in chains) + sum(len("\0".join(r)) for rules in chains.values() for r in rules)
+        return f"{len(chains)} {sum(len(r) for r in chains.values())} {size}".encode()
 
     def _print(self, family: int, table: str) -> bytes:
         """This fake's fingerprint of a table (what :meth:`stamp` gives for it)."""
@@ -300,7 +311,8 @@ class FakeIptables:
             held = self.tables.get((f, t), {})
             if any(c not in held or len(held[c]) != n for c, n in counts.items()):
                 return None
-        return {(f, t): self._print(f, t) for f in families for t in TABLES}
+        self.fingerprinted += [("stamp", f) for f in families]
+        return {(f, t): stamp_value(self._print(f, t), self._header(f, t)) for f in families for t in TABLES}
 
     def counts(self, family: int, table: str) -> Counts:
         if (family, table) not in self.tables:

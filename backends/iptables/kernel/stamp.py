@@ -32,7 +32,10 @@ TABLE_NAME_LEN = 32
 log = logging.getLogger(__name__)
 
 Stamp = Dict[Tuple[int, str], bytes]
-"""(family, table) → fingerprint of that kernel table."""
+"""(family, table) → that kernel table's stamp value: on legacy tables :func:`stamp_value` (the
+fingerprint's digest, then the table's header); on iptables-nft the generation (:data:`GENERATION_KEY`)."""
+DIGEST_SIZE = 32
+"""Bytes of a fingerprint's digest: the start of a legacy stamp value; the header follows."""
 Expected = Mapping[Tuple[int, str], Mapping[str, int]]
 """(family, table) → chain → rule count: what a fingerprinted table must hold to be trusted."""
 
@@ -133,6 +136,8 @@ class Table:
 
     digest: bytes
     chains: Dict[str, int]
+    header: bytes
+    """The table's ``ipt_getinfo`` from the same read (as :func:`TableRead`'s ``header``)."""
 
 
 BLOB_TRIES = 20
@@ -244,7 +249,7 @@ def read_table(family: int, table: str, fingerprint: bool = False) -> TableRead:
     if fingerprint:
         if entries != head[-2]:
             raise ValueError(f"walked {entries} entries, the kernel counts {head[-2]}")
-        hashed = hashlib.blake2b(repr(head[1:]).encode(), digest_size=32)  # as table_fingerprint()
+        hashed = hashlib.blake2b(repr(head[1:]).encode(), digest_size=DIGEST_SIZE)  # as table_fingerprint()
         hashed.update(memoryview(buf)[_ENTRIES_HEADER:])
         digest = hashed.digest()
     return TableRead(names, jumps, digest, _GETINFO.pack(*head))
@@ -257,9 +262,22 @@ def table_fingerprint(family: int, table: str) -> Table:
     entries, chains = mask(buf, family, _ENTRIES_HEADER)
     if entries != head[-2]:
         raise ValueError(f"walked {entries} entries, the kernel counts {head[-2]}")
-    digest = hashlib.blake2b(repr(head[1:]).encode(), digest_size=32)
+    digest = hashlib.blake2b(repr(head[1:]).encode(), digest_size=DIGEST_SIZE)
     digest.update(memoryview(buf)[_ENTRIES_HEADER:])
-    return Table(digest.digest(), chains)
+    return Table(digest.digest(), chains, _GETINFO.pack(*head))
+
+
+def stamp_value(digest: bytes, header: bytes) -> bytes:
+    """A legacy table's stamp value: the fingerprint's digest (:data:`DIGEST_SIZE` bytes), then the
+    table's header from the same read.  The header (entry count, size, hook offsets; no counters) is
+    what a new process can compare without reading and walking the blob: a stamp whose headers are
+    not the tables' is stale (adopt.py), and only one whose headers hold needs the fingerprint."""
+    return digest + header
+
+
+def header_of(value: bytes) -> bytes:
+    """The header part of :func:`stamp_value`."""
+    return value[DIGEST_SIZE:]
 
 
 def fingerprint(families: Sequence[int], tables: Sequence[str], expect: Optional[Expected] = None
@@ -282,7 +300,7 @@ def fingerprint(families: Sequence[int], tables: Sequence[str], expect: Optional
                 log.debug("IPv%d %s table does not hold what was written (%s): not trusting it", family, table,
                           ", ".join(wrong[:3]))
                 return None
-            out[(family, table)] = got.digest
+            out[(family, table)] = stamp_value(got.digest, got.header)
     return out
 
 

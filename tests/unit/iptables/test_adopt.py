@@ -13,6 +13,7 @@ import pytest
 
 from netproxy.backends.iptables import IptablesBackend, adopt, names
 from netproxy.backends.iptables.fake import Commit, FakeIptables
+from netproxy.backends.iptables.kernel.stamp import stamp_value
 from netproxy.backends.iptables.payload import table_text
 from netproxy.core.config import ProxyConfig, parse_cidrs
 from netproxy.core.model import Changes, Endpoint, ServicePort, ServicePortName, Snapshot
@@ -137,8 +138,8 @@ def test_a_foreign_configuration_rewrites_everything(caplog: pytest.LogCaptureFi
     _rewrites(kernel, snapshot(), caplog, "another netproxy version, configuration or node", other)
 
 
-def _stamp_rules(kernel: FakeIptables) -> List[Tuple[str, ...]]:
-    return list(kernel.chains(4, adopt.STAMP_TABLE)[adopt.STAMP_CHAIN])
+def _stamp_rules(kernel: FakeIptables, family: int = 4) -> List[Tuple[str, ...]]:
+    return list(kernel.chains(family, adopt.STAMP_TABLE)[adopt.STAMP_CHAIN])
 
 
 def test_a_truncated_stamp_rewrites_everything(caplog: pytest.LogCaptureFixture) -> None:
@@ -179,6 +180,91 @@ def test_a_rule_changed_behind_its_back_is_repaired(flavour: str, caplog: pytest
     assert kernel.chains(4, "nat")[chain][-1][-1] != "10.9.9.9:80"
 
 
+def test_a_foreign_chain_is_seen_from_the_headers_without_fingerprinting_the_read(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Legacy: a stamp whose tables' headers (entry count, size) are not the tables' now is stale
+    before any blob is walked: that family is read without its fingerprint, rewritten, stamped again;
+    the other family's stamp still holds and is checked by its fingerprint as before."""
+    kernel = written(snapshot())
+    kernel.restore(4, "*nat\n:NP-FOREIGN - [0:0]\nCOMMIT\n")  # iptables -t nat -N NP-FOREIGN
+    kernel.fingerprinted.clear()
+    caplog.set_level(logging.INFO, logger="netproxy.backends.iptables")
+    assert rewrote_all(restart(kernel, snapshot()), kernel)
+    assert "IPv4 tables not adopted, rewriting them all: the tables changed since netproxy stamped them (their " \
+        "headers" in caplog.text and "IPv6 tables adopted" in caplog.text
+    assert kernel.fingerprinted == [("read", 6), ("stamp", 4)]  # IPv4's read not fingerprinted; its new stamp
+    assert "NP-FOREIGN" in kernel.chains(4, "nat")  # not ours: left alone
+    assert restart(kernel, snapshot()) == [], "the rewrite stamped its tables: the next restart adopts them"
+
+
+def test_a_same_size_edit_keeps_the_headers_and_the_fingerprint_judges(caplog: pytest.LogCaptureFixture) -> None:
+    """The headers alone never adopt: a rule edited to one of the same length (``iptables -R``) leaves
+    them as stamped, and the fingerprint of the read refuses the stamp."""
+    kernel = written(snapshot())
+    chain = svc_chain(3)
+    last = list(kernel.chains(4, "nat")[chain][-1])
+    assert last[-1] == "10.1.3.2:80"
+    last[-1] = "10.1.3.9:80"
+    n = len(kernel.chains(4, "nat")[chain])
+    headers = [kernel.header(4, t) for t in ("nat", "filter")]
+    kernel.restore(4, f"*nat\n-D {chain} {n}\n-A {chain} {' '.join(last)}\nCOMMIT\n")  # as iptables -R
+    assert [kernel.header(4, t) for t in ("nat", "filter")] == headers
+    kernel.fingerprinted.clear()
+    _rewrites(kernel, snapshot(), caplog, "the tables changed since netproxy stamped them (stamp fp:")
+    assert kernel.fingerprinted[0] == ("read", 4)
+    assert kernel.chains(4, "nat")[chain][-1][-1] == "10.1.3.2:80"
+
+
+def _header_rule(kernel: FakeIptables, family: int, text: str) -> None:
+    kernel.restore(family, f'*mangle\n-D {adopt.STAMP_CHAIN} 1\n-I {adopt.STAMP_CHAIN} 1 -m comment --comment '
+                           f'"{text}"\nCOMMIT\n')
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_a_stamp_of_format_1_is_never_adopted(family: int, caplog: pytest.LogCaptureFixture) -> None:
+    """Format 1 (before the headers): its validator was the fingerprints alone; a stamp of it, even one
+    whose fingerprints would match, means a full rewrite of that family, then a stamp of format 2."""
+    kernel = written(snapshot())
+    header = adopt.parse(kernel.save(family, adopt.STAMP_TABLE))
+    rule = _stamp_rules(kernel, family)[0][-1]
+    old_valid = header.validator.partition("/")[0]  # what format 1 carried
+    _header_rule(kernel, family, rule.replace(f"netproxy-stamp {adopt.FORMAT} ", "netproxy-stamp 1 ")
+                 .replace(header.validator, old_valid))
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="netproxy.backends.iptables")
+    commits = restart(kernel, snapshot())
+    assert rewrote_all(commits, kernel, family)
+    assert f"IPv{family} tables not adopted, rewriting them all: the stamp has format 1, this netproxy writes 2" \
+        in caplog.text
+    assert adopt.parse(kernel.save(family, adopt.STAMP_TABLE)).validator.count("/") == 1
+    assert restart(kernel, snapshot()) == []
+
+
+def test_a_legacy_stamp_without_headers_is_not_adopted(caplog: pytest.LogCaptureFixture) -> None:
+    kernel = written(snapshot())
+    found = adopt.parse(kernel.save(4, adopt.STAMP_TABLE))
+    rule = _stamp_rules(kernel)[0][-1]
+    _header_rule(kernel, 4, rule.replace(found.validator, found.validator.partition("/")[0]))
+    _rewrites(kernel, snapshot(), caplog, "the stamp has no legacy tables' headers")
+
+
+def test_the_legacy_validator_carries_the_headers() -> None:
+    digest = bytes(range(32))
+    now = {(4, "nat"): stamp_value(digest, b"nat-head"), (4, "filter"): stamp_value(digest, b"filter-head")}
+    valid = adopt.validator("legacy", now, 4)
+    assert valid is not None and valid.startswith("fp:") and len(valid.split("/")[0]) == 3 + 16
+    found = adopt.KernelStamp("c" * 16, valid, {})
+    adopt.check_headers(found, "c" * 16, [b"nat-head", b"filter-head"])
+    for headers in ([b"nat-head", b"filter-hea"], [b"filter-head", b"nat-head"], [b"nat-head", None]):
+        with pytest.raises(adopt.NotAdoptable, match="their headers"):
+            adopt.check_headers(found, "c" * 16, headers)
+    with pytest.raises(adopt.NotAdoptable, match="another netproxy version"):
+        adopt.check_headers(found, "d" * 16, [b"nat-head", b"filter-head"])
+    # The headers are in the fingerprint part too: a stamp value with other headers is another validator.
+    other = {**now, (4, "nat"): stamp_value(digest, b"nat-hea2")}
+    assert adopt.validator("legacy", other, 4).split("/")[0] != valid.split("/")[0]  # type: ignore[union-attr]
+
+
 def test_nft_any_foreign_commit_since_the_stamp_rewrites_everything(caplog: pytest.LogCaptureFixture) -> None:
     kernel = written(snapshot(), "nft")
     kernel.restore(4, "*raw\n:OTHER - [0:0]\nCOMMIT\n")  # another program's commit, to another table
@@ -190,9 +276,18 @@ def test_a_table_written_between_the_read_and_the_check_is_not_adopted(caplog: p
     """Legacy: the check uses the fingerprints of the full sync's read (before the render) if the
     tables' headers have not moved since; moved, someone wrote in between."""
     kernel = written(snapshot())
-    monkeypatch.setattr(kernel, "header", lambda family, table: b"moved")
+    b = IptablesBackend(CONFIG, kernel=kernel)
+    render = b._render
+
+    def meanwhile(snap: Snapshot) -> object:
+        monkeypatch.setattr(kernel, "header", lambda family, table: b"moved")  # someone writes while it renders
+        return render(snap)
+
+    monkeypatch.setattr(b, "_render", meanwhile)
     caplog.set_level(logging.INFO, logger="netproxy.backends.iptables")
-    assert rewrote_all(restart(kernel, snapshot()), kernel)
+    before = len(kernel.commits)
+    b.sync(snapshot(), Changes())
+    assert rewrote_all([c for c in kernel.commits[before:] if c.table != adopt.STAMP_TABLE], kernel)
     assert "not adopted, rewriting them all: the nat table changed while netproxy read it" in caplog.text
 
 

@@ -125,6 +125,10 @@ def test_read_table_fingerprints_as_table_fingerprint_in_the_same_walk(family: i
     assert read.fingerprint == before and "KUBE-A" in read.names
     assert read.header == stamp._GETINFO.pack(*head)
     assert stamp.read_table(family, "nat").fingerprint is None  # not asked: no masking, no hashing
+    # The stamp's value: the digest, then the header of the same read (what a new process compares first).
+    assert stamp.table_fingerprint(family, "nat").header == read.header
+    value = stamp.fingerprint([family], ["nat"])[(family, "nat")]  # type: ignore[index]
+    assert value == stamp.stamp_value(before, read.header) and stamp.header_of(value) == read.header
     entries[1] = _chain_entry(family, e, b"SNAT")
     served[0] = blob(7)
     assert stamp.read_table(family, "nat", fingerprint=True).fingerprint != before
