@@ -26,7 +26,7 @@ from netproxy.backends.iptables.kernel.restore import supports_random_fully
 from netproxy.backends.iptables.kernel.stamp import Stamp, stamp_value
 from netproxy.backends.iptables.payload import plan_text, table_text
 from netproxy.backends.iptables.render import Chains, FamilyRuleset, Rule, ServiceRules, render_service
-from netproxy.backends.iptables.sets import SetKeeper
+from netproxy.backends.iptables.sets import Background, SetKeeper
 from netproxy.backends.iptables.xtlock import XtablesLock
 from netproxy.backends.skip import Action, SkipPolicy
 from netproxy.core.config import ProxyConfig
@@ -40,6 +40,8 @@ MAX_SKIPS = 10
 """Periodic full syncs skipped in a row at most (untouched tables): every 11th writes anyway, so that a
 change the fingerprint could not see (made in the instant between a write and its fingerprint) lives
 at most that many sync periods (~5 min at the default 30 s)."""
+DIGESTING = "netproxy-digests"
+"""The thread that makes the chains' digests for the stamp while a full write runs."""
 LARGE_CLUSTER_ENDPOINTS = 1000
 """kube-proxy's largeClusterEndpointsThreshold: above it, endpoint rules carry no comment."""
 
@@ -367,6 +369,10 @@ class IptablesBackend:
         # Sets the new rules name exist, with the new hairpin elements, before the rules do; what
         # the old rules alone needed goes after them (sets.py).
         filled = self._sets.before_write(self.ipsets, ruleset, sets_full)
+        # A full write is followed by the stamp, which needs every chain's digest (1.1M rules at 100k
+        # services: ~1 s): made in a thread while the restore tool parses, when this process mostly
+        # waits for the pipe; _write_stamps then finds them in the memo.
+        digests = Background(lambda: self._digest(ruleset), DIGESTING).wait if full and changed else _nothing
         try:
             # The two debug lines bracket the kernel write: the fault suite's kill -9 test reads them
             # to prove that its kill landed while the kernel was being written (tests/faults/test_kill.py).
@@ -374,23 +380,35 @@ class IptablesBackend:
             size = self.kernel.apply(family, changed, before_commit=filled) if changed else 0
             log.debug("written the kernel: IPv%d, %d bytes", family, size)
         except BaseException:
-            with contextlib.suppress(Exception):
-                filled()  # the write's own error is the one to report
+            for wait in (filled, digests):
+                with contextlib.suppress(Exception):
+                    wait()  # the write's own error is the one to report
             raise
         filled()  # idempotent: returns at once when the writer already waited
+        digests()
         self._written[family] = {t: dict(ruleset.chains(t)) for t in TABLES}
         self._sets.after_write(self.ipsets, ruleset, sets_full)
-        if full and self.config.iptables_flavour != "nft" and (
-                not self.config.one_shot or (family not in self._stamp_ok and self._stamps.get(family) is None)):
-            # (iptables-nft: one generation for both families, read once after the sync's last
-            # write in _sync_tables; reading it here too was a GETGEN per family thrown away.)
-            # Right after this family's write (the window in which another writer's change would be
-            # taken for ours is this read), and only if the tables hold our chains with our rule
-            # counts: a write that went elsewhere (nf_tables behind a "legacy" name) is not trusted.
-            # (One sync and done: taken only for the stamp, when this family's must be written.)
-            expect = {(family, t): {c: len(r) for c, r in ruleset.chains(t).items()} for t in TABLES}
-            self._stamps[family] = self.kernel.stamp((family,), expect)
+        if full:
+            self._fingerprint_written(ruleset)
         return size
+
+    def _fingerprint_written(self, ruleset: FamilyRuleset) -> None:
+        """Legacy, right after a full write of ``ruleset``'s family: the tables' fingerprint (the
+        window in which another writer's change would be taken for ours is this read), only if they
+        hold our chains with our rule counts: a write that went elsewhere (nf_tables behind a "legacy"
+        name) is not trusted.  (iptables-nft: one generation for both families, read once after the
+        sync's last write in _sync_tables.  One sync and done: taken only for the stamp, when this
+        family's must be written.)"""
+        family = ruleset.family
+        if self.config.iptables_flavour == "nft" or (self.config.one_shot and (
+                family in self._stamp_ok or self._stamps.get(family) is not None)):
+            return
+        expect = {(family, t): {c: len(r) for c, r in ruleset.chains(t).items()} for t in TABLES}
+        self._stamps[family] = self.kernel.stamp((family,), expect)
+
+    def _digest(self, ruleset: FamilyRuleset) -> None:
+        for table in TABLES:
+            self._digests.of(ruleset.family, table, ruleset.chains(table))
 
     # -- restart by adoption (adopt.py) -----------------------------------------------------------
 
@@ -677,6 +695,10 @@ class IptablesBackend:
         self._stamps.clear()
         self._written.clear()
         self._need_full = True
+
+
+def _nothing() -> None:
+    return None
 
 
 def _ip_family(family: int) -> str:

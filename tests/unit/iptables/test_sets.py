@@ -147,3 +147,24 @@ def test_a_dump_of_alike_elements_parses_fast_and_odd_ones_fall_back() -> None:
     assert ipset._parse_elements(b"".join(ipset._element(6, e) for e in six)) == six
     odd = ipset._element(4, els[0])[:-4] + b"\1\2\3\4"  # the same layout: the fast path reads it
     assert ipset._parse_elements(odd) == [els[0][:3] + (0x01020304,)]
+
+
+def test_a_fill_into_an_empty_set_keeps_the_wanted_elements_without_a_copy() -> None:
+    """While the rules are written, what netproxy knows the hairpin set holds after filling it from
+    empty is the ruleset's own frozenset (500k elements at 100k services: no second set of them)."""
+    b = backend()
+    known: List[object] = []
+
+    class CommitWatcher(FakeIptables):
+        def apply(self, family, changes, before_commit=None):  # type: ignore[no-untyped-def]
+            known.append(b._sets._content.get(ipset.hairpin_set(family)))
+            return super().apply(family, changes, before_commit)
+
+    b._kernel = CommitWatcher()
+    eps = [f"10.1.{i // 250}.{i % 250 + 1}" for i in range(3000)]
+    b.sync(snap(eps, affinity_on=False), Changes(full=True))
+    assert b._assembled is not None
+    hairpin = b._assembled[1][4].hairpin
+    assert len(hairpin) == 3000 and known[0] is hairpin
+    sets = b.ipsets
+    assert isinstance(sets, FakeIpsets) and sets.content[ipset.hairpin_set(4)] == set(hairpin)
