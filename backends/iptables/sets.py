@@ -111,9 +111,12 @@ class SetKeeper:
                 current = frozenset(sets.elements(name))
             # Unsorted (the kernel takes elements in any order): sorting a 100k-service cluster's 500k
             # hairpin elements cost 1.2 s before the rule write could start.  What the set holds after
-            # the fill is the one made of ``wanted`` when nothing else was there (no copy).
+            # the fill is ``wanted`` itself when nothing else is there (no copy; the elements read
+            # back from the kernel, as many again, are dropped now, not held through the write).
             missing = list(wanted - current)
-            self._content[name] = current | wanted if current else wanted
+            extra = current - wanted
+            self._content[name] = wanted | extra if extra else wanted
+            del current
             if missing:
                 adds.append((name, missing))
 

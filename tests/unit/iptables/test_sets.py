@@ -168,3 +168,28 @@ def test_a_fill_into_an_empty_set_keeps_the_wanted_elements_without_a_copy() -> 
     assert len(hairpin) == 3000 and known[0] is hairpin
     sets = b.ipsets
     assert isinstance(sets, FakeIpsets) and sets.content[ipset.hairpin_set(4)] == set(hairpin)
+
+
+def test_a_full_sync_over_a_filled_set_keeps_its_own_elements_not_the_kernels() -> None:
+    """A new process over a node whose hairpin set already holds what it wants: nothing is added, and
+    the elements read back from the kernel (as many as the set holds) are not kept through the write."""
+    first = backend()
+    eps = [f"10.1.{i // 250}.{i % 250 + 1}" for i in range(3000)]
+    first.sync(snap(eps, affinity_on=False), Changes(full=True))
+    sets = first.ipsets
+    assert isinstance(sets, FakeIpsets)
+    sets.content[ipset.hairpin_set(4)] = {tuple(list(e)) for e in sets.content[ipset.hairpin_set(4)]}  # as read back
+    b = IptablesBackend(ProxyConfig(hostname="node"), kernel=FakeIptables())
+    b.ipsets = sets
+    known: List[object] = []
+
+    class CommitWatcher(FakeIptables):
+        def apply(self, family, changes, before_commit=None):  # type: ignore[no-untyped-def]
+            known.append(b._sets._content.get(ipset.hairpin_set(family)))
+            return super().apply(family, changes, before_commit)
+
+    b._kernel = CommitWatcher()
+    del sets.calls[:]
+    b.sync(snap(eps, affinity_on=False), Changes(full=True))
+    assert b._assembled is not None and known[0] is b._assembled[1][4].hairpin
+    assert not [c for c in sets.calls if c[0] == "add"], sets.calls
