@@ -26,7 +26,7 @@ from netproxy.backends.iptables.kernel.restore import supports_random_fully
 from netproxy.backends.iptables.kernel.stamp import Stamp, stamp_value
 from netproxy.backends.iptables.payload import plan_text, table_text
 from netproxy.backends.iptables.render import Chains, FamilyRuleset, Rule, ServiceRules, render_service
-from netproxy.backends.iptables.sets import Background, SetKeeper
+from netproxy.backends.iptables.sets import SetKeeper
 from netproxy.backends.iptables.xtlock import XtablesLock
 from netproxy.backends.skip import Action, SkipPolicy
 from netproxy.core.config import ProxyConfig
@@ -40,8 +40,6 @@ MAX_SKIPS = 10
 """Periodic full syncs skipped in a row at most (untouched tables): every 11th writes anyway, so that a
 change the fingerprint could not see (made in the instant between a write and its fingerprint) lives
 at most that many sync periods (~5 min at the default 30 s)."""
-DIGESTING = "netproxy-digests"
-"""The thread that makes the chains' digests for the stamp while a full write runs."""
 LARGE_CLUSTER_ENDPOINTS = 1000
 """kube-proxy's largeClusterEndpointsThreshold: above it, endpoint rules carry no comment."""
 
@@ -369,10 +367,6 @@ class IptablesBackend:
         # Sets the new rules name exist, with the new hairpin elements, before the rules do; what
         # the old rules alone needed goes after them (sets.py).
         filled = self._sets.before_write(self.ipsets, ruleset, sets_full)
-        # A full write is followed by the stamp, which needs every chain's digest (1.1M rules at 100k
-        # services: ~1 s): made in a thread while the restore tool parses, when this process mostly
-        # waits for the pipe; _write_stamps then finds them in the memo.
-        digests = Background(lambda: self._digest(ruleset), DIGESTING).wait if full and changed else _nothing
         try:
             # The two debug lines bracket the kernel write: the fault suite's kill -9 test reads them
             # to prove that its kill landed while the kernel was being written (tests/faults/test_kill.py).
@@ -380,12 +374,10 @@ class IptablesBackend:
             size = self.kernel.apply(family, changed, before_commit=filled) if changed else 0
             log.debug("written the kernel: IPv%d, %d bytes", family, size)
         except BaseException:
-            for wait in (filled, digests):
-                with contextlib.suppress(Exception):
-                    wait()  # the write's own error is the one to report
+            with contextlib.suppress(Exception):
+                filled()  # the write's own error is the one to report
             raise
         filled()  # idempotent: returns at once when the writer already waited
-        digests()
         self._written[family] = {t: dict(ruleset.chains(t)) for t in TABLES}
         self._sets.after_write(self.ipsets, ruleset, sets_full)
         if full:
@@ -405,10 +397,6 @@ class IptablesBackend:
             return
         expect = {(family, t): {c: len(r) for c, r in ruleset.chains(t).items()} for t in TABLES}
         self._stamps[family] = self.kernel.stamp((family,), expect)
-
-    def _digest(self, ruleset: FamilyRuleset) -> None:
-        for table in TABLES:
-            self._digests.of(ruleset.family, table, ruleset.chains(table))
 
     # -- restart by adoption (adopt.py) -----------------------------------------------------------
 
@@ -695,10 +683,6 @@ class IptablesBackend:
         self._stamps.clear()
         self._written.clear()
         self._need_full = True
-
-
-def _nothing() -> None:
-    return None
 
 
 def _ip_family(family: int) -> str:

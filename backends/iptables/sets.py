@@ -42,12 +42,12 @@ def _done() -> None:
     return None
 
 
-class Background:
+class _Background:
     """A fill running in a thread; :meth:`wait` returns when it is done and raises what it raised."""
 
-    def __init__(self, work: Callable[[], None], name: str = "netproxy-ipset") -> None:
+    def __init__(self, work: Callable[[], None]) -> None:
         self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, args=(work,), name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(work,), name="netproxy-ipset", daemon=True)
         self._thread.start()
 
     def _run(self, work: Callable[[], None]) -> None:
@@ -127,7 +127,7 @@ class SetKeeper:
         if sum(len(m) for _, m in adds) < IN_BACKGROUND:
             fill()
             return _done
-        return Background(fill).wait
+        return _Background(fill).wait
 
     def after_write(self, sets: Ipsets, ruleset: FamilyRuleset, full: bool) -> None:
         family = ruleset.family

@@ -380,22 +380,3 @@ def test_stamp_round_trip_and_size() -> None:
     found = adopt.parse(kernel.save(4, adopt.STAMP_TABLE))
     assert found.chains == digests and found.config == "0123456789abcdef" and found.validator == "fp:00"
 
-
-def test_the_stamps_digests_are_made_beside_the_full_write(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every chain's digest the stamp needs is made in a thread while the restore tool parses the
-    full write (1.1M rules at 100k services: ~1 s), none after it."""
-    import threading
-
-    from netproxy.backends.iptables import DIGESTING
-
-    where: List[str] = []
-    digest = adopt.chain_digest
-
-    def traced(rules: Tuple[Tuple[str, ...], ...]) -> str:
-        where.append(threading.current_thread().name)
-        return digest(rules)
-
-    monkeypatch.setattr(adopt, "chain_digest", traced)
-    kernel = written(snapshot())
-    assert len(where) > N and set(where) == {DIGESTING}, sorted(set(where))
-    assert restart(kernel, snapshot()) == []  # the stamp they made is adopted
