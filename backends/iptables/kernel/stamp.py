@@ -98,15 +98,17 @@ def mask(blob: bytearray, family: int, start: int = 0) -> Tuple[int, Dict[str, i
 
     The loop does per entry only what the walk cannot do without: one unpack of the adjacent
     ``target_offset``/``next_offset``, one ``startswith`` for an ``ERROR`` head (no slice copied), the
-    masking; a chain's rule count is the distance between its head and the next one, reckoned after
-    the walk.  On a 1.2M-entry blob (100k services) the walk went from ~2.2 s to ~0.9 s and the whole
+    masking; a chain's rule count is the distance between its head and the next one, reckoned when
+    the next one is met.  On a 1.2M-entry blob (100k services) the walk went from ~2.2 s to ~0.9 s and the whole
     ``table_fingerprint`` from 1.8–2.2 s to 1.3–1.6 s (by hand; docs/performance.md, the sixth pass)."""
     layout = LAYOUTS[family]
     lo, hi = layout.volatile
     zeros = bytes(hi - lo)
     offsets = _OFFSETS.unpack_from
     least, head_at = layout.entry_size, layout.target_offset
-    heads: List[Tuple[int, int, int]] = []  # (entry number, its target's offset, its end) of each ERROR head
+    chains: Dict[str, int] = {}
+    chain: Optional[str] = None  # the chain whose entries the walk is in (None: before the first head)
+    began = 0  # the entry number of its head
     is_error = blob.startswith
     entries = 0
     at, size = start, len(blob)
@@ -115,16 +117,15 @@ def mask(blob: bytearray, family: int, start: int = 0) -> Tuple[int, Dict[str, i
         if step < least or at + step > size:
             raise ValueError(f"entry at {at - start} has next_offset {step}")
         if is_error(_ERROR_NAME, at + target + _TARGET_NAME.start):
-            heads.append((entries, at + target, at + step))
+            if chain is not None:  # the previous chain's entries end here (no list of heads: 17 MB at 100k)
+                chains[chain] = entries - began - 2 if chain else -1  # less its head and its RETURN tail
+            chain = bytes(blob[at + target + _TARGET_DATA:at + step]).split(b"\0", 1)[0].decode(errors="replace")
+            began = entries
         blob[at + lo:at + hi] = zeros
         entries += 1
         at += step
-    chains: Dict[str, int] = {}
-    for i, (number, target, end) in enumerate(heads):
-        chain = bytes(blob[target + _TARGET_DATA:end]).split(b"\0", 1)[0].decode(errors="replace")
-        following = (heads[i + 1][0] if i + 1 < len(heads) else entries) - number - 1
-        # Its entries up to the next head, less the RETURN tail (an unnamed head counts none).
-        chains[chain] = following - 1 if chain else -1
+    if chain is not None:
+        chains[chain] = entries - began - 2 if chain else -1
     chains.pop("ERROR", None)  # the table's end marker
     return entries, chains
 
