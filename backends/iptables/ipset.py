@@ -117,6 +117,10 @@ class Ipsets(Protocol):
 
     def elements(self, name: str) -> List[Element]: ...
 
+    def each(self, name: str) -> Iterator[Element]:
+        """:meth:`elements` one at a time, as the kernel hands them over: a full sync compares the
+        500k hairpin elements of 100k services with those it wants without holding them all."""
+
 
 def _addr(kind: int, family: int, value: int) -> bytes:
     if family == 4:
@@ -315,16 +319,17 @@ class KernelIpsets:
         self._adt(CMD_DEL, name, family, elements)
 
     def elements(self, name: str) -> List[Element]:
+        return list(self.each(name))
+
+    def each(self, name: str) -> Iterator[Element]:
         body = wire.u8(ATTR_PROTOCOL, PROTOCOL) + wire.string(ATTR_SETNAME, name)
-        out: List[Element] = []
         try:
             for attrs in self._socket().dump(CMD_LIST, socket.AF_INET, body, subsys=NFNL_SUBSYS_IPSET):
                 adt = attrs.get(ATTR_ADT)
                 if adt:
-                    out.extend(_parse_elements(adt))
+                    yield from _parse_elements(adt)  # one dump message's elements at a time
         except OSError as exc:
             raise IpsetError(f"ipset list {name}: {exc}") from exc
-        return out
 
 
 class FakeIpsets:
@@ -367,6 +372,9 @@ class FakeIpsets:
 
     def elements(self, name: str) -> List[Element]:
         return sorted(self._need(name))
+
+    def each(self, name: str) -> Iterator[Element]:
+        yield from sorted(self._need(name))
 
 
 def element(first: str, proto: str, port: int, second: str) -> Element:

@@ -193,3 +193,28 @@ def test_a_full_sync_over_a_filled_set_keeps_its_own_elements_not_the_kernels() 
     b.sync(snap(eps, affinity_on=False), Changes(full=True))
     assert b._assembled is not None and known[0] is b._assembled[1][4].hairpin
     assert not [c for c in sets.calls if c[0] == "add"], sets.calls
+
+
+def test_a_full_sync_compares_the_kernels_elements_one_at_a_time() -> None:
+    """The kernel's hairpin set is read element by element (``each``), never as a whole list, and what
+    it lacks is added, what it holds beyond the rules' is deleted after the write."""
+    class Streamed(FakeIpsets):
+        def elements(self, name: str) -> List[ipset.Element]:
+            raise AssertionError("a full sync listed a whole set")
+
+    first = backend()
+    eps = [f"10.1.{i // 250}.{i % 250 + 1}" for i in range(3000)]
+    first.sync(snap(eps, affinity_on=False), Changes(full=True))
+    held = first.ipsets
+    assert isinstance(held, FakeIpsets)
+    sets = Streamed()
+    sets.info, sets.content = held.info, held.content
+    hairpin = ipset.hairpin_set(4)
+    stranger = element("10.9.9.9", "tcp", 8080, "10.9.9.9")
+    lost = sorted(sets.content[hairpin])[5]
+    sets.content[hairpin] = (sets.content[hairpin] - {lost}) | {stranger}
+    b = IptablesBackend(ProxyConfig(hostname="node"), kernel=FakeIptables())
+    b.ipsets = sets
+    b.sync(snap(eps, affinity_on=False), Changes(full=True))
+    assert b._assembled is not None
+    assert sets.content[hairpin] == set(b._assembled[1][4].hairpin) and lost in sets.content[hairpin]
