@@ -92,11 +92,11 @@ def _turns(ns: str, revs: List[str], runs: int, backends: List[str]) -> Iterator
     empty_node(ns)
 
 
-def compare(revs: List[str], n: int, runs: int, backends: List[str]) -> Figures:
+def compare(revs: List[str], n: int, runs: int, backends: List[str], variant: str = "uniform") -> Figures:
     out: Figures = {}
     with _unpacked(revs) as (work, trees, sp):
         source, changed = os.path.join(work, "c.json"), os.path.join(work, "c-changed.json")
-        objects = gen.cluster(n, "uniform")
+        objects = gen.cluster(n, variant)
         gen.write_json(source, objects)
         objects[2 * (n // 2) + 1] = gen.replaced_endpoint(objects, n // 2, 7)
         gen.write_json(changed, objects)
@@ -152,6 +152,8 @@ def main(argv: List[str]) -> int:
     p.add_argument("--services", type=int, default=10000)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--backends", default="nftables,iptables-legacy")
+    p.add_argument("--variant", default="uniform", choices=gen.VARIANTS,
+                   help="the cluster (bench/gen.py); not with --worker")
     p.add_argument("--worker", action="store_true", help="the bench worker's cold, endpoint, add and remove steps "
                    "instead of `netproxy sync` processes (backends: " + ", ".join(WORKER_BACKENDS) + ")")
     args = p.parse_args(argv)
@@ -166,9 +168,9 @@ def main(argv: List[str]) -> int:
             print(f"  {backend:16} {step:8} {rev}: {_seconds(statistics.median(r[0] for r in runs))} "
                   f"(runs {', '.join(_seconds(r[0]) for r in runs)})")
         return 0
-    got = compare(revs, args.services, args.runs, args.backends.split(","))
-    print(f"`netproxy sync` as a new process, N = {args.services:,} × 10, median of {args.runs} alternating runs "
-          f"({time.strftime('%Y-%m-%d %H:%M')}):")
+    got = compare(revs, args.services, args.runs, args.backends.split(","), args.variant)
+    print(f"`netproxy sync` as a new process, N = {args.services:,} ({args.variant}), median of {args.runs} "
+          f"alternating runs ({time.strftime('%Y-%m-%d %H:%M')}):")
     for (backend, step, rev), runs in got.items():
         secs = statistics.median(r[0] for r in runs)
         rss = statistics.median(r[1] for r in runs)
