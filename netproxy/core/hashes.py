@@ -10,8 +10,12 @@ hashlib's (``hashlib.blake2b(...)``, ``hashlib.sha256(...)``).
 from __future__ import annotations
 
 import importlib
-from _blake2 import blake2b
 from typing import Callable, Protocol
+
+try:
+    from _blake2 import blake2b
+except ImportError:  # a build without it: hashlib's (OpenSSL's) BLAKE2b, the same digests
+    from hashlib import blake2b
 
 __all__ = ["blake2b", "sha256"]
 
