@@ -149,10 +149,8 @@ def test_a_dump_of_alike_elements_parses_fast_and_odd_ones_fall_back() -> None:
     assert ipset._parse_elements(odd) == [els[0][:3] + (0x01020304,)]
 
 
-def test_a_fill_into_an_empty_set_keeps_the_wanted_elements_without_a_copy() -> None:
-    """While the rules are written, what netproxy knows the hairpin set holds after filling it from
-    empty is the ruleset's own frozenset (500k elements at 100k services: no second set of them)."""
-    b = backend()
+def _hairpin_at_each_commit(b: IptablesBackend) -> List[object]:
+    """What ``b`` holds as its hairpin set's content at each commit of its rules (filled in as they come)."""
     known: List[object] = []
 
     class CommitWatcher(FakeIptables):
@@ -161,6 +159,14 @@ def test_a_fill_into_an_empty_set_keeps_the_wanted_elements_without_a_copy() -> 
             return super().apply(family, changes, before_commit)
 
     b._kernel = CommitWatcher()
+    return known
+
+
+def test_a_fill_into_an_empty_set_keeps_the_wanted_elements_without_a_copy() -> None:
+    """While the rules are written, what netproxy knows the hairpin set holds after filling it from
+    empty is the ruleset's own frozenset (500k elements at 100k services: no second set of them)."""
+    b = backend()
+    known = _hairpin_at_each_commit(b)
     eps = [f"10.1.{i // 250}.{i % 250 + 1}" for i in range(3000)]
     b.sync(snap(eps, affinity_on=False), Changes(full=True))
     assert b._assembled is not None
@@ -181,14 +187,7 @@ def test_a_full_sync_over_a_filled_set_keeps_its_own_elements_not_the_kernels() 
     sets.content[ipset.hairpin_set(4)] = {tuple(list(e)) for e in sets.content[ipset.hairpin_set(4)]}  # as read back
     b = IptablesBackend(ProxyConfig(hostname="node"), kernel=FakeIptables())
     b.ipsets = sets
-    known: List[object] = []
-
-    class CommitWatcher(FakeIptables):
-        def apply(self, family, changes, before_commit=None):  # type: ignore[no-untyped-def]
-            known.append(b._sets._content.get(ipset.hairpin_set(family)))
-            return super().apply(family, changes, before_commit)
-
-    b._kernel = CommitWatcher()
+    known = _hairpin_at_each_commit(b)
     del sets.calls[:]
     b.sync(snap(eps, affinity_on=False), Changes(full=True))
     assert b._assembled is not None and known[0] is b._assembled[1][4].hairpin
