@@ -367,7 +367,7 @@ def _refs_by_key(kernel: Runner, snapshot: Snapshot, config: ProxyConfig, fam: s
     by key.  One the kernel holds and no changed port needs any more stays if an unchanged port
     needs it (found in the snapshot: ports with that cluster IP, ports with an endpoint at that
     address, rendered).  Every other element's users all have matching stamps: it stays as it is."""
-    new_refs = {(r.set, r.key) for _, _, n in changed for r in n.refs}
+    new_refs = {ref for _, _, n in changed for ref in render.shared_keys(n, fam)}
     candidates = _old_candidates(changed) | new_refs
     by_set: Dict[str, List[str]] = {}
     for set_name, key in sorted(candidates):
@@ -405,7 +405,7 @@ def _still_used(snapshot: Snapshot, config: ProxyConfig, fam: str, refs: Set[_Re
     used: Set[_Ref] = set()
     for want in unchanged:
         if want.name in suspects:
-            used.update((r.set, r.key) for r in _render(snapshot, config, fam, want).refs)
+            used.update(render.shared_keys(_render(snapshot, config, fam, want), fam))
     return used & refs
 
 
@@ -416,9 +416,9 @@ def _refs(kernel: Runner, snapshot: Snapshot, config: ProxyConfig, fam: str, tx:
     elements it needs (as many changed ports are, this is about a full sync's render)."""
     read = kernel.read_stamped(fam, REFS)
     have = {(e.set, e.key) for n in REFS for e in read.get(n, ())}
-    want = {(r.set, r.key) for _, _, n in changed for r in n.refs}
+    want = {ref for _, _, n in changed for ref in render.shared_keys(n, fam)}
     for w in unchanged:
-        want.update((r.set, r.key) for r in _render(snapshot, config, fam, w).refs)
+        want.update(render.shared_keys(_render(snapshot, config, fam, w), fam))
     for set_name, key in sorted(have - want):
         tx.put("delete-elements", "delete", fam, Element(set_name, key))
     for set_name, key in sorted(want - have):

@@ -8,7 +8,7 @@ turns these objects into libnftables input, :mod:`encode` into netlink messages.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple, Optional, Tuple, Union
+from typing import Any, Iterable, NamedTuple, Optional, Sequence, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -135,10 +135,11 @@ class ElementRun(_RunFields):
 class Elements(NamedTuple):
     """Elements and endpoint runs of one set as one operation: how a full sync's transaction carries
     a set's contents.  A 3-tuple operation per element was ~6 MB at the write of a 10k-service sync
-    (~90k of them); the writers expand it as they expand a run."""
+    (~90k of them); the writers expand it as they expand a run.  ``items`` is a tuple, or a sequence
+    that makes each element as it is read (``hairpin``'s: render.HairpinElements)."""
 
     set: str
-    items: Tuple[Union[Element, ElementRun], ...]
+    items: Sequence[Union[Element, ElementRun]]
 
 
 Object = Union[Table, Chain, Rule, Set, Element, ElementRun, Elements]
@@ -146,6 +147,6 @@ ELEMENT_TYPES = (Element, ElementRun, Elements)
 """What an element operation carries (``isinstance(obj, ELEMENT_TYPES)``)."""
 
 
-def element_items(obj: Union[Element, ElementRun, Elements]) -> Tuple[Union[Element, ElementRun], ...]:
+def element_items(obj: Union[Element, ElementRun, Elements]) -> Sequence[Union[Element, ElementRun]]:
     """The elements and runs of one element operation's object."""
     return obj.items if isinstance(obj, Elements) else (obj,)

@@ -13,8 +13,9 @@ packet path).  A service port owns:
 - refusals: ``no-endpoint-services``/``no-endpoint-nodeports`` (reject; drop for internalTrafficPolicy
   Local without a local endpoint);
 - loadBalancerSourceRanges: ``firewall-ips`` and ``firewall-allow`` elements;
-- elements other service ports may hold too (``refs``, reference-counted by the backend): its cluster
-  IPs in ``cluster-ips`` (reject other ports) and ``endpoint . endpoint`` pairs in ``hairpin``.
+- elements other service ports may hold too (reference-counted by the backend): its cluster IPs in
+  ``cluster-ips`` (reject other ports: ``refs``) and ``endpoint . endpoint`` pairs in ``hairpin``
+  (``hairpin``: the endpoint addresses alone, the elements made only when written).
 
 Eligible endpoints come from :mod:`netproxy.core.endpoints` only.
 """
@@ -29,7 +30,7 @@ import socket
 from dataclasses import dataclass, field
 from sys import intern
 from types import MappingProxyType
-from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, overload
 
 from netproxy.backends.nftables import names
 from netproxy.backends.nftables import stmt as st
@@ -85,9 +86,14 @@ class ServiceObjects:
     """Elements (set and key only) it needs that other service ports may need too (reference-counted).
     Elements already, not (set, key) pairs: a full sync's transaction adds these very objects, where
     it used to make one Element per pair (140k at the mixed 10k cluster: 13 MB at the sync's peak)."""
+    hairpin: Tuple[int, ...] = ()
+    """The endpoint addresses (as integers, the model's own objects) whose ``a . a`` pair it needs in
+    ``hairpin``, reference-counted by address as ``refs`` are by element.  Not an Element and a text
+    per pair: those were 23.5 MiB of the mixed 10k cluster's one-shot sync at its peak (142k pairs);
+    :func:`hairpin_element` makes one when it is written."""
 
     def is_empty(self) -> bool:
-        return not (self.elements or self.runs or self.chains or self.sets or self.refs)
+        return not (self.elements or self.runs or self.chains or self.sets or self.refs or self.hairpin)
 
 
 def family_of(ip: IPAddress) -> str:
@@ -242,14 +248,90 @@ def _affinity_rules(svc: ServicePort, cname: str, kind: str, eps: Sequence[Endpo
     return tuple(rules)
 
 
-def _hairpin_refs(node: NodeInfo, choices: Sequence[Tuple[_Choice, ...]]) -> List[Element]:
-    """``hairpin`` elements: endpoints that can reach their own service *through this node* (on this
-    node, or of unknown node), as the iptables backend (docs/parity.md).  An endpoint on another
-    node reaches its services through its own node's proxy; listing it here would be dead weight."""
-    # The address is the choice text's first field: formatting it again cost 0.1 s at 10k x 10.
-    found = {text.partition(" . ")[0] for group in choices for text, ep in group
-             if not ep.node_name or ep.node_name == node.name}
-    return [Element(names.HAIRPIN, f"{a} . {a}") for a in found]
+_ip_int = operator.attrgetter("ip._ip")
+"""An endpoint's address as the int its ipaddress object holds (the object itself, no new one: the
+record keeps it, as adoption's ``_endpoint_int``); a unit test pins it to ``int()``."""
+
+
+def _hairpin(node: NodeInfo, choices: Sequence[Tuple[_Choice, ...]]) -> Tuple[int, ...]:
+    """``hairpin``'s addresses: endpoints that can reach their own service *through this node* (on
+    this node, or of unknown node), as the iptables backend (docs/parity.md).  An endpoint on another
+    node reaches its services through its own node's proxy; listing it here would be dead weight.
+    Each once, in the order of the choices (sorted on their text)."""
+    return tuple(dict.fromkeys(_ip_int(ep) for group in choices for _, ep in group
+                               if not ep.node_name or ep.node_name == node.name))
+
+
+def hairpin_key(address: int, family: str) -> str:
+    """The ``hairpin`` key of an endpoint address: ``a . a``, the address as render writes it."""
+    text = socket.inet_ntoa(address.to_bytes(4, "big")) if family == "ip" else str(ipaddress.IPv6Address(address))
+    return f"{text} . {text}"
+
+
+def hairpin_order(addresses: Iterable[int], family: str) -> List[int]:
+    """``addresses`` sorted as their pairs' texts sort (the order a transaction writes them in, as
+    when they were Elements: 10.1.0.10 before 10.1.0.6)."""
+    if family == "ip":
+        ntoa = socket.inet_ntoa
+        return sorted(addresses, key=lambda a: ntoa(a.to_bytes(4, "big")))
+    return sorted(addresses, key=lambda a: str(ipaddress.IPv6Address(a)))
+
+
+def hairpin_element(address: int, family: str) -> Element:
+    return Element(names.HAIRPIN, hairpin_key(address, family))
+
+
+class HairpinElements(Sequence[Element]):
+    """``hairpin``'s elements for a sorted list of addresses, each made when it is read: how a full
+    sync's transaction carries them (:class:`~objects.Elements`), so that the writers expand them one
+    at a time rather than the record holding 142k Elements and texts at the mixed 10k cluster."""
+
+    __slots__ = ("family", "addresses")
+
+    def __init__(self, family: str, addresses: Sequence[int]) -> None:
+        self.family = family
+        self.addresses = addresses
+
+    def __len__(self) -> int:
+        return len(self.addresses)
+
+    @overload
+    def __getitem__(self, i: int) -> Element: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Element]: ...
+
+    def __getitem__(self, i: object) -> object:
+        if isinstance(i, slice):
+            return [hairpin_element(a, self.family) for a in self.addresses[i]]
+        if isinstance(i, int):
+            return hairpin_element(self.addresses[i], self.family)
+        raise TypeError(f"HairpinElements indices must be integers or slices, not {type(i).__name__}")
+
+    def __iter__(self) -> Iterator[Element]:
+        family = self.family
+        return (hairpin_element(a, family) for a in self.addresses)
+
+    def __eq__(self, other: object) -> bool:
+        # As a tuple of the same elements would compare (tests compare transactions' operations).
+        if isinstance(other, HairpinElements):
+            return (self.family, self.addresses) == (other.family, other.addresses)
+        return isinstance(other, (tuple, list)) and list(self) == list(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"HairpinElements({self.family!r}, {list(self.addresses)!r})"
+
+
+def shared_keys(objs: ServiceObjects, family: str) -> Iterator[Tuple[str, str]]:
+    """(set, key) of every element ``objs`` needs that other service ports may need too: ``refs``
+    and the ``hairpin`` pairs (what adoption compares with the kernel's)."""
+    for r in objs.refs:
+        yield r.set, r.key
+    for a in objs.hairpin:
+        yield names.HAIRPIN, hairpin_key(a, family)
 
 
 def dispatch_keys(svc: ServicePort, family: str) -> Tuple[str, ...]:
@@ -303,7 +385,7 @@ def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeIn
         p.dispatch(f"{proto} . {svc.node_port}", str(svc.node_port), ext_kind, nodeport=True)
     _firewall(p, [ip for ip in svc.load_balancer_ips if ip.version == version], node)
     if p.has_endpoints:
-        refs.extend(_hairpin_refs(node, list(choices.values())))
+        p.out.hairpin = _hairpin(node, list(choices.values()))
     out = p.out
     if p.chains:
         out.chains = p.chains
@@ -312,8 +394,9 @@ def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeIn
     out.uses = {k: _same_uses(tuple(used)) for k, used in p.uses.items()}
     out.shared = _same_shared(tuple(out.uses.values()))
     out.dispatch_keys = tuple(p.keys)
-    # A tuple, not a frozenset: 20k frozensets of ~11 refs held 7 MB at 10k services, and the refs
-    # are only counted up and down, never looked up.  (dict.fromkeys: each counted once.)
+    # A tuple, not a frozenset: 20k frozensets of ~11 refs held 7 MB at 10k services (with the
+    # hairpin pairs then), and the refs are only counted up and down, never looked up.
+    # (dict.fromkeys: each counted once.)
     out.refs = tuple(dict.fromkeys(refs))
     return out
 

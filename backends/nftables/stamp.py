@@ -241,4 +241,5 @@ def stamped(objs: render.ServiceObjects, name: ServicePortName, digest: str) -> 
     elements[(SERVICE_STAMPS, key)] = Element(SERVICE_STAMPS, key, None, f"{base}{_SUFFIX}{digest}{counted}")
     # Not dataclasses.replace, which walks the fields in Python (a tenth of this function).
     return render.ServiceObjects(elements=elements, runs=objs.runs, chains=objs.chains, sets=objs.sets,
-                                 shared=objs.shared, uses=objs.uses, dispatch_keys=objs.dispatch_keys, refs=objs.refs)
+                                 shared=objs.shared, uses=objs.uses, dispatch_keys=objs.dispatch_keys, refs=objs.refs,
+                                 hairpin=objs.hairpin)

@@ -76,9 +76,11 @@ class FamilyState:
     """Users of each shared chain (pick chains, affinity record chains)."""
     owners: Dict[str, ServicePortName] = field(default_factory=dict)
     refs: Dict[Element, int] = field(default_factory=dict)
-    """Users of each shared element (cluster IPs, hairpin pairs).  Both counts come from
-    what each service port's rendered objects declare they use (:func:`count_users`), never from
-    chain or element names parsed back."""
+    """Users of each shared element (cluster IPs).  The counts come from what each service port's
+    rendered objects declare they use (:func:`count_users`), never from chain or element names
+    parsed back."""
+    hairpin: Dict[int, int] = field(default_factory=dict)
+    """Users of each ``hairpin`` pair, by endpoint address (``ServiceObjects.hairpin``)."""
     node: FrozenSet[Element] = frozenset()
     """Elements that come from the node rather than a service (``nodeport-ips``)."""
 
@@ -131,7 +133,7 @@ def drop_keys(objs: render.ServiceObjects, taken: PySet[str]) -> render.ServiceO
     kept = {s for used in uses.values() for s in used}
     shared = frozenset(s for s in objs.shared if s in kept)
     return render.ServiceObjects(keep, runs, objs.chains, objs.sets, shared, uses,
-                                 tuple(k for k in objs.dispatch_keys if k not in taken), objs.refs)
+                                 tuple(k for k in objs.dispatch_keys if k not in taken), objs.refs, objs.hairpin)
 
 
 def claim(state: State, fam: str, entry: Entry, objs: render.ServiceObjects) -> render.ServiceObjects:
@@ -167,6 +169,7 @@ class Before:
 
     shared: Dict[layout.Shared, int] = field(default_factory=dict)
     refs: Dict[Element, int] = field(default_factory=dict)
+    hairpin: Dict[int, int] = field(default_factory=dict)
 
     def first_used(self, fstate: FamilyState) -> PySet[layout.Shared]:
         """The shared chains that gained their first user (to create with it)."""
@@ -183,10 +186,11 @@ def _tally(counts: Dict[_K, int], used: Iterable[_K], step: int, before: Optiona
 
 def count_users(fstate: FamilyState, objs: render.ServiceObjects, step: int, before: Optional[Before] = None) -> None:
     """Count one service port's uses of shared chains and shared elements up or down: what its
-    rendered objects declare they use (``shared``, ``refs``); ``before`` keeps the counts from before
-    this sync of what it touched."""
+    rendered objects declare they use (``shared``, ``refs``, ``hairpin``); ``before`` keeps the counts
+    from before this sync of what it touched."""
     _tally(fstate.shared, objs.shared, step, before.shared if before is not None else None)
     _tally(fstate.refs, objs.refs, step, before.refs if before is not None else None)
+    _tally(fstate.hairpin, objs.hairpin, step, before.hairpin if before is not None else None)
 
 
 def user_changes(tx: Transaction, fam: str, fstate: FamilyState, before: Before) -> None:
@@ -201,6 +205,15 @@ def user_changes(tx: Transaction, fam: str, fstate: FamilyState, before: Before)
             tx.put("delete-elements", "delete", fam, ref)
         if now <= 0:
             fstate.refs.pop(ref, None)
+    for address in render.hairpin_order(before.hairpin, fam):
+        was = before.hairpin[address]
+        now = fstate.hairpin.get(address, 0)
+        if was <= 0 < now:
+            tx.put("elements", "add", fam, render.hairpin_element(address, fam))
+        elif now <= 0 < was:
+            tx.put("delete-elements", "delete", fam, render.hairpin_element(address, fam))
+        if now <= 0:
+            fstate.hairpin.pop(address, None)
     unused = [s for s in before.shared if fstate.shared.get(s, 0) <= 0]
     for shared in sorted(unused, key=_shared_key):
         tx.put("flush", "flush", fam, Chain(shared.chain))
@@ -291,6 +304,9 @@ def full_transaction(state: State, existing: Iterable[str], config: ProxyConfig,
     return tx
 
 
+_Item = Union[Element, ElementRun]
+
+
 def _create_family(tx: Transaction, fam: str, objs: Sequence[render.ServiceObjects], fstate: FamilyState,
                    config: ProxyConfig) -> None:
     tx.put("tables", "add", fam, layout.table(fam))
@@ -306,25 +322,38 @@ def _create_family(tx: Transaction, fam: str, objs: Sequence[render.ServiceObjec
         for cname, rules in o.chains.items():
             _add_chain(tx, fam, Chain(cname), rules)
     # Grouped per map, one operation each (objects.Elements): the serialiser writes one command per
-    # map, and the transaction holds no tuple per element.
-    buckets: Dict[str, List[Union[Element, ElementRun]]] = {}
+    # map, and the transaction holds no tuple per element.  ``lists``: the buckets that are lists.
+    lists: Dict[str, List[_Item]] = {}
+    buckets: Dict[str, Sequence[_Item]] = {}
     for o in objs:
         # Annotated: two NamedTuples' join is their common base, a plain tuple with no .set.
         contents: Iterable[Union[Element, ElementRun]] = itertools.chain(o.elements.values(), o.runs.values())
         for item in contents:
-            bucket = buckets.get(item.set)
+            bucket = lists.get(item.set)
             if bucket is None:
-                bucket = buckets[item.set] = []
+                bucket = buckets[item.set] = lists[item.set] = []
             bucket.append(item)
     for ref, count in sorted(fstate.refs.items()):
         if count > 0:
-            buckets.setdefault(ref.set, []).append(ref)
+            _bucket(buckets, lists, ref.set).append(ref)
+    # The pairs made as the writer reads them (render.HairpinElements), from the addresses alone.
+    pairs = render.hairpin_order([a for a, count in fstate.hairpin.items() if count > 0], fam)
+    if pairs:
+        buckets[names.HAIRPIN] = render.HairpinElements(fam, pairs)
     for e in sorted(fstate.node):
-        buckets.setdefault(e.set, []).append(e)
+        _bucket(buckets, lists, e.set).append(e)
     for e in config_elements(fam, config):
-        buckets.setdefault(e.set, []).append(e)
-    for set_name, bucket in buckets.items():
-        tx.put("elements", "add", fam, Elements(set_name, tuple(bucket)))
+        _bucket(buckets, lists, e.set).append(e)
+    for set_name, items in buckets.items():
+        tx.put("elements", "add", fam, Elements(set_name, tuple(items) if set_name in lists else items))
+
+
+def _bucket(buckets: Dict[str, Sequence[_Item]], lists: Dict[str, List[_Item]], set_name: str) -> List[_Item]:
+    """The list of ``set_name``'s elements in a full sync's buckets (made, in the buckets' order, if new)."""
+    bucket = lists.get(set_name)
+    if bucket is None:
+        bucket = buckets[set_name] = lists[set_name] = []
+    return bucket
 
 
 def _shared_key(shared: layout.Shared) -> str:
