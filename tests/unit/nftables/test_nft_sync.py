@@ -352,8 +352,8 @@ def test_incremental_syncs_end_with_the_reference_counts_of_a_fresh_full_build(s
         assert b._state is not None and fresh._state is not None
         for fam in ("ip", "ip6"):
             got, want = b._state.family(fam), fresh._state.family(fam)
-            assert (got.shared, got.refs) == (want.shared, want.refs)
-            most = max([most, *got.shared.values(), *got.refs.values()])
+            assert (got.shared, got.refs, got.hairpin) == (want.shared, want.refs, want.hairpin)
+            most = max([most, *got.shared.values(), *got.refs.values(), *got.hairpin.values()])
         assert dumps(fake) == fresh_dumps(now)
     assert most > 1, "nothing was shared: nothing was tested"
 
