@@ -37,13 +37,13 @@ import operator
 import os
 import re
 import socket
-from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 from netproxy.backends.nftables import names, render
 from netproxy.backends.nftables.objects import Element
 from netproxy.core import hashes as hashlib  # hashlib's hashes without OpenSSL (core/hashes.py)
 from netproxy.core.config import ProxyConfig
-from netproxy.core.model import Endpoint, NodeInfo, ServicePort, ServicePortName
+from netproxy.core.model import Endpoint, IPAddress, IPNetwork, NodeInfo, ServicePort, ServicePortName
 
 LAYOUT_VERSION = 3
 """Bumped whenever what an object's name, key or comment means changes without the rendered text
@@ -198,10 +198,10 @@ def inputs(svc: ServicePort, endpoints: Sequence[Endpoint]) -> Inputs:
     values: List[object] = list(_service_values(svc))
     for i in _ADDRESS_FIELDS:
         if values[i]:
-            values[i] = tuple(map(_address, values[i]))  # type: ignore[call-overload]
+            values[i] = tuple(map(_address, cast(Tuple[IPAddress, ...], values[i])))
     for i in _OTHER_TUPLES:
         if values[i]:
-            values[i] = tuple(map(str, values[i]))  # type: ignore[call-overload]
+            values[i] = tuple(map(str, cast(Tuple[IPNetwork, ...], values[i])))
     return values, list(map(_endpoint_values, endpoints))
 
 
