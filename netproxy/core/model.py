@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import operator
 import re
 import socket
 import sys
@@ -153,6 +154,8 @@ def new_v4(number: int) -> ipaddress.IPv4Address:
 
 _NEW_V4 = object.__new__
 _NEW_TUPLE = tuple.__new__
+_PORT = operator.itemgetter(1)
+"""An endpoint's port (:class:`Endpoint`'s second field), read in C."""
 
 
 @functools.lru_cache(maxsize=1 << 18)
@@ -368,7 +371,9 @@ class EndpointSet:
         hit = cache.get(key)
         if hit is None and len(self.ports) == 1:
             p = self.ports[0]
-            if p.name == port_name and p.protocol == protocol and all(e.port == p.port for e in self.endpoints):
+            # countOf over the ports read in C: a generator per slice was a third of this method.
+            if p.name == port_name and p.protocol == protocol and \
+                    operator.countOf(map(_PORT, self.endpoints), p.port) == len(self.endpoints):
                 hit = cache[key] = self.endpoints
         if hit is None:
             out: List[Endpoint] = []

@@ -9,9 +9,11 @@ endpoint listed by two slices), so backends only ever see resolved ``Endpoint`` 
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from dataclasses import replace
+from itertools import islice
 from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from netproxy.core.cowmap import CowMap
@@ -272,6 +274,16 @@ class ChangeTracker:
         slices = [self._slices[k] for k in sorted(self._slices_by_service.get(key, ()))]
         names: Set[ServicePortName] = set()
         for sp in ports:
+            if len(slices) == 1:
+                # One slice (nearly every service): its endpoints for this port are often already
+                # what the merge below makes of them (ordered, each address once), and then they
+                # are kept as they are, shared with the slice rather than copied.
+                own = slices[0].for_port(sp.name.port, sp.protocol)
+                if in_order(own):
+                    self._ports[sp.name] = sp
+                    self._resolved[sp.name] = own
+                    names.add(sp.name)
+                    continue
             # Keyed by plain ints: ipaddress' __hash__/__lt__ are Python-level and showed up as a
             # third of a 10k-service resolve.
             seen: Dict[Tuple[int, int, int], Endpoint] = {}
@@ -289,6 +301,20 @@ class ChangeTracker:
         if names:
             self._names_by_service[key] = names
         return touched | names
+
+
+_ORDER = operator.attrgetter("ip._max_prefixlen", "ip._ip", "port")
+"""An endpoint's place in a resolved tuple, read in C: (32 or 128, the address as an int, the port)
+orders as (IP version, address, port) does, the key :meth:`ChangeTracker._resolve` sorts on."""
+
+
+def in_order(eps: Tuple[Endpoint, ...]) -> bool:
+    """Whether ``eps`` is already what :meth:`ChangeTracker._resolve` would make of it alone:
+    strictly ordered by (IP version, address, port), so no endpoint is listed twice."""
+    if len(eps) < 2:
+        return True
+    keys = list(map(_ORDER, eps))
+    return all(map(operator.lt, keys, islice(keys, 1, None)))
 
 
 def _joined(flag: Tuple[IPNetwork, ...], objects: Mapping[str, Tuple[IPNetwork, ...]]) -> Tuple[IPNetwork, ...]:

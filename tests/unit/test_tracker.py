@@ -465,3 +465,45 @@ def test_a_snapshot_is_not_changed_by_what_the_tracker_takes_in_after_it(tracker
     assert set(second.services) == names("default/web:http", "default/web:metrics")
     assert [str(e) for e in second.endpoints_of(ServicePortName("default", "web", "http"))] == ["10.0.0.9:8080"]
     assert changes.services == names("default/api", "default/web:http", "default/web:metrics")
+
+
+def _merged(slice_eps: Tuple[Endpoint, ...]) -> Tuple[Endpoint, ...]:
+    """What the tracker's merge makes of one slice's endpoints, written out the slow way: each
+    (version, address, port) once, a ready copy over a not-ready one, ordered by that key."""
+    seen: Dict[Tuple[int, int, int], Endpoint] = {}
+    for e in slice_eps:
+        k = (e.ip.version, int(e.ip), e.port)
+        if k not in seen or (e.ready and not seen[k].ready):
+            seen[k] = e
+    return tuple(seen[k] for k in sorted(seen))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_one_slice_resolves_as_the_merge_does(seed: int) -> None:
+    """The one-slice shortcut (the slice's own tuple when already in order) gives the merge's answer,
+    for slices in order, out of order, with repeats, both families mixed (a legacy Endpoints
+    subset list), several ports and endpoints whose own port differs."""
+    import random
+
+    rnd = random.Random(seed)
+    # IPv6 addresses as small as "::3" order before every IPv4 address by their number alone.
+    pool = [ip(f"10.0.{rnd.randrange(3)}.{rnd.randrange(1, 6)}") for _ in range(6)] + \
+        [ip(f"{rnd.choice(('fd00', ''))}::{rnd.randrange(1, 6)}") for _ in range(rnd.choice((0, 0, 3)))]
+    n = rnd.randrange(0, 8)
+    chosen = [rnd.choice(pool) for _ in range(n)]
+    order = seed % 5
+    if order in (0, 1):
+        chosen = sorted(set(chosen), key=lambda a: (a.version, int(a)))  # the common case: in order
+    elif order == 2:
+        chosen = sorted(chosen, key=lambda a: (a.version, int(a)))  # in order, with repeats
+    elif order == 3:
+        chosen = sorted(set(chosen) | {ip("::3"), pool[0]}, key=int)  # by number alone: "::3" first
+    ports = (SlicePort("http", "TCP", 8080),) + ((SlicePort("http", "TCP", 8081),) if rnd.random() < 0.2 else ())
+    own_port = 8080 if rnd.random() < 0.8 else rnd.choice((0, 8080, 9090))
+    listed = tuple(Endpoint(a, own_port, rnd.random() < 0.8) for a in chosen)
+    t = ChangeTracker()
+    t.update_service("default", "web", svc("web", "http"))
+    t.update_endpoints("default", "web-1", EndpointSet("default", "web", ports, listed))
+    snap, _ = t.take()
+    got = snap.endpoints_of(ServicePortName("default", "web", "http"))
+    assert got == _merged(EndpointSet("default", "web", ports, listed).for_port("http", "TCP"))  # readiness too
