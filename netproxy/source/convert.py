@@ -11,7 +11,7 @@ import datetime
 import re
 import socket
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar, Union
 
 if TYPE_CHECKING:  # typing.TypeGuard is 3.10+; the Debian 11 guest runs 3.9 (annotations are not evaluated)
     from typing import TypeGuard
@@ -20,6 +20,7 @@ from netproxy.core.model import (
     AFFINITIES,
     DEFAULT_AFFINITY_TIMEOUT,
     MAX_AFFINITY_TIMEOUT,
+    PROTOCOLS,
     READY,
     SERVING,
     TRAFFIC_POLICIES,
@@ -132,6 +133,9 @@ def parse_service(obj: Mapping[str, Any], checked_ref: Optional[Tuple[str, str, 
     """A v1 Service → its service ports.  Headless and ExternalName services have none (as in kube-proxy).
     ``checked_ref``: the object's :func:`object_ref`, when the caller has it already."""
     kind, ns, name = checked_ref or object_ref(obj)
+    plain = _plain_service(ns, name, obj)
+    if plain is not None:
+        return plain
     return _guard(kind, f"{ns}/{name}", lambda: _service_ports(ns, name, obj))
 
 
@@ -214,6 +218,171 @@ def _service_ports(ns: str, name: str, obj: Mapping[str, Any]) -> Tuple[ServiceP
             traffic_distribution=str(distribution), proxy_load_balancer_ips=proxy_lb_ips,
         ))
     return tuple(out)
+
+
+def _choices(choices: Tuple[str, ...], default: str) -> Dict[Optional[str], str]:
+    """What :func:`check_choice` accepts, as a lookup: the absent and empty value mean ``default``."""
+    return {None: default, "": default, **{c: c for c in choices}}
+
+
+_PLAIN_TYPES = {k: v for k, v in _choices(SERVICE_TYPES, "ClusterIP").items() if v != "ExternalName"}
+_PLAIN_AFFINITIES = _choices(AFFINITIES, "None")
+_PLAIN_POLICIES = _choices(TRAFFIC_POLICIES, "Cluster")
+_PLAIN_PROTOCOLS: Dict[Optional[str], str] = {None: PROTOCOLS[0], **{p: p for p in PROTOCOLS}}
+_PLAIN_DISTRIBUTIONS: Dict[Optional[str], str] = {
+    None: "", **{d: d for d in ("", "PreferClose", "PreferSameZone", "PreferSameNode")}}
+
+
+def _plain_service(ns: str, name: str, obj: Mapping[str, Any]) -> Optional[Tuple[ServicePort, ...]]:
+    """The service ports of a Service that needs no more than the common checks, else None.
+
+    The accept-only shortcut of :func:`_service_ports`, which stays the one place that decides and
+    words a refusal: a Service is taken here only when every field that function reads is absent or
+    holds a value it accepts at once (IPv4 or IPv6 cluster IPs, no external or load-balancer
+    addresses, no source ranges, known choices, integer ports, port names checked before); anything
+    else, valid or not, is left to it.  Its per-field helpers, choice checks and field-path strings
+    were half of the 13 us a one-port Service cost (docs/performance.md, the eighth pass); the
+    randomized test in tests/unit/test_convert.py holds both to the same answers."""
+    spec = obj.get("spec")
+    if type(spec) is not dict:
+        return None
+    settings = _plain_settings(spec, obj.get("status"))
+    if settings is None:
+        return None
+    svc_type, affinity, timeout, etp, itp, distribution, hc_port = settings
+    get = spec.get
+    raw_ips = get("clusterIPs")
+    if raw_ips is None or (type(raw_ips) is list and not raw_ips):
+        raw_ips = (get("clusterIP"),)
+    elif type(raw_ips) is not list:
+        return None
+    cluster_ips = []
+    for addr in raw_ips:
+        ip = _plain_v4(addr)
+        if ip is None:
+            ip = valid_ip(addr, False)  # IPv6 (and any other spelling): as check_ip decides, uncached
+            if ip is None:
+                return None  # "None" (headless), "" or null (not allocated), or invalid
+        cluster_ips.append(ip)
+    raw_ports = get("ports")
+    ports = _plain_ports(raw_ports) if raw_ports is not None else []
+    if ports is None:
+        return None
+    ips = tuple(cluster_ips)
+    return tuple(ServicePort(ServicePortName(ns, name, port_name), protocol, port, target, ips, node_port,
+                             (), (), (), affinity, timeout, etp, itp, hc_port, svc_type, distribution)
+                 for port_name, protocol, port, target, node_port in ports)
+
+
+def _plain_settings(spec: Dict[str, Any], status: Any) -> Optional[Tuple[str, str, int, str, str, str, int]]:
+    """:func:`_plain_service`'s service-wide fields (type, affinity and its timeout, the two
+    traffic policies, the traffic distribution, the health check node port), or None."""
+    get = spec.get
+    # Choice fields: only a string (or null) can be looked up; anything else goes the general way.
+    svc_type, affinity, etp, itp, distribution = (
+        get("type"), get("sessionAffinity"), get("externalTrafficPolicy"), get("internalTrafficPolicy"),
+        get("trafficDistribution"))
+    if not all(v is None or type(v) is str for v in (svc_type, affinity, etp, itp, distribution)):
+        return None
+    svc_type, affinity = _PLAIN_TYPES.get(svc_type), _PLAIN_AFFINITIES.get(affinity)
+    etp, itp = _PLAIN_POLICIES.get(etp), _PLAIN_POLICIES.get(itp)
+    distribution = _PLAIN_DISTRIBUTIONS.get(distribution)
+    if svc_type is None or affinity is None or etp is None or itp is None or distribution is None:
+        return None
+    for absent in ("externalIPs", "loadBalancerSourceRanges"):
+        value = get(absent)
+        if value is not None and (type(value) is not list or value):
+            return None
+    # Below, False stands for a value that is no mapping: left to the general path, as any other.
+    config = get("sessionAffinityConfig")
+    timeout: Any = DEFAULT_AFFINITY_TIMEOUT
+    if config is not None:
+        client = config.get("clientIP") if type(config) is dict else False
+        if client is not None:
+            timeout = client.get("timeoutSeconds", DEFAULT_AFFINITY_TIMEOUT) if type(client) is dict else None
+            if type(timeout) is not int or not 1 <= timeout <= MAX_AFFINITY_TIMEOUT:
+                return None
+    hc_port = get("healthCheckNodePort")
+    hc_port = 0 if hc_port is None else hc_port
+    if type(hc_port) is not int or not 0 <= hc_port <= 65535:
+        return None
+    if status is not None:
+        balancer = status.get("loadBalancer") if type(status) is dict else False
+        if balancer is not None:
+            ingress = balancer.get("ingress") if type(balancer) is dict else False
+            if ingress is not None and (type(ingress) is not list or ingress):
+                return None  # load-balancer addresses: the general path's
+    return svc_type, affinity, timeout, etp, itp, distribution, hc_port
+
+
+PlainPort = Tuple[str, str, int, Union[int, str], int]
+"""A service port's name, protocol, port, target port and node port."""
+
+
+def _plain_ports(raw_ports: Any) -> Optional[List[PlainPort]]:
+    """:func:`_plain_service`'s ports, or None."""
+    if type(raw_ports) is not list:
+        return None
+    out: List[PlainPort] = []
+    for p in raw_ports:
+        if type(p) is not dict:
+            return None
+        port_name = p.get("name") or ""
+        if port_name:
+            port_name = _plain_label(port_name)
+            if port_name is None:
+                return None
+        elif len(raw_ports) > 1:
+            return None
+        port = p.get("port")
+        target, node_port = p.get("targetPort", port), p.get("nodePort") or 0
+        if type(port) is not int or type(node_port) is not int or not (1 <= port <= 65535 and 0 <= node_port <= 65535):
+            return None
+        if type(target) is not int or not 1 <= target <= 65535:
+            if type(target) is not str or (target.isascii() and target.isdigit()) or len(target) > 15:
+                return None
+            target = _plain_label(target)  # a named target port: a label of at most 15
+            if target is None:
+                return None
+        protocol = p.get("protocol")
+        protocol = _PLAIN_PROTOCOLS.get(protocol) if protocol is None or type(protocol) is str else None
+        if protocol is None:
+            return None
+        out.append((port_name, protocol, port, target, node_port))
+    if len(out) > 1 and len({p[0] for p in out}) != len(out):
+        return None  # a name used twice: the general path words it
+    return out
+
+
+_PORT_NAMES: Dict[str, str] = {}
+"""Service port names (and named target ports) :func:`check_label` accepted, interned: a few names
+serve 100k service ports.  Bounded as :data:`_NAMES`."""
+
+
+def _plain_label(value: Any) -> Optional[str]:
+    """``value`` interned when :func:`check_label` accepts it, else None."""
+    if type(value) is not str:
+        return None
+    hit = _PORT_NAMES.get(value)
+    if hit is None:
+        try:
+            hit = sys.intern(check_label(value, "name"))
+        except FieldError:
+            return None
+        if len(_PORT_NAMES) < _NAMES_MAX:
+            _PORT_NAMES[hit] = hit
+    return hit
+
+
+def _plain_v4(addr: Any) -> Optional[IPAddress]:
+    """``addr`` when it is a canonical dotted quad (as :func:`model._parse_ip` decides), else None."""
+    if type(addr) is not str or len(addr) > 15:
+        return None
+    try:
+        packed = socket.inet_pton(socket.AF_INET, addr)
+    except (OSError, ValueError):
+        return None
+    return new_v4(int.from_bytes(packed, "big")) if socket.inet_ntop(socket.AF_INET, packed) == addr else None
 
 
 LB_IP_MODES = ("VIP", "Proxy")

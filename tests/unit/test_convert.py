@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import ipaddress
+import sys
 from typing import Any, Dict, List, Optional
 
 import pytest
@@ -541,3 +542,146 @@ def test_repeated_strings_of_the_model_are_one_object_each() -> None:
     assert sa is not None and sb is not None
     assert sa.namespace is sb.namespace is a.name.namespace
     assert sa.ports[0].name is sb.ports[0].name and sa.ports[0].protocol is sb.ports[0].protocol
+
+
+# -- the Services' shortcut ---------------------------------------------------------------------------
+
+_ABSENT = object()
+"""A field left out of the object (as against one present with a null)."""
+
+# Per field of a Service: values the shortcut may take (absent, or what the general path accepts at
+# once), then values it must leave to the general path (valid but not plain, or invalid).
+_SPEC_VARIANTS: Dict[str, Any] = {
+    "type": ([_ABSENT, None, "", "ClusterIP", "NodePort", "LoadBalancer"],
+             ["ExternalName", "clusterip", 1, ["ClusterIP"], {}]),
+    "clusterIP": ([_ABSENT, "10.96.0.10", "fd00::10"],
+                  [None, "", "None", "10.96.0.010", "10.96.0.256", "fe80::1%eth0", 5, "10.96.0.10\x00"]),
+    "clusterIPs": ([_ABSENT, None, [], ["10.96.0.11"], ["10.96.0.11", "fd00::11"]],
+                   [["None"], ["10.96.0.11", "x"], "10.96.0.11", [None], ["10.96.0.11"] * 3, [""], {}]),
+    "externalIPs": ([_ABSENT, None, []], [["203.0.113.1"], "203.0.113.1", [5], {}]),
+    "loadBalancerSourceRanges": ([_ABSENT, None, []], [["10.0.0.0/8"], ["bad"], {}, ""]),
+    "sessionAffinity": ([_ABSENT, None, "", "None", "ClientIP"], ["clientip", 0, False, ["None"]]),
+    "sessionAffinityConfig": (
+        [_ABSENT, None, {}, {"clientIP": None}, {"clientIP": {}}, {"clientIP": {"timeoutSeconds": 600}},
+         {"clientIP": {"timeoutSeconds": 86400}}, {"clientIP": {"timeoutSeconds": 1}}],
+        [{"clientIP": {"timeoutSeconds": 0}}, {"clientIP": {"timeoutSeconds": True}}, "x", [], "",
+         {"clientIP": {"timeoutSeconds": 86401}}, {"clientIP": {"timeoutSeconds": None}}, {"clientIP": "x"},
+         {"clientIP": {"timeoutSeconds": 1.0}}, {"clientIP": {"timeoutSeconds": "600"}}]),
+    "externalTrafficPolicy": ([_ABSENT, None, "", "Cluster", "Local"], ["local", 1, [], False]),
+    "internalTrafficPolicy": ([_ABSENT, None, "", "Cluster", "Local"], ["local", 1, [], False]),
+    "trafficDistribution": ([_ABSENT, None, "", "PreferClose", "PreferSameZone", "PreferSameNode"],
+                            ["Other", 0, False, [], "preferclose"]),
+    "healthCheckNodePort": ([_ABSENT, None, 0, 32000, 65535], [65536, -1, True, False, "32000", 1.0, 0.0]),
+}
+_STATUS_VARIANTS = ([_ABSENT, None, {}, {"loadBalancer": None}, {"loadBalancer": {}},
+                     {"loadBalancer": {"ingress": None}}, {"loadBalancer": {"ingress": []}}],
+                    [{"loadBalancer": {"ingress": [{"ip": "198.51.100.1"}]}}, "x", [],
+                     {"loadBalancer": {"ingress": [{"hostname": "lb.example"}]}}, {"loadBalancer": "x"},
+                     {"loadBalancer": {"ingress": "x"}}, {"loadBalancer": {"ingress": [{"ip": "x"}]}}])
+_PORT_VARIANTS: Dict[str, Any] = {
+    "name": ([_ABSENT, None, "", "http", "dns", "a"], [0, "Http", "a" * 64, "x y", 5, "web\n", []]),
+    "port": ([80, 53, 1, 65535], [_ABSENT, 0, 65536, True, "80", None, 1.0]),
+    "targetPort": ([_ABSENT, 8080, "http", "web", "a" * 15], [None, "8080", "08080", "123456", "\u00b2", "",
+                                                             "a" * 16, True, 0, 65536, "Web", 8080.0]),
+    "nodePort": ([_ABSENT, None, 0, 30080], [65536, -1, True, "30080", False, 1.5]),
+    "protocol": ([_ABSENT, None, "TCP", "UDP", "SCTP"], ["tcp", "", 6, ["TCP"]]),
+}
+
+
+def _random_service(rng: Any) -> Dict[str, Any]:
+    # How often a field takes an odd value, per Service; "one": a single field (or port field), so
+    # that each odd value is also met in an otherwise plain Service.
+    odds = rng.choice((0.0, "one", "one", 0.05, 0.2))
+    fields = [*_SPEC_VARIANTS, *_PORT_VARIANTS, "status"]
+    odd_one = rng.choice(fields) if odds == "one" else None
+
+    def pick(variants: Any, field: str = "") -> Any:
+        plain, odd = variants
+        return rng.choice(odd if field == odd_one or (odds != "one" and rng.random() < odds) else plain)
+
+    spec = {field: pick(variants, field) for field, variants in _SPEC_VARIANTS.items()}
+    ports: Any = [{k: pick(v, k) for k, v in _PORT_VARIANTS.items()} for _ in range(rng.choice((1, 1, 1, 2, 3)))]
+    if rng.random() < 0.1:
+        ports = rng.choice([_ABSENT, None, [], "x", {}, ["x"], [None]])
+    spec["ports"] = ports
+    obj: Dict[str, Any] = {"apiVersion": "v1", "kind": "Service", "metadata": {"namespace": "shop", "name": "web"},
+                           "spec": spec, "status": pick(_STATUS_VARIANTS, "status")}
+    if rng.random() < 0.05:
+        obj["spec"] = rng.choice([None, "x", [], {}])
+
+    def drop_absent(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: drop_absent(v) for k, v in value.items() if v is not _ABSENT}
+        if isinstance(value, list):
+            return [drop_absent(v) for v in value]
+        return value
+
+    return drop_absent(obj)  # type: ignore[no-any-return]
+
+
+def _service_answer(fn: Any, obj: Dict[str, Any]) -> Any:
+    """The service ports with every field's type (True == 1, so types are compared too), or the
+    refusal's field and message."""
+    import dataclasses
+
+    try:
+        ports = fn(copy.deepcopy(obj))
+    except ValidationError as err:
+        return ("refused", err.field_path, err.message)
+    return [(p, [type(getattr(p, f.name)) for f in dataclasses.fields(p)]) for p in ports]
+
+
+def test_service_shortcut_agrees_with_the_general_conversion() -> None:
+    """The shortcut for plain Services (_plain_service) against the general path (_service_ports):
+    for random Services mixing plain values with valid-but-not-plain and invalid ones in every
+    field, whatever the shortcut takes, the general path converts to the same service ports and
+    field types; and parse_service (shortcut first) answers as the general path alone, refusals
+    included."""
+    import random
+
+    from netproxy.source import convert
+
+    def general(obj: Dict[str, Any]) -> Any:
+        return convert._guard("Service", "shop/web", lambda: convert._service_ports("shop", "web", obj))
+
+    rng = random.Random(40)
+    taken = refused = 0
+    for _ in range(4000):
+        obj = _random_service(rng)
+        expected = _service_answer(general, obj)
+        assert _service_answer(parse_service, obj) == expected, obj
+        fast = convert._plain_service("shop", "web", copy.deepcopy(obj))
+        if fast is not None:
+            taken += 1
+            assert _service_answer(lambda _, taken_ports=fast: taken_ports, obj) == expected, obj
+        refused += expected[:1] == ("refused",)
+    # Every side was exercised (~650 taken, ~2,700 refused, ~640 valid but left to the general path).
+    assert taken > 500 and refused > 2000 and 4000 - taken - refused > 400, (taken, refused)
+
+
+def test_service_shortcut_takes_the_common_shapes() -> None:
+    """ClusterIP, NodePort and LoadBalancer Services as kubectl prints them (a status with an empty
+    loadBalancer, named target ports, dual stack) are taken by the shortcut, with the model's
+    shared strings; a load balancer's ingress or an external IP is left to the general path."""
+    from netproxy.source import convert
+
+    common = [
+        service(),
+        service(type="NodePort", ports=[{"name": "http", "port": 80, "targetPort": "web", "nodePort": 30080}],
+                externalTrafficPolicy="Local", sessionAffinity="ClientIP",
+                sessionAffinityConfig={"clientIP": {"timeoutSeconds": 600}}),
+        service(clusterIPs=["10.96.0.10", "fd00::10"], ipFamilies=["IPv4", "IPv6"], selector={"app": "web"}),
+        {**service(type="LoadBalancer", healthCheckNodePort=31000), "status": {"loadBalancer": {}}},
+        service(ports=[{"name": "dns", "port": 53, "protocol": "UDP"}, {"name": "dns-tcp", "port": 53}]),
+    ]
+    for obj in common:
+        fast = convert._plain_service("shop", "web", obj)
+        assert fast is not None and fast == convert._service_ports("shop", "web", obj), obj
+        assert all(p.protocol is convert.PROTOCOLS[convert.PROTOCOLS.index(p.protocol)] for p in fast)
+    (p,) = convert._plain_service("shop", "web", common[1]) or ()
+    assert p.target_port == "web" and p.name.port is sys.intern("http") and p.service_type == "NodePort"
+    ingress = {**service(type="LoadBalancer"), "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.7"}]}}}
+    for not_plain in (ingress, service(externalIPs=["203.0.113.1"])):
+        assert convert._plain_service("shop", "web", not_plain) is None
+        assert parse_service(not_plain)[0].addresses()[1:] == (ip("203.0.113.1") if "externalIPs" in
+                                                               not_plain["spec"] else ip("198.51.100.7"),)
