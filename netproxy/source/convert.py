@@ -427,7 +427,12 @@ def parse_service_cidr(obj: Mapping[str, Any]) -> Tuple[str, Tuple[IPNetwork, ..
     return _guard(kind, str(raw_name), build)
 
 
-def _slice_ports(raw_ports: Any, path: str) -> Tuple[SlicePort, ...]:
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+"""An EndpointSlice's label naming its Service."""
+
+
+def slice_ports(raw_ports: Any, path: str) -> Tuple[SlicePort, ...]:
+    """An EndpointSlice's (or a legacy Endpoints subset's) ``ports``; raises :class:`FieldError`."""
     out = []
     for i, raw in enumerate(_list(raw_ports, path)):
         p = _map(raw, f"{path}[{i}]")
@@ -461,14 +466,13 @@ def parse_endpoint_slice(obj: Mapping[str, Any], families: Tuple[str, ...] = ("I
 
     def build() -> Optional[EndpointSet]:
         labels = _map(_map(obj.get("metadata"), "metadata").get("labels"), "metadata.labels")
-        service = check_label(labels.get("kubernetes.io/service-name"),
-                              "metadata.labels[kubernetes.io/service-name]")
+        service = check_label(labels.get(SERVICE_NAME_LABEL), f"metadata.labels[{SERVICE_NAME_LABEL}]")
         addr_type = obj.get("addressType", "IPv4")
         if addr_type not in ("IPv4", "IPv6", "FQDN"):
             raise FieldError("addressType", f"{shown(addr_type)} is not IPv4, IPv6 or FQDN")
         if addr_type not in families:
             return None
-        ports = _slice_ports(obj.get("ports"), "ports")
+        ports = slice_ports(obj.get("ports"), "ports")
         # With one port (the common case) endpoints carry it already, so for_port needs no copies.
         port0 = ports[0].port if len(ports) == 1 else 0
         eps: List[Endpoint] = []
@@ -634,14 +638,14 @@ def parse_endpoints(obj: Mapping[str, Any]) -> EndpointSet:
         if len(subsets) > 1:
             # Subsets with different port sets cannot be flattened into one set faithfully.  Compared
             # parsed, not by repr: the repr of a YAML alias bomb never ends.
-            port_sets = {_slice_ports(_map(s, f"subsets[{i}]").get("ports"), f"subsets[{i}].ports")
+            port_sets = {slice_ports(_map(s, f"subsets[{i}]").get("ports"), f"subsets[{i}].ports")
                          for i, s in enumerate(subsets)}
             if len(port_sets) > 1:
                 raise FieldError("subsets", "subsets with different ports are not supported; use EndpointSlices")
         for i, raw in enumerate(subsets):
             s = _map(raw, f"subsets[{i}]")
             if not ports:
-                ports = list(_slice_ports(s.get("ports"), f"subsets[{i}].ports"))
+                ports = list(slice_ports(s.get("ports"), f"subsets[{i}].ports"))
             for key, ready in (("addresses", True), ("notReadyAddresses", False)):
                 for j, a in enumerate(_list(s.get(key), f"subsets[{i}].{key}")):
                     addr = _map(a, f"subsets[{i}].{key}[{j}]")
@@ -686,7 +690,11 @@ def trigger_time(obj: Mapping[str, Any]) -> Optional[float]:
     or unreadable: it only feeds a metric, so a bad stamp is ignored rather than rejected."""
     meta = obj.get("metadata")
     notes = meta.get("annotations") if is_mapping(meta) else None
-    raw = notes.get(TRIGGER_TIME) if notes and is_mapping(notes) else None
+    return trigger_stamp(notes.get(TRIGGER_TIME) if notes and is_mapping(notes) else None)
+
+
+def trigger_stamp(raw: Any) -> Optional[float]:
+    """:func:`trigger_time` of the annotation's value."""
     if not isinstance(raw, str):
         return None
     try:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 from netproxy.core.model import EndpointSet, IPNetwork, NodeInfo, ServicePort, ValidationError, shown
-from netproxy.source import jsonstream
+from netproxy.source import jsonstream, plainslice
 from netproxy.source.convert import (
     is_mapping,
     loose_ref,
@@ -120,11 +120,13 @@ class Converted(NamedTuple):
 Item = Union[Mapping[str, Any], ValidationError, Fresh, Converted]
 
 
-def read_objects(path: str, memo: Optional[ItemMemo[Converted]] = None) -> Iterator[Item]:
+def read_objects(path: str, memo: Optional[ItemMemo[Converted]] = None, plain_slices: bool = False) -> Iterator[Item]:
     """The Kubernetes objects of one file, one at a time.  A JSON ``List`` is streamed
     (:mod:`jsonstream`): its items are converted as they are decoded, never all held as dicts.
     With ``memo`` (``run``'s reads of a file), an item whose bytes were in the previous read comes
-    out as its :class:`Converted` without being decoded, and a new one as :class:`Fresh`."""
+    out as its :class:`Converted` without being decoded, and a new one as :class:`Fresh`.
+    ``plain_slices`` (the one-shot load, without the address cache): a plain IPv4 EndpointSlice of
+    a ``List`` comes out as its :class:`Converted`, decoded into typed structs (:mod:`plainslice`)."""
     if not path.endswith(".json"):
         yield from flatten(read_documents(path), path)
         return
@@ -135,16 +137,23 @@ def read_objects(path: str, memo: Optional[ItemMemo[Converted]] = None) -> Itera
         raise SourceError(f"{path}: {err.strerror}") from None
     kindless: List[Any] = []  # items of a typed list (ServiceList...) name their kind only in the list
     try:
-        for what, value in jsonstream.iter_document(text, raw=memo is not None):
-            if what == "raw" and memo is not None:
-                key = digest(value)
-                hit = memo.get(key)
-                if hit is not None:
-                    yield hit
-                    continue
+        for what, value in jsonstream.iter_document(text, raw=memo is not None or plain_slices):
+            if what == "raw":
+                key = None
+                if memo is not None:
+                    key = digest(value)
+                    hit = memo.get(key)
+                    if hit is not None:
+                        yield hit
+                        continue
+                elif plain_slices:
+                    plain = plainslice.converted(value)
+                    if plain is not None:
+                        yield Converted("EndpointSlice", *plain)
+                        continue
                 value = jsonstream.decode(value)
                 kind = value.get("kind") if is_mapping(value) else None
-                if isinstance(kind, str) and kind and not kind.endswith("List"):
+                if key is not None and isinstance(kind, str) and kind and not kind.endswith("List"):
                     yield Fresh(key, value)
                     continue
                 what = "item"  # kindless (a typed list's) or a list in the list: as the stream has it
@@ -380,7 +389,9 @@ def _load(path: str, node_name: str, cache: Optional[Dict[str, Tuple[FileSig, Lo
         if hit is not None and sig is not None and hit[0] == sig:
             part = hit[1]
         elif memos is None:
-            part = parse_part(read_objects(f), node_name, remember_addresses)
+            # Without the address cache (a one-shot load), plain slices take the typed shortcut,
+            # which parses their addresses uncached as _plain_v4_endpoints does.
+            part = parse_part(read_objects(f, plain_slices=not remember_addresses), node_name, remember_addresses)
         else:
             memo = memos.setdefault(f, ItemMemo())
             try:

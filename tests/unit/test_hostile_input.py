@@ -146,8 +146,14 @@ def _write(objs: List[Any], fmt: str, extra: str = "") -> str:
 
 
 def _loaded(path: str) -> Loaded:
+    """The file loaded as ``run`` loads it, and as the one-shot commands do (no address cache: the
+    typed EndpointSlices and the IPv4 shortcut), which must give the same answers."""
     try:
-        return load(path, "node-a")
+        loaded = load(path, "node-a")
+        one_shot = load(path, "node-a", remember_addresses=False)
+        assert (one_shot.services, one_shot.endpoints, [str(e) for e in one_shot.errors], one_shot.skipped) == \
+            (loaded.services, loaded.endpoints, [str(e) for e in loaded.errors], loaded.skipped)
+        return one_shot
     finally:
         os.unlink(path)
 
