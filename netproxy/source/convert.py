@@ -69,14 +69,28 @@ def object_ref(obj: Mapping[str, Any]) -> Tuple[str, str, str]:
     raw_ns = meta.get("namespace") or "default"
     raw_name = meta.get("name")
     try:
-        # Interned: every object of a namespace names it, and the model keeps each copy (a
-        # ServicePortName per service port: 10 MB of one string at 100k services).
-        ns = sys.intern(check_label(raw_ns, "metadata.namespace"))
+        ns = namespace(raw_ns)
         name = (check_subdomain if kind == "EndpointSlice" else check_label)(raw_name, "metadata.name")
     except FieldError as err:
         raise ValidationError(kind, f"{ref_part(raw_ns)}/{ref_part(raw_name)}", err.field_path,
                               err.message) from None
     return kind, ns, name
+
+
+_NAMESPACES: Dict[str, str] = {}
+"""Namespaces already checked, interned (bounded as :data:`_NAMES`): 20k objects name a few."""
+
+
+def namespace(value: Any) -> str:
+    """``metadata.namespace`` checked, interned: every object of a namespace names it, and the model
+    keeps each copy (a ServicePortName per service port: 10 MB of one string at 100k services).
+    Raises :class:`FieldError`."""
+    hit = _NAMESPACES.get(value) if type(value) is str else None
+    if hit is None:
+        hit = sys.intern(check_label(value, "metadata.namespace"))
+        if len(_NAMESPACES) < _NAMES_MAX:
+            _NAMESPACES[hit] = hit
+    return hit
 
 
 def loose_ref(obj: Mapping[str, Any]) -> str:
@@ -269,24 +283,25 @@ def _plain_service(ns: str, name: str, obj: Mapping[str, Any]) -> Optional[Tuple
     if ports is None:
         return None
     ips = tuple(cluster_ips)
-    return tuple(ServicePort(ServicePortName(ns, name, port_name), protocol, port, target, ips, node_port,
-                             (), (), (), affinity, timeout, etp, itp, hc_port, svc_type, distribution)
-                 for port_name, protocol, port, target, node_port in ports)
+    out = []
+    for port_name, protocol, port, target, node_port in ports:
+        out.append(ServicePort(ServicePortName(ns, name, port_name), protocol, port, target, ips, node_port,
+                               (), (), (), affinity, timeout, etp, itp, hc_port, svc_type, distribution))
+    return tuple(out)
 
 
 def _plain_settings(spec: Dict[str, Any], status: Any) -> Optional[Tuple[str, str, int, str, str, str, int]]:
     """:func:`_plain_service`'s service-wide fields (type, affinity and its timeout, the two
     traffic policies, the traffic distribution, the health check node port), or None."""
     get = spec.get
-    # Choice fields: only a string (or null) can be looked up; anything else goes the general way.
-    svc_type, affinity, etp, itp, distribution = (
-        get("type"), get("sessionAffinity"), get("externalTrafficPolicy"), get("internalTrafficPolicy"),
-        get("trafficDistribution"))
-    if not all(v is None or type(v) is str for v in (svc_type, affinity, etp, itp, distribution)):
+    # Choice fields, looked up: a value that is no key (a number, a boolean, an unknown string) gets
+    # None, one that cannot be a key (a list, a mapping) a TypeError; both go the general way.
+    try:
+        svc_type, affinity = _PLAIN_TYPES.get(get("type")), _PLAIN_AFFINITIES.get(get("sessionAffinity"))
+        etp, itp = _PLAIN_POLICIES.get(get("externalTrafficPolicy")), _PLAIN_POLICIES.get(get("internalTrafficPolicy"))
+        distribution = _PLAIN_DISTRIBUTIONS.get(get("trafficDistribution"))
+    except TypeError:
         return None
-    svc_type, affinity = _PLAIN_TYPES.get(svc_type), _PLAIN_AFFINITIES.get(affinity)
-    etp, itp = _PLAIN_POLICIES.get(etp), _PLAIN_POLICIES.get(itp)
-    distribution = _PLAIN_DISTRIBUTIONS.get(distribution)
     if svc_type is None or affinity is None or etp is None or itp is None or distribution is None:
         return None
     for absent in ("externalIPs", "loadBalancerSourceRanges"):

@@ -153,8 +153,8 @@ def read_objects(path: str, memo: Optional[ItemMemo[Converted]] = None, plain_sl
                         continue
                 value = jsonstream.decode(value)
                 kind = value.get("kind") if is_mapping(value) else None
-                if key is not None and isinstance(kind, str) and kind and not kind.endswith("List"):
-                    yield Fresh(key, value)
+                if isinstance(kind, str) and kind and not kind.endswith("List"):
+                    yield value if key is None else Fresh(key, value)  # an object: as flatten hands it out
                     continue
                 what = "item"  # kindless (a typed list's) or a list in the list: as the stream has it
             if what == "item":
@@ -214,6 +214,9 @@ def parse_part(objects: Iterator[Item], node_name: str, remember_addresses: bool
     out = Loaded()
     seen: Set[Key] = set()
     for obj in objects:
+        if type(obj) is Converted:  # the typed slices' and the memo's, first: 10k+ of them
+            _place(out, seen, obj)
+            continue
         if isinstance(obj, ValidationError):
             out.errors.append(obj)
             continue

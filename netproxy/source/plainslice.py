@@ -21,7 +21,6 @@ paths to the same answers.
 from __future__ import annotations
 
 import socket
-import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import msgspec
@@ -45,6 +44,7 @@ from netproxy.source.convert import (
     SERVICE_NAME_LABEL,
     TRIGGER_TIME,
     _known,
+    namespace,
     slice_ports,
     trigger_stamp,
 )
@@ -113,7 +113,7 @@ def _convert(obj: _Slice) -> Optional[Tuple[Ref, EndpointSet]]:
     if any(label in labels for label in PROXY_LABELS):
         return None  # skipped by the general path (not for this proxy)
     try:
-        ns = sys.intern(check_label(meta.namespace or "default", "metadata.namespace"))
+        ns = namespace(meta.namespace or "default")
         name = check_subdomain(meta.name, "metadata.name")
         service = check_label(labels.get(SERVICE_NAME_LABEL), "")
         ports = _ports(obj.ports)
@@ -136,7 +136,7 @@ _PORTS_MAX = 1 << 12
 def _ports(raw: Optional[List[_Port]]) -> Tuple[SlicePort, ...]:
     """The slice's ports, as :func:`convert.slice_ports` converts them (for which an absent and a
     null field are the same); raises :class:`FieldError`."""
-    key = tuple((p.name, p.protocol, p.port) for p in raw or ())
+    key = tuple([(p.name, p.protocol, p.port) for p in raw or ()])
     hit = _PORTS.get(key)
     if hit is None:
         hit = slice_ports([{"name": n, "protocol": pr, "port": p} for n, pr, p in key], "ports")
