@@ -11,7 +11,7 @@ import datetime
 import re
 import socket
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 if TYPE_CHECKING:  # typing.TypeGuard is 3.10+; the Debian 11 guest runs 3.9 (annotations are not evaluated)
     from typing import TypeGuard
@@ -256,20 +256,118 @@ def _plain_service(ns: str, name: str, obj: Mapping[str, Any]) -> Optional[Tuple
     addresses, no source ranges, known choices, integer ports, port names checked before); anything
     else, valid or not, is left to it.  Its per-field helpers, choice checks and field-path strings
     were half of the 13 us a one-port Service cost (docs/performance.md, the eighth pass); the
-    randomized test in tests/unit/test_convert.py holds both to the same answers."""
+    randomized test in tests/unit/test_convert.py holds both to the same answers.  The values are
+    judged by the ``_plain_*`` functions below, which the typed shortcut (:mod:`plainservice`)
+    shares."""
     spec = obj.get("spec")
     if type(spec) is not dict:
         return None
-    settings = _plain_settings(spec, obj.get("status"))
+    get = spec.get
+    # Below, False stands for a value that is no mapping: left to the general path, as any other.
+    status = obj.get("status")
+    if status is not None:
+        balancer = status.get("loadBalancer") if type(status) is dict else False
+        if balancer is not None:
+            ingress = balancer.get("ingress") if type(balancer) is dict else False
+            if ingress is not None and (type(ingress) is not list or ingress):
+                return None  # load-balancer addresses: the general path's
+    for absent in ("externalIPs", "loadBalancerSourceRanges"):
+        value = get(absent)
+        if value is not None and (type(value) is not list or value):
+            return None
+    config = get("sessionAffinityConfig")
+    timeout: Any = DEFAULT_AFFINITY_TIMEOUT
+    if config is not None:
+        client = config.get("clientIP") if type(config) is dict else False
+        if client is not None:
+            timeout = client.get("timeoutSeconds", DEFAULT_AFFINITY_TIMEOUT) if type(client) is dict else None
+    settings = plain_settings(get("type"), get("sessionAffinity"), timeout, get("externalTrafficPolicy"),
+                              get("internalTrafficPolicy"), get("trafficDistribution"), get("healthCheckNodePort"))
     if settings is None:
         return None
-    svc_type, affinity, timeout, etp, itp, distribution, hc_port = settings
-    get = spec.get
     raw_ips = get("clusterIPs")
     if raw_ips is None or (type(raw_ips) is list and not raw_ips):
         raw_ips = (get("clusterIP"),)
     elif type(raw_ips) is not list:
         return None
+    raw_ports = get("ports")
+    if raw_ports is None:
+        raw_ports = []
+    elif type(raw_ports) is not list:
+        return None
+    ports: List[PlainPort] = []
+    for p in raw_ports:
+        if type(p) is not dict:
+            return None
+        port = p.get("port")
+        one = plain_port(p.get("name"), port, p.get("targetPort", port), p.get("nodePort"), p.get("protocol"),
+                         len(raw_ports) > 1)
+        if one is None:
+            return None
+        ports.append(one)
+    return plain_service_ports(ns, name, raw_ips, settings, ports)
+
+
+PlainSettings = Tuple[str, str, int, str, str, str, int]
+"""A plain Service's type, affinity and its timeout, traffic policies (external, internal), traffic
+distribution and health check node port."""
+
+
+def plain_settings(svc_type: Any, affinity: Any, timeout: Any, etp: Any, itp: Any, distribution: Any,
+                   hc_port: Any) -> Optional[PlainSettings]:
+    """A Service's service-wide fields as :func:`_service_ports` takes them, when it accepts them at
+    once (the absent ones as None), else None."""
+    # Choice fields, looked up: a value that is no key (a number, a boolean, an unknown string) gets
+    # None, one that cannot be a key (a list, a mapping) a TypeError; both go the general way.
+    try:
+        svc_type, affinity = _PLAIN_TYPES.get(svc_type), _PLAIN_AFFINITIES.get(affinity)
+        etp, itp = _PLAIN_POLICIES.get(etp), _PLAIN_POLICIES.get(itp)
+        distribution = _PLAIN_DISTRIBUTIONS.get(distribution)
+    except TypeError:
+        return None
+    if svc_type is None or affinity is None or etp is None or itp is None or distribution is None:
+        return None
+    if type(timeout) is not int or not 1 <= timeout <= MAX_AFFINITY_TIMEOUT:
+        return None
+    hc_port = 0 if hc_port is None else hc_port
+    if type(hc_port) is not int or not 0 <= hc_port <= 65535:
+        return None
+    return svc_type, affinity, timeout, etp, itp, distribution, hc_port
+
+
+PlainPort = Tuple[str, str, int, Union[int, str], int]
+"""A service port's name, protocol, port, target port and node port."""
+
+
+def plain_port(port_name: Any, port: Any, target: Any, node_port: Any, protocol: Any, many: bool
+               ) -> Optional[PlainPort]:
+    """One of ``spec.ports`` as :func:`_service_ports` takes it (of ``many``), or None."""
+    port_name = port_name or ""
+    if port_name:
+        port_name = _plain_label(port_name)
+        if port_name is None:
+            return None
+    elif many:
+        return None
+    node_port = node_port or 0
+    if type(port) is not int or type(node_port) is not int or not (1 <= port <= 65535 and 0 <= node_port <= 65535):
+        return None
+    if type(target) is not int or not 1 <= target <= 65535:
+        if type(target) is not str or (target.isascii() and target.isdigit()) or len(target) > 15:
+            return None
+        target = _plain_label(target)  # a named target port: a label of at most 15
+        if target is None:
+            return None
+    protocol = _PLAIN_PROTOCOLS.get(protocol) if protocol is None or type(protocol) is str else None
+    if protocol is None:
+        return None
+    return port_name, protocol, port, target, node_port
+
+
+def plain_service_ports(ns: str, name: str, raw_ips: Sequence[Any], settings: PlainSettings,
+                        ports: List[PlainPort]) -> Optional[Tuple[ServicePort, ...]]:
+    """A plain Service's service ports from its cluster IPs (as given: each must be an address),
+    its settings and its ports, or None."""
     cluster_ips = []
     for addr in raw_ips:
         ip = _plain_v4(addr)
@@ -278,95 +376,15 @@ def _plain_service(ns: str, name: str, obj: Mapping[str, Any]) -> Optional[Tuple
             if ip is None:
                 return None  # "None" (headless), "" or null (not allocated), or invalid
         cluster_ips.append(ip)
-    raw_ports = get("ports")
-    ports = _plain_ports(raw_ports) if raw_ports is not None else []
-    if ports is None:
-        return None
+    if len(ports) > 1 and len({p[0] for p in ports}) != len(ports):
+        return None  # a name used twice: the general path words it
+    svc_type, affinity, timeout, etp, itp, distribution, hc_port = settings
     ips = tuple(cluster_ips)
     out = []
     for port_name, protocol, port, target, node_port in ports:
         out.append(ServicePort(ServicePortName(ns, name, port_name), protocol, port, target, ips, node_port,
                                (), (), (), affinity, timeout, etp, itp, hc_port, svc_type, distribution))
     return tuple(out)
-
-
-def _plain_settings(spec: Dict[str, Any], status: Any) -> Optional[Tuple[str, str, int, str, str, str, int]]:
-    """:func:`_plain_service`'s service-wide fields (type, affinity and its timeout, the two
-    traffic policies, the traffic distribution, the health check node port), or None."""
-    get = spec.get
-    # Choice fields, looked up: a value that is no key (a number, a boolean, an unknown string) gets
-    # None, one that cannot be a key (a list, a mapping) a TypeError; both go the general way.
-    try:
-        svc_type, affinity = _PLAIN_TYPES.get(get("type")), _PLAIN_AFFINITIES.get(get("sessionAffinity"))
-        etp, itp = _PLAIN_POLICIES.get(get("externalTrafficPolicy")), _PLAIN_POLICIES.get(get("internalTrafficPolicy"))
-        distribution = _PLAIN_DISTRIBUTIONS.get(get("trafficDistribution"))
-    except TypeError:
-        return None
-    if svc_type is None or affinity is None or etp is None or itp is None or distribution is None:
-        return None
-    for absent in ("externalIPs", "loadBalancerSourceRanges"):
-        value = get(absent)
-        if value is not None and (type(value) is not list or value):
-            return None
-    # Below, False stands for a value that is no mapping: left to the general path, as any other.
-    config = get("sessionAffinityConfig")
-    timeout: Any = DEFAULT_AFFINITY_TIMEOUT
-    if config is not None:
-        client = config.get("clientIP") if type(config) is dict else False
-        if client is not None:
-            timeout = client.get("timeoutSeconds", DEFAULT_AFFINITY_TIMEOUT) if type(client) is dict else None
-            if type(timeout) is not int or not 1 <= timeout <= MAX_AFFINITY_TIMEOUT:
-                return None
-    hc_port = get("healthCheckNodePort")
-    hc_port = 0 if hc_port is None else hc_port
-    if type(hc_port) is not int or not 0 <= hc_port <= 65535:
-        return None
-    if status is not None:
-        balancer = status.get("loadBalancer") if type(status) is dict else False
-        if balancer is not None:
-            ingress = balancer.get("ingress") if type(balancer) is dict else False
-            if ingress is not None and (type(ingress) is not list or ingress):
-                return None  # load-balancer addresses: the general path's
-    return svc_type, affinity, timeout, etp, itp, distribution, hc_port
-
-
-PlainPort = Tuple[str, str, int, Union[int, str], int]
-"""A service port's name, protocol, port, target port and node port."""
-
-
-def _plain_ports(raw_ports: Any) -> Optional[List[PlainPort]]:
-    """:func:`_plain_service`'s ports, or None."""
-    if type(raw_ports) is not list:
-        return None
-    out: List[PlainPort] = []
-    for p in raw_ports:
-        if type(p) is not dict:
-            return None
-        port_name = p.get("name") or ""
-        if port_name:
-            port_name = _plain_label(port_name)
-            if port_name is None:
-                return None
-        elif len(raw_ports) > 1:
-            return None
-        port = p.get("port")
-        target, node_port = p.get("targetPort", port), p.get("nodePort") or 0
-        if type(port) is not int or type(node_port) is not int or not (1 <= port <= 65535 and 0 <= node_port <= 65535):
-            return None
-        if type(target) is not int or not 1 <= target <= 65535:
-            if type(target) is not str or (target.isascii() and target.isdigit()) or len(target) > 15:
-                return None
-            target = _plain_label(target)  # a named target port: a label of at most 15
-            if target is None:
-                return None
-        protocol = p.get("protocol")
-        protocol = _PLAIN_PROTOCOLS.get(protocol) if protocol is None or type(protocol) is str else None
-        if protocol is None:
-            return None
-        out.append((port_name, protocol, port, target, node_port))
-    if len(out) > 1 and len({p[0] for p in out}) != len(out):
-        return None  # a name used twice: the general path words it
-    return out
 
 
 _PORT_NAMES: Dict[str, str] = {}

@@ -1,5 +1,6 @@
-"""The one-shot load's typed shortcut for plain IPv4 EndpointSlices (netproxy/source/plainslice.py)
-against the general conversion of the decoded dict: the same answers, whatever the slice holds."""
+"""The one-shot load's typed shortcuts for plain IPv4 EndpointSlices and plain Services
+(netproxy/source/plainslice.py, plainservice.py) against the general conversion of the decoded dict:
+the same answers, whatever the item holds."""
 
 from __future__ import annotations
 
@@ -8,9 +9,7 @@ import random
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import msgspec
-
-from netproxy.source import plainslice
+from netproxy.source import plainservice, plainslice
 from netproxy.source.convert import HEADLESS, SERVICE_PROXY_NAME, TRIGGER_TIME
 from netproxy.source.files import Loaded, convert_object, load
 
@@ -60,12 +59,13 @@ _META: Dict[str, List[Any]] = {
                {"kubernetes.io/service-name": "web", "other": 5}, {}, None, _ABSENT, "x",
                {"kubernetes.io/service-name": "Web"}, {"kubernetes.io/service-name": None},
                {"kubernetes.io/service-name": "web", HEADLESS: ""},
+               {"kubernetes.io/service-name": "web", "note": "EndpointSlice"},  # the kind's name, not as the kind
                {"kubernetes.io/service-name": "web", SERVICE_PROXY_NAME: "other"}],
     "annotations": [_ABSENT, None, {}, {TRIGGER_TIME: "2026-12-06T21:00:00Z"}, {TRIGGER_TIME: "not a time"},
                     {TRIGGER_TIME: 5}, {"other": {"deep": [1]}}, "x", []],
 }
 _TOP: Dict[str, List[Any]] = {
-    "kind": ["EndpointSlice", _ABSENT, "Service", None],
+    "kind": ["EndpointSlice", _ABSENT, "Service", None, ""],
     "addressType": ["IPv4", _ABSENT, "IPv6", "FQDN", None, "ipv4", 4],
     "metadata": ["built", None, _ABSENT, "x", {}],
 }
@@ -125,13 +125,62 @@ def test_typed_slices_convert_as_the_general_path() -> None:
     for _ in range(3000):
         text = _random_slice(rng)
         general = convert_object(json.loads(text), "", remember_addresses=False)
-        fast = plainslice.converted(msgspec.Raw(text.encode()))
+        fast = plainslice.converted(text.encode())
         if fast is None:
             general_only += general.kind == "EndpointSlice" and general.error is None
             continue
         taken += 1
         assert _answer(Converted("EndpointSlice", *fast)) == _answer(general), text
     assert taken > 1000 and general_only > 100, (taken, general_only)  # ~1,540 and ~140
+
+
+def _random_service_text(rng: random.Random) -> str:
+    """A Service's JSON text (tests/unit/test_convert.py's random Services, in any namespace and
+    name, labels sometimes), sometimes with a key given twice."""
+    from tests.unit.test_convert import _random_service
+
+    obj = _random_service(rng)
+    meta = {k: rng.choice(v[:2] if rng.random() < 0.8 else v) for k, v in _META.items() if k != "annotations"}
+    meta["name"] = rng.choice(["web", "db", "Web", "web.x", None, 5] if rng.random() < 0.2 else ["web", "db"])
+    obj["metadata"] = _drop_absent(meta)
+    obj["kind"] = rng.choice(["Service"] * 8 + [None, "", _ABSENT, "EndpointSlice"])
+    text = json.dumps(_drop_absent(obj))
+    if rng.random() < 0.15:
+        key, value = rng.choice([("port", '"80"'), ("port", "443"), ("clusterIP", '"None"'), ("type", '"ExternalName"'),
+                                 ("protocol", '"UDP"'), ("name", '"other"'), ("kind", '"Service"'), ("ingress", "[]")])
+        first = text.find(f'"{key}": ')
+        if first >= 0:
+            text = text[:first] + f'"{key}": {value}, ' + text[first:]
+    return text
+
+
+def _service_answer(converted: Any) -> Any:
+    if converted is None or converted.kind != "Service" or converted.error is not None:
+        return converted
+    import dataclasses
+
+    return (converted.ref, converted.value, [[type(getattr(p, f.name)) for f in dataclasses.fields(p)]
+                                             for p in converted.value])
+
+
+def test_typed_services_convert_as_the_general_path() -> None:
+    """Random Services (plain, valid-but-not-plain, invalid values in every field; odd names,
+    proxy labels, no kind, keys given twice): whatever the typed shortcut takes, the general
+    conversion of the decoded dict gives the same service ports, reference and field types."""
+    from netproxy.source.files import Converted
+
+    rng = random.Random(42)
+    taken = general_only = 0
+    for _ in range(4000):
+        text = _random_service_text(rng)
+        general = convert_object(json.loads(text), "", remember_addresses=False)
+        fast = plainservice.converted(text.encode())
+        if fast is None:
+            general_only += general.kind == "Service" and general.error is None
+            continue
+        taken += 1
+        assert _service_answer(Converted("Service", *fast)) == _service_answer(general), text
+    assert taken > 250 and general_only > 250, (taken, general_only)  # ~360 and ~410
 
 
 def _list_file(tmp_path: Path, items: List[str]) -> str:
@@ -146,16 +195,14 @@ def _summary(loaded: Loaded) -> Any:
 
 
 def test_the_one_shot_load_answers_as_the_cached_load(tmp_path: Path) -> None:
-    """files.load without the address cache (the one-shot commands: typed slices, the IPv4
-    shortcut) against the load with it (``run``'s, which takes neither): the same services,
-    endpoints, rejections (as worded) and skipped objects, for lists of random slices and
-    services, names repeated (the later slice wins, a Service defined twice is refused)."""
+    """files.load without the address cache (the one-shot commands: the typed slices and
+    services, the IPv4 shortcut) against the load with it (``run``'s, which takes neither): the
+    same services, endpoints, rejections (as worded) and skipped objects, for lists of random
+    slices and services, names repeated (the later slice wins, a Service defined twice is refused)."""
     rng = random.Random(41)
-    for _ in range(40):
+    for _ in range(60):
         items = [_random_slice(rng) for _ in range(rng.randint(1, 30))]
-        items += [json.dumps({"apiVersion": "v1", "kind": "Service", "metadata": {"namespace": "shop", "name": n},
-                              "spec": {"clusterIP": "10.96.0.10", "ports": [{"port": 80}]}})
-                  for n in rng.sample(["web", "web", "db", "Web"], 2)]
+        items += [_random_service_text(rng) for _ in range(rng.randint(1, 10))]
         rng.shuffle(items)
         path = _list_file(tmp_path, items)
         one_shot, cached = load(path, remember_addresses=False), load(path, remember_addresses=True)
@@ -168,7 +215,7 @@ def test_the_typed_shortcut_takes_the_bench_slices_and_shares_their_ports() -> N
     from bench import gen
 
     slices = [o for o in gen.cluster(50, "uniform") if o["kind"] == "EndpointSlice"]
-    got: List[Optional[Any]] = [plainslice.converted(msgspec.Raw(json.dumps(o).encode())) for o in slices]
+    got: List[Optional[Any]] = [plainslice.converted(json.dumps(o).encode()) for o in slices]
     assert all(g is not None for g in got)
     assert len({id(g[1].ports) for g in got if g is not None}) == 1
     assert sum(len(g[1].endpoints) for g in got if g is not None) == 500
