@@ -2,11 +2,11 @@
 the service ports whose objects differ (README.md, "Restart by adoption").
 
 :func:`plan` first computes every service port's stamp from the snapshot, without rendering it
-(:func:`wanted`: the digest of its inputs, stamp.py), then compares them with the kernel's
-``service-stamps`` and renders only the ports whose stamps differ.  What it reads: the table
-stamps, the service stamps, the node-wide sets and the chains with their use counts; a changed
-port's own elements by key (or the small per-service maps whole when that cannot be done), its
-endpoint elements by key.  The endpoint maps are never read whole.  Any doubt raises
+(:func:`wanted`: the digest of its inputs, stamp.py), then compares them with the kernel's service
+stamps (``service-stamps-0`` .. ``-f``) and renders only the ports whose stamps differ.  What it
+reads: the table stamps, the service stamps, the node-wide sets and the chains with their use
+counts; a changed port's own elements by key (or the small per-service maps whole when that cannot
+be done), its endpoint elements by key.  The endpoint maps are never read whole.  Any doubt raises
 :class:`NotAdoptable` with the reason, and the caller rewrites the tables whole.
 
 Why a service's stamp can be trusted: the table stamp names the ruleset generation netproxy's last
@@ -67,7 +67,7 @@ _RECORD = re.compile(r"^affinity-(?P<proto>[a-z]+)-(?P<timeout>\d+)$")
 def own_sets(family: str, config: ProxyConfig) -> Tuple[str, ...]:
     """The sets and maps whose elements each belong to one service port (and carry its stamp)."""
     out: Tuple[str, ...] = DISPATCH + (names.EXEMPT_IPS, names.EXEMPT_NODEPORTS, names.FIREWALL_IPS,
-                                       names.FIREWALL_ALLOW, names.SERVICE_STAMPS)
+                                       names.FIREWALL_ALLOW) + names.SERVICE_STAMP_SETS
     if family in layout.affinity_families(config):
         out += (names.AFFINITY_SERVICES, names.AFFINITY_NODEPORTS)
     return out
@@ -207,12 +207,12 @@ Changed = Tuple[str, render.ServiceObjects, render.ServiceObjects]
 
 def _family(kernel: Runner, snapshot: Snapshot, config: ProxyConfig, config_digest: str, fam: str,
             wants: Dict[str, Want], out: Adoption) -> None:
-    read = kernel.read_stamped(fam, (names.STAMP, names.SERVICE_STAMPS) + NODE)
+    read = kernel.read_stamped(fam, (names.STAMP,) + names.SERVICE_STAMP_SETS + NODE)
     _check_stamp(read.get(names.STAMP), fam, config_digest, out.generation)
-    absent = [n for n in (names.SERVICE_STAMPS,) + NODE if n not in read]
+    absent = [n for n in names.SERVICE_STAMP_SETS + NODE if n not in read]
     if absent:
         raise NotAdoptable(f"{fam} netproxy has no {', '.join(absent)}")
-    have = _stamps(read[names.SERVICE_STAMPS], fam)
+    have = _stamps(read, fam)
     new: Dict[str, render.ServiceObjects] = {}
     for base, want in wants.items():
         found = have.get(base)
@@ -249,17 +249,19 @@ Stamps = Dict[str, Tuple[str, Element]]
 """The kernel's service stamps by service part: the rest of the comment (digest and count), the element."""
 
 
-def _stamps(elements: Sequence[Element], fam: str) -> Stamps:
-    """The service stamps read, by service part.  Split at their last " d:" (service parts hold no
-    blank): the regular expression of stamp.parse_service_comment costs ~3 µs an element, and a
-    digest that is not one simply differs from every digest."""
+def _stamps(read: Dict[str, List[Element]], fam: str) -> Stamps:
+    """The service stamps read (every set of names.SERVICE_STAMP_SETS), by service part.  Split at
+    their last " d:" (service parts hold no blank): the regular expression of
+    stamp.parse_service_comment costs ~3 µs an element, and a digest that is not one simply differs
+    from every digest."""
     out: Stamps = {}
-    for e in elements:
-        if not e.comment:
-            raise NotAdoptable(f"element {e.key} of {fam} netproxy {names.SERVICE_STAMPS} carries no service "
-                               f"comment (comment {e.comment!r})")
-        base, sep, rest = e.comment.rpartition(" d:")
-        out[base if sep else e.comment] = (rest[:_DIGEST] if sep else "", e)
+    for set_name in names.SERVICE_STAMP_SETS:
+        for e in read[set_name]:
+            if not e.comment:
+                raise NotAdoptable(f"element {e.key} of {fam} netproxy {set_name} carries no service "
+                                   f"comment (comment {e.comment!r})")
+            base, sep, rest = e.comment.rpartition(" d:")
+            out[base if sep else e.comment] = (rest[:_DIGEST] if sep else "", e)
     return out
 
 
@@ -297,10 +299,10 @@ def _old_elements(kernel: Runner, config: ProxyConfig, fam: str, bases: Sequence
         if objs is None or parsed is None or parsed.elements is None or \
                 any(s in (names.FIREWALL_IPS, names.FIREWALL_ALLOW) for s, _ in objs.elements):
             return _read_whole(kernel, fam, owned, bases, have)
-        out[base] = {(names.SERVICE_STAMPS, element.key): element}
+        out[base] = {(element.set, element.key): element}
         counts[base] = parsed.elements
         for set_name, key in objs.elements:
-            if set_name != names.SERVICE_STAMPS:
+            if set_name not in _STAMP_SETS:
                 wanted_keys.setdefault(set_name, []).append(key)
     for set_name, keys in sorted(wanted_keys.items()):
         for e in kernel.get_elements(fam, set_name, keys):
@@ -321,6 +323,8 @@ def _read_whole(kernel: Runner, fam: str, owned: Sequence[str], bases: Sequence[
     every = _by_service(read, owned, fam)
     return {base: every.get(base, {}) for base in bases}
 
+
+_STAMP_SETS = frozenset(names.SERVICE_STAMP_SETS)
 
 GET_LIMIT = 4096
 """Endpoint elements of changed service ports up to which they are asked for one by one (a netlink

@@ -187,7 +187,8 @@ def base_sets(family: str, config: ProxyConfig) -> List[Set]:
         # Keyed by a 128-bit hash of the service port's name (an ipv6_addr in both tables): a plain set,
         # so that replacing a stamp at each endpoint change is not a verdict-map element, whose adds
         # make the kernel validate the whole table on commit (40 ms at 100k services, stamp.py).
-        Set(names.SERVICE_STAMPS, "ipv6_addr", comment="service stamps: restart by adoption"),
+        # Sixteen of them, by the key's first hex digit: a dump's cost grows with the square of its set.
+        *(Set(name, "ipv6_addr", comment="service stamps: restart by adoption") for name in names.SERVICE_STAMP_SETS),
     ]
     if family in affinity_families(config):
         sets.append(Set(names.AFFINITY_SERVICES, dispatch, "verdict",

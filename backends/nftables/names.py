@@ -44,6 +44,9 @@ AFFINITY_SERVICES = "affinity-services"
 AFFINITY_NODEPORTS = "affinity-nodeports"
 STAMP = "stamp"
 SERVICE_STAMPS = "service-stamps"
+SERVICE_STAMP_SETS = tuple(f"{SERVICE_STAMPS}-{i:x}" for i in range(16))
+"""The service stamps, split by the first hex digit of their keys (stamp.py: the kernel's dump of one
+set restarts its walk at each ~32 KiB answer, so reading one set of 100k costs its square)."""
 
 # What an unquoted nft identifier may contain (nft's scanner: a letter first, then letters, digits,
 # '/', '-', '_' and '.').

@@ -8,14 +8,15 @@ Two kinds:
   config digest covers netproxy's version, this layout's version, the settings that shape the table
   and the node; the generation is the one the transaction was expected to get (the one before it,
   plus one).  A new process adopts only when both still hold: nothing else committed since.
-- the **service stamp**: one element per service port and family in the plain set
-  ``service-stamps``, keyed by a 128-bit hash of the port's name, commented ``<namespace/name:port>
-  d:<digest> n:<count>``: the digest of what that service port is rendered *from* in that family
-  (:func:`input_digest`: its ServicePort, its endpoints, the dispatch keys another service port owns),
-  and how many own elements it has.  Everything else a render depends on (the node, the settings,
-  netproxy's version and the rendering code itself) is in the table stamp's config digest, so an
-  equal service stamp means an equal render: a new process compares stamps *before* rendering and
-  renders only the service ports whose stamps differ.  Its own elements (dispatch, refusals,
+- the **service stamp**: one element per service port and family in one of the sixteen plain sets
+  ``service-stamps-0`` .. ``-f`` (by its key's first hex digit), keyed by a 128-bit hash of the
+  port's name, commented ``<namespace/name:port> d:<digest> n:<count>``: the digest of what that
+  service port is rendered *from* in that family (:func:`input_digest`: its ServicePort, its
+  endpoints, the dispatch keys another service port owns), and how many own elements it has.
+  Everything else a render depends on (the node, the settings, netproxy's version and the
+  rendering code itself) is in the table stamp's config digest, so an equal service stamp means an
+  equal render: a new process compares stamps *before* rendering and renders only the service ports
+  whose stamps differ.  Its own elements (dispatch, refusals,
   exemptions, firewall, affinity dispatch) carry ``<namespace/name:port>`` alone; the count lets a
   new process ask for a changed port's old elements by key instead of reading the maps whole.
 
@@ -45,13 +46,14 @@ from netproxy.core import hashes as hashlib  # hashlib's hashes without OpenSSL 
 from netproxy.core.config import ProxyConfig
 from netproxy.core.model import Endpoint, IPAddress, IPNetwork, NodeInfo, ServicePort, ServicePortName
 
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 """Bumped whenever what an object's name, key or comment means changes without the rendered text
-showing it: a table stamped with another layout is never adopted.  3: service stamps digest the
-port's inputs (2: its rendered objects), and count its own elements."""
+showing it: a table stamped with another layout is never adopted.  4: the service stamps split over
+sixteen sets by their keys' first hex digit (3: one ``service-stamps`` set).  3: service stamps
+digest the port's inputs (2: its rendered objects), and count its own elements."""
 
 STAMP_SET = names.STAMP
-SERVICE_STAMPS = names.SERVICE_STAMPS
+SERVICE_STAMP_SETS = names.SERVICE_STAMP_SETS
 STAMP_KEY = "1"
 _DIGEST_CHARS = 16
 _SUFFIX = " d:"
@@ -161,15 +163,24 @@ def parse_service_comment(comment: Optional[str]) -> Optional[ServiceStamp]:
     return ServiceStamp(m.group("service"), m.group("digest"), int(count) if count is not None else None)
 
 
-def stamp_key(name: ServicePortName) -> str:
-    """The key of ``name``'s element in ``service-stamps``: a 128-bit hash of the port's name as an
-    IPv6 address (the set's type), unique whatever addresses services share."""
+def stamp_place(name: ServicePortName) -> Tuple[str, str]:
+    """The set and key of ``name``'s service stamp: the key a 128-bit hash of the port's name as an
+    IPv6 address (the sets' type), unique whatever addresses services share; the set
+    ``service-stamps-<its first hex digit>`` (names.SERVICE_STAMP_SETS): a dump of one set of 100k
+    stamps cost ~0.8 s in the kernel, which restarts its walk of a set at every ~32 KiB answer
+    (docs/performance.md, "The eighth pass"), sixteen sets of ~6k cost ~0.05 s."""
     digest = hashlib.blake2b(str(name).encode(), digest_size=16).digest()
+    where = SERVICE_STAMP_SETS[digest[0] >> 4]
     if digest[:10] == _TEN_ZEROS:  # ::/96 and ::ffff:0:0/96, which inet_ntop writes dotted
-        return str(ipaddress.IPv6Address(digest))
+        return where, str(ipaddress.IPv6Address(digest))
     # ipaddress' text for every other address, in C: its Python formatting was 4 µs of the 5 µs a
     # stamp key costs, for every service port of every full sync (the unit test holds them equal).
-    return socket.inet_ntop(socket.AF_INET6, digest)
+    return where, socket.inet_ntop(socket.AF_INET6, digest)
+
+
+def stamp_key(name: ServicePortName) -> str:
+    """The key of ``name``'s service stamp (:func:`stamp_place`)."""
+    return stamp_place(name)[1]
 
 
 _TEN_ZEROS = bytes(10)
@@ -234,11 +245,11 @@ def stamped(objs: render.ServiceObjects, name: ServicePortName, digest: str) -> 
     else:
         # Element(...) rather than _replace(): a third of the cost, for every element of every full sync.
         elements = {k: Element(e.set, e.key, e.value, base) for k, e in objs.elements.items()}
-    key = stamp_key(name)
-    elements.pop((SERVICE_STAMPS, key), None)  # stamped again (transaction.claim): its own stamp is not counted
+    where, key = stamp_place(name)
+    elements.pop((where, key), None)  # stamped again (transaction.claim): its own stamp is not counted
     count = len(elements)
     counted = f"{_COUNT}{count}" if len(str(count)) <= _COUNT_CHARS else ""
-    elements[(SERVICE_STAMPS, key)] = Element(SERVICE_STAMPS, key, None, f"{base}{_SUFFIX}{digest}{counted}")
+    elements[(where, key)] = Element(where, key, None, f"{base}{_SUFFIX}{digest}{counted}")
     # Not dataclasses.replace, which walks the fields in Python (a tenth of this function).
     return render.ServiceObjects(elements=elements, runs=objs.runs, chains=objs.chains, sets=objs.sets,
                                  shared=objs.shared, uses=objs.uses, dispatch_keys=objs.dispatch_keys, refs=objs.refs,

@@ -204,12 +204,12 @@ def test_one_endpoint_change_touches_only_that_service(ns: str, driver: Driver) 
     assert any("10.1.1.9" in ln for ln in lines), f"the new endpoint was not written:\n{events}"
     # The driver's endpoints have no node, so they may hairpin here: the removed and the added
     # endpoint's `ep . ep` pairs in `hairpin` change too, and nothing else.
-    # Its service stamp (in service-stamps) and the table stamp are replaced too; its dispatch
+    # Its service stamp (in service-stamps-<x>) and the table stamp are replaced too; its dispatch
     # element is not (a verdict-map add makes the kernel validate the whole table: stamp.py).
     hairpin = ("hairpin { 10.1.1.2 . 10.1.1.2 }", "hairpin { 10.1.1.9 . 10.1.1.9 }")
     for ln in lines:
         assert "10.96.0.12" in ln or ln.endswith(hairpin) or " stamp " in ln or \
-            (" service-stamps " in ln and 'comment "default/bravo:p d:' in ln), \
+            (re.search(r" service-stamps-[0-9a-f] ", ln) and 'comment "default/bravo:p d:' in ln), \
             f"an event outside bravo's objects:\n{ln}\nall events:\n{events}"
     assert not [ln for ln in lines if " service-ips " in ln], f"bravo's dispatch element was replaced:\n{events}"
     assert len(lines) <= 10, f"more than the changed endpoint was rewritten:\n{events}"
@@ -344,7 +344,7 @@ def test_ipv6_sctp_udp_and_affinity_are_accepted_and_listed_readably(ns: str, dr
     assert driver.sync(services)["ok"]
     v6 = nft(ns, "list", "table", "ip6", "netproxy").stdout
     assert 'fd00::10 . tcp . 80 comment "default/web6:p" : goto cluster-tcp-pick-2' in v6, v6
-    assert re.search(r' comment "default/web6:p d:[0-9a-f]{16} n:[0-9]+"', v6), v6  # its stamp, in service-stamps
+    assert re.search(r' comment "default/web6:p d:[0-9a-f]{16} n:[0-9]+"', v6), v6  # its stamp, in service-stamps-<x>
     assert "2001:db8::10 . tcp . 80" in v6 and "external-tcp-pick-2" in v6
     assert "set aff-default/sticky6/p" in v6 and "timeout 30s" in v6
     v4 = nft(ns, "list", "table", "ip", "netproxy").stdout

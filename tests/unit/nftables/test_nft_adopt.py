@@ -236,8 +236,8 @@ def test_torn_or_missing_stamps_mean_a_rewrite(caplog: pytest.LogCaptureFixture)
     _rewrites(fake, _api_changed(), caplog, "carries no service comment")
 
     fake = _written(_base())
-    stamps = fake.tables["ip"].elements[names.SERVICE_STAMPS]
-    key = stamp.stamp_key(WEB.name)
+    where, key = stamp.stamp_place(WEB.name)
+    stamps = fake.tables["ip"].elements[where]
     stamps[key] = stamps[key]._replace(comment=None)
     _rewrites(fake, _base(), caplog, "carries no service comment")
 
@@ -249,12 +249,12 @@ def _api_changed() -> Snapshot:
 
 
 def test_a_service_whose_stamp_is_torn_or_missing_is_rewritten_alone() -> None:
-    """The digest lives in the service's element of ``service-stamps``: without it, or with another,
+    """The digest lives in the service's element of ``service-stamps-<x>``: without it, or with another,
     what the kernel holds for that service is not vouched for, and it alone is written again."""
     for tear in ("no digest", "another digest", "missing"):
         fake = _written(_base())
-        stamps = fake.tables["ip"].elements[names.SERVICE_STAMPS]
-        key = stamp.stamp_key(API.name)
+        where, key = stamp.stamp_place(API.name)
+        stamps = fake.tables["ip"].elements[where]
         assert (stamps[key].comment or "").startswith("ns/api:http d:")  # the layout the test relies on
         if tear == "missing":
             del stamps[key]
@@ -265,7 +265,7 @@ def test_a_service_whose_stamp_is_torn_or_missing_is_rewritten_alone() -> None:
         assert written == 1, tear
         text = _text(fake)
         # Its objects checked against the kernel by key (they are as they were): the stamp is what differs.
-        assert "delete table" not in text and f"add element ip netproxy service-stamps {{ {key} comment" in text
+        assert "delete table" not in text and f"add element ip netproxy {where} {{ {key} comment" in text
         others = [stamp.stamp_key(s.name) for s in (WEB, DNS, STICKY, LOCAL)]
         assert not [k for k in others if k in text] and "10.96.0.10" not in text, (tear, text)
         assert dumps(fake) == fresh_dumps(_base(), CONFIG), tear
@@ -282,9 +282,10 @@ def test_an_endpoint_change_does_not_replace_the_dispatch_element() -> None:
     later.endpoints[API.name] = eps("10.1.1.1", "10.1.1.9", "10.1.1.3")  # type: ignore[index]
     b.sync(later, Changes(full=False, services=frozenset({API.name})))
     touched = {(verb, getattr(obj, "set", None)) for verb, _, obj in fake.transactions[-1]}
+    where = stamp.stamp_place(API.name)[0]
     assert touched == {("delete", "cluster-tcp-endpoints-3"), ("add", "cluster-tcp-endpoints-3"),
                        ("delete", names.HAIRPIN), ("add", names.HAIRPIN),  # 10.1.1.2's pair out, 10.1.1.9's in
-                       ("delete", names.SERVICE_STAMPS), ("add", names.SERVICE_STAMPS),
+                       ("delete", where), ("add", where),
                        ("delete", names.STAMP), ("add", names.STAMP)}, _text(fake)
     assert dumps(fake) == fresh_dumps(later, CONFIG)
 
@@ -300,9 +301,11 @@ def test_an_object_a_stamp_promises_that_is_missing_means_a_rewrite(caplog: pyte
     gone = snap(*[(s, _base().endpoints[s.name]) for s in _base().services.values() if s is not DNS], node="node-a")
     _rewrites(fake, gone, caplog, "has no exempt-ips")
 
-    fake = _written(_base())
-    del fake.tables["ip"].sets[names.SERVICE_STAMPS], fake.tables["ip"].elements[names.SERVICE_STAMPS]
-    _rewrites(fake, _base(), caplog, "has no service-stamps")
+    # Any one of the sixteen stamp sets, even one that holds no stamp.
+    for where in (stamp.stamp_place(WEB.name)[0], names.SERVICE_STAMP_SETS[-1]):
+        fake = _written(_base())
+        del fake.tables["ip"].sets[where], fake.tables["ip"].elements[where]
+        _rewrites(fake, _base(), caplog, f"has no {where}")
 
     fake = _written(_base())
     del fake.tables["ip6"]
@@ -425,3 +428,41 @@ def test_stamped_objects_keep_every_field_but_their_own_elements() -> None:
         if f.name != "elements":
             assert getattr(out, f.name) is getattr(objs, f.name), f.name
     assert set(out.elements) > set(objs.elements)
+
+
+def test_service_stamps_spread_over_sixteen_sets_by_their_keys_first_hex_digit() -> None:
+    """A full sync puts each service stamp in ``service-stamps-<x>``, x its key's first hex digit, and
+    no stamp anywhere else: one set of 100k stamps cost ~0.8 s to dump (the kernel restarts its walk
+    at every answer, stamp.py), and the next process reads the sixteen sets."""
+    import ipaddress
+
+    services = [(svc(f"s{i}", f"10.96.1.{i}"), eps(f"10.1.2.{i}")) for i in range(1, 120)]
+    fake = _written(snap(*services, node="node-a"))
+    held = {where: dict(fake.tables["ip"].elements[where]) for where in names.SERVICE_STAMP_SETS}
+    assert sum(map(len, held.values())) == len(services)
+    assert all(held.values()), {w: len(e) for w, e in held.items()}  # 119 stamps: every set holds some
+    for where, elements in held.items():
+        for key in elements:
+            assert where == f"service-stamps-{ipaddress.IPv6Address(key).packed[0] >> 4:x}", (where, key)
+    assert names.SERVICE_STAMPS not in fake.tables["ip"].sets
+
+
+def test_a_table_of_layout_3_one_stamp_set_is_rewritten_never_adopted(caplog: pytest.LogCaptureFixture) -> None:
+    """Layout 3 held every service stamp in one ``service-stamps`` set.  Such a table, even stamped
+    with this process's configuration and the kernel's generation, is rewritten whole (its one set
+    gone), never adopted: this process would find none of its stamps in the sixteen sets."""
+    import re
+
+    fake = _written(_base())
+    for fam, table in fake.tables.items():
+        one = {}
+        for where in names.SERVICE_STAMP_SETS:
+            spec = table.sets.pop(where)
+            one.update({k: e._replace(set=names.SERVICE_STAMPS) for k, e in table.elements.pop(where).items()})
+        table.sets[names.SERVICE_STAMPS] = dataclasses.replace(spec, name=names.SERVICE_STAMPS)
+        table.elements[names.SERVICE_STAMPS] = one
+        s = _stamp(fake, fam)
+        table.elements[names.STAMP][stamp.STAMP_KEY] = s._replace(comment=re.sub(r"^netproxy \d+ ", "netproxy 3 ",
+                                                                                 s.comment or ""))
+    _rewrites(fake, _base(), caplog, "stamp layout 3")
+    assert names.SERVICE_STAMPS not in fake.tables["ip"].sets
