@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import struct
 from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union
 
 from netproxy.backends.base import BackendUnavailable
@@ -144,6 +145,8 @@ def read_named(sock: NlSocket, family: str, set_names: Sequence[str]) -> Dict[st
 
 
 _HEADER = wire.ATTR_HEADER.unpack_from
+_STAMP_HEAD = struct.Struct("=HHHHHH16sHH")
+"""An element, its key (nested: a 16-byte value) and its user data's header, in one unpack."""
 
 
 def _plain_elements(sock: NlSocket, number: int, spec: Set) -> List[Element]:
@@ -160,6 +163,17 @@ def _plain_elements(sock: NlSocket, number: int, spec: Set) -> List[Element]:
         data = attrs.get(wire.SET_ELEM_LIST_ELEMENTS, b"")
         at, end = 0, len(data)
         while at + 4 <= end:
+            if ipv6 and at + _STAMP_HEAD.size <= end:
+                # The service stamps' own shape (100k at a 100k-service start): a 16-byte key and a
+                # comment, nothing else; its headers checked in one unpack (~1 µs an element less).
+                length, _, klen, ktype, vlen, vtype, raw, ulen, utype = _STAMP_HEAD.unpack_from(data, at)
+                if klen == 24 and vlen == 20 and ktype & 0x3FFF == wire.ELEM_KEY and vtype & 0x3FFF == wire.DATA_VALUE \
+                        and utype & 0x3FFF == wire.ELEM_USERDATA and ulen >= 6 and at + length <= end \
+                        and 28 + ulen <= length and data[at + 32] == 0 and data[at + 33] <= ulen - 6:
+                    text = data[at + 34:at + 34 + data[at + 33]].rstrip(b"\0").decode(errors="replace")
+                    out.append(Element(name, socket.inet_ntop(socket.AF_INET6, raw), None, text))
+                    at += (length + 3) & ~3
+                    continue
             length, _ = _HEADER(data, at)
             if length < 4:
                 break
