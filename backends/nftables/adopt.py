@@ -41,7 +41,7 @@ from netproxy.backends.nftables.transaction import (
     stale_affinity,
 )
 from netproxy.core.config import ProxyConfig
-from netproxy.core.model import ServicePortName, Snapshot
+from netproxy.core.model import ServicePort, ServicePortName, Snapshot
 
 
 class NotAdoptable(Exception):
@@ -123,7 +123,7 @@ def wanted(snapshot: Snapshot) -> Dict[str, Dict[str, Want]]:
     # keys' text (render.dispatch_keys) only for the ports that share one.
     first: Dict[Tuple[object, ...], ServicePortName] = {}
     contested: Dict[Tuple[object, ...], List[ServicePortName]] = {}
-    families: Dict[ServicePortName, Tuple[str, ...]] = {}
+    ports: List[Tuple[ServicePortName, ServicePort, Tuple[str, ...]]] = []
     for name, svc in services.items():
         fams: Dict[str, None] = {}
         proto, port = svc.protocol.lower(), svc.port
@@ -139,17 +139,19 @@ def wanted(snapshot: Snapshot) -> Dict[str, Dict[str, Want]]:
                 w = first.setdefault((fam, proto, svc.node_port), name)
                 if w is not name:
                     contested.setdefault((fam, proto, svc.node_port), [w]).append(name)
-        families[name] = tuple(fams)
+        if fams:
+            ports.append((name, svc, tuple(fams)))
     taken = _taken(snapshot, contested) if contested else {}
     out: Dict[str, Dict[str, Want]] = {fam: {} for fam in layout.FAMILIES}
     none: Tuple[str, ...] = ()
-    for name, in_families in families.items():
-        if not in_families:
-            continue
-        made_of = stamp.inputs(services[name], endpoints.get(name, ()))
+    # The port's name is hashed (a Python-level __hash__) only for its endpoints: the services and
+    # the ports' families are carried along, and ``taken`` is looked in only when a key is shared.
+    endpoints_of = endpoints.get
+    for name, svc, in_families in ports:
+        made_of = stamp.inputs(svc, endpoints_of(name, ()))
         base = stamp.service_base(name)
         for fam in in_families:
-            lost = taken.get((fam, name), none)
+            lost = taken.get((fam, name), none) if taken else none
             out[fam][base] = Want(name, lost, stamp.digest_of(made_of, fam, lost))
     return out
 
