@@ -38,7 +38,7 @@ import operator
 import os
 import re
 import socket
-from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple, cast
+from typing import Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 from netproxy.backends.nftables import names, render
 from netproxy.backends.nftables.objects import Element
@@ -218,6 +218,14 @@ def inputs(svc: ServicePort, endpoints: Sequence[Endpoint]) -> Inputs:
         if values[i]:
             values[i] = tuple(map(str, cast(_Networks, values[i])))
     return values, list(map(_endpoint_values, endpoints))
+
+
+_FIRST = operator.itemgetter(0)
+
+
+def endpoint_addresses(made_of: Inputs) -> Iterator[int]:
+    """The address of each endpoint in :func:`inputs` (as an integer: the first of its values)."""
+    return cast(Iterator[int], map(_FIRST, made_of[1]))
 
 
 def digest_of(made_of: Inputs, family: str, taken: Sequence[str] = ()) -> str:
