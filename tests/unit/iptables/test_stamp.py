@@ -258,3 +258,31 @@ def _head_names(blob: bytes, layout: stamp._Layout) -> List[str]:
         if blob[target + 2:target + 8] == b"ERROR\0":
             names.append(blob[target + 32:at + size].split(b"\0", 1)[0].decode(errors="replace"))
     return names
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_read_table_refuses_a_target_past_the_blob_as_a_corrupt_walk(family: int,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer falls back to iptables-save on a ValueError from the blob's walk: an entry whose
+    target offset points past the end of the copy is one (not an IndexError that fails the sync)."""
+    layout = stamp.LAYOUTS[family]
+    last = bytearray(_chain_entry(family, layout.entry_size + 64, b"ERROR", b"ERROR"))
+    last[layout.target_offset:layout.target_offset + 2] = (60000).to_bytes(2, sys.byteorder)
+    blob = _chain_entry(family, layout.entry_size + 64, b"ERROR", b"KUBE-A") + bytes(last)
+    head = (b"nat".ljust(32, b"\0"), 0, *([0] * 10), 2, len(blob))
+    monkeypatch.setattr(stamp, "_blob", lambda family, table: (head, bytearray(stamp._ENTRIES_HEADER) + blob))
+    with pytest.raises(ValueError, match="past the table's end"):
+        stamp.read_table(family, "nat", fingerprint=True)
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_an_odd_entry_size_is_refused(family: int) -> None:
+    """The walk reads offsets as aligned u16 words: the kernel's entries are 8-byte aligned, and a
+    size that would put the next entry at an odd offset is refused rather than read askew."""
+    layout = stamp.LAYOUTS[family]
+    blob = bytearray(_chain_entry(family, layout.entry_size + 65, b"ERROR", b"KUBE-A")
+                     + _chain_entry(family, layout.entry_size + 64, b"ERROR", b"ERROR"))
+    with pytest.raises(ValueError, match="next_offset"):
+        stamp.mask(blob, family)
+    with pytest.raises(ValueError, match="odd offset"):
+        stamp.mask(bytearray(1) + blob, family, 1)
