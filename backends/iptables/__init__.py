@@ -93,6 +93,9 @@ class IptablesBackend:
         self._stamp_ok: Set[int] = set()
         """Families whose stamp in the kernel (adopt.py) describes their tables as they are now."""
         self._digests = adopt.Digests()
+        self._prepared: Dict[int, adopt.StampBody] = {}
+        """Per family: the stamp's chain digests of its last full write, made while the restore tool
+        committed it (:meth:`_prepare_stamp`), for :meth:`_write_stamps`."""
         self._config_digests: Optional[Tuple[NodeInfo, str]] = None
         self._node: Optional[NodeInfo] = None
         self._suspected = False
@@ -258,6 +261,7 @@ class IptablesBackend:
         except BackendError:
             self._need_full = True  # our record of the kernel may be wrong now: re-read next time
             self._stamps.clear()
+            self._prepared.clear()
             raise
         self._need_full = False
         if full:
@@ -367,11 +371,15 @@ class IptablesBackend:
         # Sets the new rules name exist, with the new hairpin elements, before the rules do; what
         # the old rules alone needed goes after them (sets.py).
         filled = self._sets.before_write(self.ipsets, ruleset, sets_full)
+        self._prepared.pop(family, None)  # made from the tables it wrote: a write here makes it stale
+        # After a full write the family is stamped (_write_stamps): the stamp's digests are made while
+        # the restore tool commits (the kernel checks and swaps the table; this process only waits).
+        meanwhile = (lambda: self._prepare_stamp(ruleset)) if full else None
         try:
             # The two debug lines bracket the kernel write: the fault suite's kill -9 test reads them
             # to prove that its kill landed while the kernel was being written (tests/faults/test_kill.py).
             log.debug("writing the kernel: IPv%d, %d tables", family, len(changed))
-            size = self.kernel.apply(family, changed, before_commit=filled) if changed else 0
+            size = self.kernel.apply(family, changed, before_commit=filled, meanwhile=meanwhile) if changed else 0
             log.debug("written the kernel: IPv%d, %d bytes", family, size)
         except BaseException:
             with contextlib.suppress(Exception):
@@ -383,6 +391,17 @@ class IptablesBackend:
         if full:
             self._fingerprint_written(ruleset)
         return size
+
+    def _prepare_stamp(self, ruleset: FamilyRuleset) -> None:
+        """The stamp of ``ruleset``'s family but its header (config, validator): the digest of every
+        chain a full write wrote, packed (adopt.stamp_body).  Called by the writer while the kernel
+        commits the write; the header needs the fingerprint taken after the commit.  A one-shot sync
+        keeps no memo of the digests (no later sync reuses them; ~32 MiB at 100k services that would
+        sit under the fingerprint's table blob)."""
+        family = ruleset.family
+        remember = not self.config.one_shot
+        digests = {t: self._digests.of(family, t, ruleset.chains(t), remember) for t in TABLES}
+        self._prepared[family] = adopt.stamp_body(digests)
 
     def _fingerprint_written(self, ruleset: FamilyRuleset) -> None:
         """Legacy, right after a full write of ``ruleset``'s family: the tables' fingerprint (the
@@ -476,7 +495,7 @@ class IptablesBackend:
                 now = generation if flavour == "nft" else self._fingerprints(family, kernel)
                 adopt.check(found, config, adopt.validator(flavour, now, family))
                 chains = {t: desired[family].chains(t) for t in TABLES}
-                digests = {t: self._digests.of(family, t, chains[t]) for t in TABLES}
+                digests = {t: self._digests.of(family, t, chains[t], not self.config.one_shot) for t in TABLES}
                 changes = adopt.changes(chains, digests, found, kernel)
             except adopt.NotAdoptable as exc:
                 log.info("iptables: IPv%d tables not adopted, rewriting them all: %s", family, exc)
@@ -536,9 +555,12 @@ class IptablesBackend:
             if valid is None:
                 log.debug("iptables: IPv%d tables have no fingerprint: not stamped", family)
                 continue
-            tables = self._written[family]
-            digests = {t: self._digests.of(family, t, tables.get(t, {})) for t in TABLES}
-            rules = adopt.stamp_rules(config, valid, digests)
+            body = self._prepared.pop(family, None)
+            if body is None:  # no full write of this family in this sync (stopping() after partial writes)
+                tables = self._written[family]
+                body = adopt.stamp_body({t: self._digests.of(family, t, tables.get(t, {}), not self.config.one_shot)
+                                         for t in TABLES})
+            rules = adopt.stamp_rules(config, valid, body)
             try:
                 self.kernel.restore(family, "\n".join(table_text(adopt.stamp_change(rules))) + "\n")
             except BackendError as exc:  # the next process rewrites everything: slower, not wrong
@@ -682,6 +704,7 @@ class IptablesBackend:
         self._sets.destroy_all(self.ipsets)
         self._stamps.clear()
         self._written.clear()
+        self._prepared.clear()
         self._need_full = True
 
 

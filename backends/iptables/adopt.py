@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 from netproxy.backends.iptables import names, save
 from netproxy.backends.iptables.assemble import JUMPS, TABLES
@@ -93,14 +93,20 @@ class Digests:
     def __init__(self) -> None:
         self._memo: Dict[Tuple[int, str, str], Tuple[Tuple[Rule, ...], str]] = {}
 
-    def of(self, family: int, table: str, chains: Mapping[str, Tuple[Rule, ...]]) -> Dict[str, str]:
+    def of(self, family: int, table: str, chains: Mapping[str, Tuple[Rule, ...]], remember: bool = True
+           ) -> Dict[str, str]:
+        """Each chain's digest; ``remember=False`` (one sync and done) uses what is remembered but adds
+        nothing: at 100k services the memo is ~32 MiB, which a one-shot sync would carry under the
+        fingerprint's table blob for nothing."""
         out: Dict[str, str] = {}
         memo = self._memo
         for chain, rules in chains.items():
             key = (family, table, chain)
             hit = memo.get(key)
             if hit is None or hit[0] is not rules:
-                hit = memo[key] = (rules, chain_digest(rules))
+                hit = (rules, chain_digest(rules))
+                if remember:
+                    memo[key] = hit
             out[chain] = hit[1]
         return out
 
@@ -136,15 +142,24 @@ def _headers(headers: Sequence[bytes]) -> str:
     return hashlib.blake2b(b"".join(headers), digest_size=6).hexdigest()
 
 
-def stamp_rules(config: str, valid: str, digests: Mapping[str, Mapping[str, str]]) -> Tuple[Rule, ...]:
-    """The stamp chain's rules: the header, then the chain digests packed into comments."""
+class StampBody(NamedTuple):
+    """The stamp's chain digests packed into comments, with their count and sum: all of the stamp
+    but its header's config and validator (:func:`stamp_body`, :func:`stamp_rules`)."""
+
+    comments: Tuple[str, ...]
+    entries: int
+    total: str
+
+
+def stamp_body(digests: Mapping[str, Mapping[str, str]]) -> StampBody:
+    """The chain digests (table → chain → digest) packed into comments.  Needs no fingerprint, so
+    that a full sync makes it while ``iptables-restore`` commits (the backend's ``_prepare_stamp``)."""
     entries: List[Tuple[str, str]] = []  # (table code, "chain=digest")
     for table in TABLES:
         code = _TABLE_CODE[table]
         entries += [(code, f"{chain}={digest}") for chain, digest in sorted(digests.get(table, {}).items())]
     total = _hex((f"{c} {e}" for c, e in entries), 16)
-    header = f"netproxy-stamp {FORMAT} config:{config} v:{valid} n:{len(entries)} sum:{total}"
-    comments = [header]
+    comments: List[str] = []
     line = ""
     code = ""
     for c, entry in entries:
@@ -156,7 +171,16 @@ def stamp_rules(config: str, valid: str, digests: Mapping[str, Mapping[str, str]
         line += " " + entry
     if line:
         comments.append(line)
-    return tuple(("-m", "comment", "--comment", text) for text in comments)
+    return StampBody(tuple(comments), len(entries), total)
+
+
+def stamp_rules(config: str, valid: str, digests: Union[Mapping[str, Mapping[str, str]], StampBody]
+                ) -> Tuple[Rule, ...]:
+    """The stamp chain's rules: the header, then the chain digests packed into comments (``digests``:
+    table → chain → digest, or their :func:`stamp_body` made before)."""
+    body = digests if isinstance(digests, StampBody) else stamp_body(digests)
+    header = f"netproxy-stamp {FORMAT} config:{config} v:{valid} n:{body.entries} sum:{body.total}"
+    return tuple(("-m", "comment", "--comment", text) for text in (header,) + body.comments)
 
 
 def stamp_change(rules: Tuple[Rule, ...]) -> TableChange:

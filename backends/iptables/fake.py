@@ -293,13 +293,15 @@ class FakeIptables:
         return hashlib.sha256(repr(self.chains(family, table)).encode()).digest()
 
     def apply(self, family: int, changes: List[TableChange],
-              before_commit: Optional[Callable[[], None]] = None) -> int:
+              before_commit: Optional[Callable[[], None]] = None,
+              meanwhile: Optional[Callable[[], None]] = None) -> int:
         # The restore writer's own text: restore_chunks, with a chain-text cache when it keeps one.
         cache = self._texts.setdefault(family, ChainTextCache()) if self._keep_text else None
         text = "".join(restore_chunks(changes, cache))
-        if not text:
-            return 0
-        self._restore(family, text, before_commit)
+        if text:
+            self._restore(family, text, before_commit)
+        if meanwhile is not None:
+            meanwhile()  # as the restore writer: once the whole payload is in (here: committed)
         return len(text.encode())
 
     def stamp(self, families: Sequence[int], expect: Optional[Expected] = None) -> Optional[Stamp]:

@@ -59,10 +59,13 @@ class Writer(Text, Protocol):
         none to read), to compare with :meth:`read`'s."""
 
     def apply(self, family: int, changes: List[TableChange],
-              before_commit: Optional[Callable[[], None]] = None) -> int:
+              before_commit: Optional[Callable[[], None]] = None,
+              meanwhile: Optional[Callable[[], None]] = None) -> int:
         """Write ``changes``, each table all or nothing; ``before_commit`` is called once, before the
         first table is committed (the ipsets the new rules need are being filled meanwhile,
-        ``sets.py``).  Returns the bytes written."""
+        ``sets.py``); ``meanwhile`` once, after the last of the payload is handed over and while the
+        kernel commits it if the writer can wait for that elsewhere (the restore tool's commit),
+        else after the write; it must not raise.  Returns the bytes written."""
 
     def stamp(self, families: Sequence[int], expect: Optional[Expected] = None) -> Optional[Stamp]:
         """A value that changes whenever anyone changes these families' tables (None: cannot tell

@@ -428,7 +428,8 @@ class LibiptcWriter:
         self.tools.restore(family, payload)
 
     def apply(self, family: int, changes: List[TableChange],
-              before_commit: Optional[Callable[[], None]] = None) -> int:
+              before_commit: Optional[Callable[[], None]] = None,
+              meanwhile: Optional[Callable[[], None]] = None) -> int:
         self._refuse_nft()
         builder = self.builder(family)
         builder.forget_sets()
@@ -436,6 +437,8 @@ class LibiptcWriter:
         for change in changes:
             total += self._apply_table(family, builder, change, before_commit)
             before_commit = None
+        if meanwhile is not None:
+            meanwhile()  # the commits are this process's own calls: nothing to overlap with
         return total
 
     def _apply_table(self, family: int, builder: RuleBuilder, change: TableChange,

@@ -380,3 +380,68 @@ def test_stamp_round_trip_and_size() -> None:
     found = adopt.parse(kernel.save(4, adopt.STAMP_TABLE))
     assert found.chains == digests and found.config == "0123456789abcdef" and found.validator == "fp:00"
 
+
+
+class _Meanwhile(FakeIptables):
+    """Records, for each write, whether ``meanwhile`` came and whether the payload was in by then."""
+
+    def __init__(self, flavour: str = "legacy") -> None:
+        super().__init__(flavour)
+        self.meanwhile_at: List[int] = []  # the number of commits when it was called
+
+    def apply(self, family, changes, before_commit=None, meanwhile=None):  # type: ignore[no-untyped-def]
+        def noted() -> None:
+            self.meanwhile_at.append(len(self.commits))
+            meanwhile()
+
+        return super().apply(family, changes, before_commit, noted if meanwhile is not None else None)
+
+
+@pytest.mark.parametrize("flavour", ["legacy", "nft"])
+@pytest.mark.parametrize("config", [CONFIG, RUN], ids=["sync", "run"])
+def test_the_stamp_made_while_the_write_commits_is_the_stamp_of_what_was_written(
+        flavour: str, config: ProxyConfig) -> None:
+    """The chain digests are packed while the writer commits a full write (``meanwhile``), the
+    header after the fingerprint: the stamp is the one made from the written tables after the
+    fact, and the next process adopts it.  A one-shot sync keeps no memo of the digests."""
+    kernel = _Meanwhile(flavour)
+    b = IptablesBackend(dataclasses.replace(config, iptables_flavour=flavour), kernel=kernel)
+    b.sync(snapshot(), Changes())
+    nat_filter = [c for c in kernel.commits if c.table != adopt.STAMP_TABLE]
+    assert kernel.meanwhile_at and kernel.meanwhile_at[0] == 2, "after the write's nat and filter commits"
+    assert not b._prepared, "each prepared stamp went into a stamp"
+    assert bool(b._digests._memo) is (config is RUN)
+    for family in (4, 6):
+        stamp = _stamp_rules(kernel, family)
+        head = adopt._HEADER.match(stamp[0][-1])
+        assert head is not None
+        digests = {t: {c: adopt.chain_digest(r) for c, r in kernel.chains(family, t).items() if names.is_owned(c)}
+                   for t in ("nat", "filter")}
+        assert stamp == list(adopt.stamp_rules(head.group("config"), head.group("validator"), digests))
+    assert len(nat_filter) == 4
+    assert restart(kernel, snapshot()) == []
+    commits = restart(kernel, snapshot(moved=3))
+    assert [(c.family, c.table, c.written) for c in commits] == [(4, "nat", {svc_chain(3)})]
+    assert restart(kernel, snapshot(moved=3)) == [], "the adopting write's stamp, made while it committed"
+
+
+def test_a_partial_write_does_not_leave_a_prepared_stamp_for_stopping() -> None:
+    """``run``: a full write prepares its stamp; when that stamp cannot be written (no fingerprint
+    after the write) and a partial write follows, stopping() must stamp the tables with their own
+    digests, not the full write's: here the partial write is undone by the next input, which a stamp
+    of the full write's chains would let the restart take for what the kernel holds."""
+    kernel = _Meanwhile()
+    b = IptablesBackend(RUN, kernel=kernel)
+    kernel.stamps = False  # the fingerprint after the full write cannot be taken: not stamped
+    b.sync(snapshot(), Changes())
+    assert not _stamp_rules(kernel) if adopt.STAMP_CHAIN in kernel.chains(4, adopt.STAMP_TABLE) else True
+    kernel.stamps = True
+    b._watch = FakeWatch()
+    b.sync(snapshot(moved=3), Changes(full=False))
+    assert len(kernel.meanwhile_at) == 2, "only the full sync's writes (one per family) prepare a stamp"
+    b._restamp()  # run's look between syncs: the fingerprint taken again
+    b.stopping()
+    assert _stamp_rules(kernel), "stamped at exit"
+    commits = restart(kernel, snapshot())  # back to the first input: svc 3's chain must be written
+    assert [(c.family, c.table, c.written) for c in commits] == [(4, "nat", {svc_chain(3)})]
+    assert rules(kernel) == rules(fresh(snapshot()))

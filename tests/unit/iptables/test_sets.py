@@ -76,8 +76,8 @@ class WriteRecorder(FakeIptables):
         self.named_at_write: List[Set[str]] = []
         self.existing_at_write: List[Set[str]] = []
 
-    def apply(self, family, changes, before_commit=None):  # type: ignore[no-untyped-def]
-        size = super().apply(family, changes, before_commit)
+    def apply(self, family, changes, before_commit=None, meanwhile=None):  # type: ignore[no-untyped-def]
+        size = super().apply(family, changes, before_commit, meanwhile)
         text = "\n".join(" ".join(r) for t in self.tables.values() for rules in t.values() for r in rules)
         self.named_at_write.append(set(re.findall(r"--(?:match|add)-set (\S+)", text)))
         self.existing_at_write.append(set(self.sets.sets()))
@@ -126,13 +126,13 @@ def test_a_large_hairpin_fill_runs_beside_the_write_and_ends_before_the_commit()
     seen_at_commit: List[int] = []
 
     class CommitWatcher(FakeIptables):
-        def apply(self, family, changes, before_commit=None):  # type: ignore[no-untyped-def]
+        def apply(self, family, changes, before_commit=None, meanwhile=None):  # type: ignore[no-untyped-def]
             def at_commit() -> None:  # the fake calls it at the payload's first COMMIT line
                 if before_commit is not None:
                     before_commit()
                 seen_at_commit.append(len(sets.content.get(ipset.hairpin_set(4), ())))
 
-            return super().apply(family, changes, at_commit)
+            return super().apply(family, changes, at_commit, meanwhile)
 
     b._kernel = CommitWatcher()
     eps = [f"10.1.{i // 250}.{i % 250 + 1}" for i in range(3000)]  # above IN_BACKGROUND
@@ -154,9 +154,9 @@ def _hairpin_at_each_commit(b: IptablesBackend) -> List[object]:
     known: List[object] = []
 
     class CommitWatcher(FakeIptables):
-        def apply(self, family, changes, before_commit=None):  # type: ignore[no-untyped-def]
+        def apply(self, family, changes, before_commit=None, meanwhile=None):  # type: ignore[no-untyped-def]
             known.append(b._sets._content.get(ipset.hairpin_set(family)))
-            return super().apply(family, changes, before_commit)
+            return super().apply(family, changes, before_commit, meanwhile)
 
     b._kernel = CommitWatcher()
     return known

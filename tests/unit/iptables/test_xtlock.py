@@ -9,7 +9,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Iterator, List
+from pathlib import Path
+from typing import Iterator, List, Tuple
 
 import pytest
 
@@ -227,3 +228,28 @@ def test_halting_the_iptables_backend_stops_its_lock_waits(path: str, held: subp
     with pytest.raises(SyncError, match="stopping"):
         backend.lock.wait_free()
     assert time.monotonic() - begun < 0.5
+
+
+def test_restore_stream_runs_meanwhile_once_the_payload_is_in_and_before_the_tool_is_done(
+        tmp_path: Path, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``meanwhile`` (the stamp's digests) runs in the time the tool commits, in which this process
+    would only wait: after the last chunk is handed over and stdin closed, before the tool exits."""
+    done = os.path.join(tmp_path, "done")
+    tool = os.path.join(tmp_path, "fake-restore")
+    with open(tool, "w") as fh:  # reads its input to the end, then "commits" for a while
+        fh.write(f"#!/bin/sh\ncat > /dev/null\nsleep 0.5\ntouch {done}\n")
+    os.chmod(tool, 0o755)
+    monkeypatch.setattr(restore, "tool", lambda family, flavour, verb: tool)
+    seen: List[Tuple[int, bool]] = []
+    made: List[str] = []
+
+    def chunks() -> Iterator[str]:
+        for piece in ("*nat\n", ":NP-X - [0:0]\n", "COMMIT\n"):
+            made.append(piece)
+            yield piece
+
+    tools = restore.RestoreTools("nft", XtablesLock(5.0, path))
+    sent = tools.restore_stream(4, chunks, meanwhile=lambda: seen.append((len(made), os.path.exists(done))))
+    assert sent == len("*nat\n:NP-X - [0:0]\nCOMMIT\n")
+    assert seen == [(3, False)], "once, after the whole payload, while the tool still ran"
+    assert os.path.exists(done)
