@@ -7,7 +7,6 @@ recomputing sha256 for every service on every sync cost 1.1 s at 10k services (d
 
 from __future__ import annotations
 
-import base64
 from typing import Any, Dict, Tuple
 
 from netproxy.core import hashes as hashlib  # hashlib's hashes without OpenSSL (core/hashes.py)
@@ -60,12 +59,20 @@ def is_owned(chain: str) -> bool:
     return chain in OWNED_CHAINS or chain.startswith(OWNED_PREFIXES)
 
 
+_B32 = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
+_B32_PAIRS = tuple(a + b for a in _B32 for b in _B32)
+"""Two base32 characters for each 10-bit value (RFC 4648's alphabet, as ``base64.b32encode``)."""
+
+
 def _hash16(text: str) -> str:
     """kube-proxy's name hash: the first 16 base32 characters of sha256(text).  Base32 turns each
-    5 bytes into 8 characters, so those are exactly the encoding of the first 10 bytes; encoding only
-    them (Python's b32encode is pure Python) saves ~0.3 s of a 10k-service render."""
-    digest = hashlib.sha256(text.encode()).digest()
-    return base64.b32encode(digest[:10]).decode()
+    5 bytes into 8 characters, so those are exactly the encoding of the first 10 bytes: 80 bits, 8
+    pairs of characters read from a table (``base64.b32encode`` is pure Python: 6.4 µs a name
+    against 1.6 µs, for each of the ~10.7k chains a new process names at 10k services)."""
+    n = int.from_bytes(hashlib.sha256(text.encode()).digest()[:10], "big")
+    p = _B32_PAIRS
+    return p[n >> 70] + p[(n >> 60) & 1023] + p[(n >> 50) & 1023] + p[(n >> 40) & 1023] + \
+        p[(n >> 30) & 1023] + p[(n >> 20) & 1023] + p[(n >> 10) & 1023] + p[n & 1023]
 
 
 _svc_cache: Dict[Tuple[ServicePortName, str, str], str] = {}

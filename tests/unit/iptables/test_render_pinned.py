@@ -274,3 +274,16 @@ def test_sorted_entries_on_a_small_table_equal_a_fresh_sort(unique: bool, monkey
         everything = [e for t in inputs for e in t]
         assert kept.update(inputs) == sorted(dict.fromkeys(everything) if unique else everything, key=entry_order)
     assert len(rebuilds) == 1  # the first: every later change was placed, not sorted again
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_name_hash_is_base32_of_sha256_for_any_text(seed: int) -> None:
+    """names._hash16 reads base32 from a table of character pairs: the same 16 characters as
+    kube-proxy's base32(sha256(text))[:16] for any text (random ones, and the edges of the alphabet)."""
+    import random
+
+    rng = random.Random(seed)
+    texts = ["", "a", "ns/svc:p" * 40, "\u00e9/\u4e2d:tcp"] + [
+        "".join(chr(rng.randrange(32, 0x2FF)) for _ in range(rng.randrange(1, 60))) for _ in range(500)]
+    for text in texts:
+        assert names._hash16(text) == kube_hash(text), text
