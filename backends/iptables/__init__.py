@@ -495,7 +495,8 @@ class IptablesBackend:
                 now = generation if flavour == "nft" else self._fingerprints(family, kernel)
                 adopt.check(found, config, adopt.validator(flavour, now, family))
                 chains = {t: desired[family].chains(t) for t in TABLES}
-                digests = {t: self._digests.of(family, t, chains[t], not self.config.one_shot) for t in TABLES}
+                # Remembered: the stamp after an adopting write packs the same digests (_prepare_stamp).
+                digests = {t: self._digests.of(family, t, chains[t]) for t in TABLES}
                 changes = adopt.changes(chains, digests, found, kernel)
             except adopt.NotAdoptable as exc:
                 log.info("iptables: IPv%d tables not adopted, rewriting them all: %s", family, exc)

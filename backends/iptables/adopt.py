@@ -95,9 +95,9 @@ class Digests:
 
     def of(self, family: int, table: str, chains: Mapping[str, Tuple[Rule, ...]], remember: bool = True
            ) -> Dict[str, str]:
-        """Each chain's digest; ``remember=False`` (one sync and done) uses what is remembered but adds
-        nothing: at 100k services the memo is ~32 MiB, which a one-shot sync would carry under the
-        fingerprint's table blob for nothing."""
+        """Each chain's digest; ``remember=False`` (a one-shot sync's stamp) uses what is remembered
+        (an adopting restart's digests) but adds nothing: at 100k services the memo is ~32 MiB, which
+        a one-shot sync would carry under the fingerprint's table blob for nothing."""
         out: Dict[str, str] = {}
         memo = self._memo
         for chain, rules in chains.items():
