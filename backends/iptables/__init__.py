@@ -400,8 +400,8 @@ class IptablesBackend:
         sit under the fingerprint's table blob)."""
         family = ruleset.family
         remember = not self.config.one_shot
-        digests = {t: self._digests.of(family, t, ruleset.chains(t), remember) for t in TABLES}
-        self._prepared[family] = adopt.stamp_body(digests)
+        self._prepared[family] = adopt.stamp_body(
+            {t: self._digests.pairs(family, t, ruleset.chains(t), remember) for t in TABLES})
 
     def _fingerprint_written(self, ruleset: FamilyRuleset) -> None:
         """Legacy, right after a full write of ``ruleset``'s family: the tables' fingerprint (the
@@ -559,7 +559,7 @@ class IptablesBackend:
             body = self._prepared.pop(family, None)
             if body is None:  # no full write of this family in this sync (stopping() after partial writes)
                 tables = self._written[family]
-                body = adopt.stamp_body({t: self._digests.of(family, t, tables.get(t, {}), not self.config.one_shot)
+                body = adopt.stamp_body({t: self._digests.pairs(family, t, tables.get(t, {}), not self.config.one_shot)
                                          for t in TABLES})
             rules = adopt.stamp_rules(config, valid, body)
             try:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 from netproxy.backends.iptables import names, save
 from netproxy.backends.iptables.assemble import JUMPS, TABLES
@@ -110,6 +110,20 @@ class Digests:
             out[chain] = hit[1]
         return out
 
+    def pairs(self, family: int, table: str, chains: Mapping[str, Tuple[Rule, ...]], remember: bool = True
+              ) -> Iterator[Tuple[str, str]]:
+        """(chain, digest) in chain order, made as they are read (:func:`stamp_body`)."""
+        memo = self._memo
+        for chain in sorted(chains):
+            rules = chains[chain]
+            key = (family, table, chain)
+            hit = memo.get(key)
+            if hit is None or hit[0] is not rules:
+                hit = (rules, chain_digest(rules))
+                if remember:
+                    memo[key] = hit
+            yield chain, hit[1]
+
     def keep(self, held: Mapping[int, Mapping[str, Mapping[str, object]]]) -> None:
         """Forget the digests of chains no longer held (``held``: family → table → chains)."""
         self._memo = {k: v for k, v in self._memo.items() if k[2] in held.get(k[0], {}).get(k[1], {})}
@@ -151,34 +165,37 @@ class StampBody(NamedTuple):
     total: str
 
 
-def stamp_body(digests: Mapping[str, Mapping[str, str]]) -> StampBody:
-    """The chain digests (table → chain → digest) packed into comments.  Needs no fingerprint, so
-    that a full sync makes it while ``iptables-restore`` commits (the backend's ``_prepare_stamp``)."""
-    entries: List[Tuple[str, str]] = []  # (table code, "chain=digest")
+def stamp_body(digests: Mapping[str, Iterable[Tuple[str, str]]]) -> StampBody:
+    """The chain digests (table → (chain, digest) pairs in chain order) packed into comments.  Needs
+    no fingerprint, so that a full sync makes it while ``iptables-restore`` commits (the backend's
+    ``_prepare_stamp``).  The pairs are read once, as they come: made lazily (:meth:`Digests.pairs`),
+    no digest outlives its comment, so that what is left under the fingerprint's table blob is the
+    comments alone (~0.5 MB at 10k services)."""
+    total = hashlib.blake2b(digest_size=8)  # as _hex(): each "code chain=digest", then a NUL
+    comments: List[str] = []
+    count = 0
     for table in TABLES:
         code = _TABLE_CODE[table]
-        entries += [(code, f"{chain}={digest}") for chain, digest in sorted(digests.get(table, {}).items())]
-    total = _hex((f"{c} {e}" for c, e in entries), 16)
-    comments: List[str] = []
-    line = ""
-    code = ""
-    for c, entry in entries:
-        if line and (c != code or len(line) + 1 + len(entry) > MAX_COMMENT):
+        line = ""
+        for chain, digest in digests.get(table, ()):
+            entry = f"{chain}={digest}"
+            total.update(f"{code} {entry}".encode())
+            total.update(b"\0")
+            count += 1
+            if line and len(line) + 1 + len(entry) > MAX_COMMENT:
+                comments.append(line)
+                line = ""
+            line = f"{line or code} {entry}"
+        if line:
             comments.append(line)
-            line = ""
-        if not line:
-            line, code = c, c
-        line += " " + entry
-    if line:
-        comments.append(line)
-    return StampBody(tuple(comments), len(entries), total)
+    return StampBody(tuple(comments), count, total.hexdigest()[:16])
 
 
 def stamp_rules(config: str, valid: str, digests: Union[Mapping[str, Mapping[str, str]], StampBody]
                 ) -> Tuple[Rule, ...]:
     """The stamp chain's rules: the header, then the chain digests packed into comments (``digests``:
     table → chain → digest, or their :func:`stamp_body` made before)."""
-    body = digests if isinstance(digests, StampBody) else stamp_body(digests)
+    body = digests if isinstance(digests, StampBody) else stamp_body({t: sorted(d.items()) for t, d in digests.items()})
     header = f"netproxy-stamp {FORMAT} config:{config} v:{valid} n:{body.entries} sum:{body.total}"
     return tuple(("-m", "comment", "--comment", text) for text in (header,) + body.comments)
 

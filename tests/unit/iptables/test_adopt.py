@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
-from typing import List, Tuple
+import random
+from typing import Dict, List, Tuple
 
 import pytest
 
@@ -445,3 +446,30 @@ def test_a_partial_write_does_not_leave_a_prepared_stamp_for_stopping() -> None:
     commits = restart(kernel, snapshot())  # back to the first input: svc 3's chain must be written
     assert [(c.family, c.table, c.written) for c in commits] == [(4, "nat", {svc_chain(3)})]
     assert rules(kernel) == rules(fresh(snapshot()))
+
+
+def _packed_as_first_written(digests: Dict[str, Dict[str, str]]) -> List[str]:
+    """The stamp's comments as stamp format 2 was first written (a list of every entry, then packed):
+    what the streamed :func:`adopt.stamp_body` must give, comment for comment."""
+    entries = [(code, f"{c}={d}") for table, code in (("nat", "n"), ("filter", "f"))
+               for c, d in sorted(digests.get(table, {}).items())]
+    comments, line, code = [], "", ""
+    for c, entry in entries:
+        if line and (c != code or len(line) + 1 + len(entry) > adopt.MAX_COMMENT):
+            comments.append(line)
+            line = ""
+        if not line:
+            line, code = c, c
+        line += " " + entry
+    return comments + ([line] if line else [])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_streamed_stamp_body_packs_as_before(seed: int) -> None:
+    rng = random.Random(seed)
+    digests = {t: {f"KUBE-{rng.choice(['SVC', 'SVCS', 'EXT', 'NPS'])}-{rng.getrandbits(60):X}"[:rng.randrange(12, 29)]:
+                   f"{rng.getrandbits(48):012x}" for _ in range(rng.randrange(0, 400))} for t in ("nat", "filter")}
+    rules = adopt.stamp_rules("0123456789abcdef", "fp:00", digests)
+    assert [r[-1] for r in rules[1:]] == _packed_as_first_written(digests)
+    assert adopt.parse("*mangle\n:KUBE-NP-STAMP - [0:0]\n" + "".join(
+        f'-A KUBE-NP-STAMP -m comment --comment "{r[-1]}"\n' for r in rules) + "COMMIT\n").chains == digests
