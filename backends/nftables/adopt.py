@@ -499,7 +499,7 @@ def _ghost(old: Owned, fam: str, base: str) -> render.ServiceObjects:
         if isinstance(shared, layout.Pick) and set_name in PICKED and shared.size > 0:
             parts = key.split(" . ")
             prefix = parts[-1] if set_name in NODEPORT_KEYED else f"{parts[0]} . {parts[-1]}"
-            runs[(PICKED[set_name], key)] = ElementRun(shared.map, prefix, ("?",) * shared.size)
+            runs[(PICKED[set_name], key)] = ElementRun.unknown(shared.map, prefix, shared.size, fam)
     return render.ServiceObjects(
         elements=dict(old), runs=runs, uses={k: tuple(v) for k, v in uses.items()},
         shared=frozenset(s for v in uses.values() for s in v), dispatch_keys=tuple(keys))

@@ -5,7 +5,8 @@ Pure: (verb, family, object) operations in, ``(message type, flags, family, attr
 Set user data (key types, typeof expressions, comments) follows libnftnl's layout: nft prints
 raw types without it.  Element keys and values arrive as the same nft value text the libnftables
 writer sends; they are packed here per the set's declared types (each concatenated field padded to
-4 bytes, as the kernel's registers are). tests/unit/nftables/test_nft_netlink_nft_bytes.py compares
+4 bytes, as the kernel's registers are).  Endpoint runs' values and ``hairpin``'s keys arrive packed
+already (objects.ElementRun, objects.PackedKeys): laid out as they are, many elements at once. tests/unit/nftables/test_nft_netlink_nft_bytes.py compares
 the messages with the ones nft 1.0.6 sends for the same transactions (recorded from nft itself).
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import struct
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from netproxy.backends.nftables import names, wire
 from netproxy.backends.nftables.objects import (
@@ -24,6 +25,7 @@ from netproxy.backends.nftables.objects import (
     ElementRun,
     Elements,
     Object,
+    PackedKeys,
     Rule,
     Set,
     Table,
@@ -232,6 +234,35 @@ class Packer:
             raise EncodeError(f"prefix {text!r} does not fit {' . '.join(self.fields)}")
         return b"".join([c(p) for c, p in zip(self.converters, parts)])
 
+    def prefix_packer(self) -> Callable[[str], bytes]:
+        """:meth:`prefix`, with a path for one or two leading fields (a run's ``address . port`` or
+        ``nodePort``) that skips the general one's split, zip and list."""
+        general = self.prefix
+        if len(self.converters) == 2:
+            single = self.converters[0]
+
+            def one(text: str) -> bytes:
+                try:
+                    return single(text)
+                except (OSError, ValueError, KeyError, OverflowError):
+                    return general(text)  # its error names the prefix
+
+            return one
+        if len(self.converters) != 3:
+            return general
+        first, second = self.converters[:2]
+
+        def two(text: str) -> bytes:
+            a, sep, b = text.partition(" . ")
+            if sep and " . " not in b:
+                try:
+                    return first(a) + second(b)
+                except (OSError, ValueError, KeyError, OverflowError):
+                    pass
+            return general(text)
+
+        return two
+
     @property
     def length(self) -> int:
         return _length(self.fields)
@@ -260,17 +291,20 @@ def _first_item(op: Op) -> Op:
     return (op[0], op[1], obj.items[0]) if isinstance(obj, Elements) and obj.items else op
 
 
-def _item_ops(ops: Sequence[Op]) -> Iterator[Op]:
-    """The operations of ``ops`` with each group expanded into one per item (made only for a group:
-    the per-element tuples a full sync no longer holds exist one at a time here)."""
-    for op in ops:
-        obj = op[2]
-        if isinstance(obj, Elements):
-            verb, family = op[0], op[1]
-            for item in obj.items:
-                yield verb, family, item
-        else:
-            yield op
+class _Group:
+    """Elements encoded together (a block of runs, packed keys): which operation element ``j`` of
+    them came from, made only when a message starts there (to name it if the kernel refuses it)."""
+
+    __slots__ = ("verb", "family", "items", "per")
+
+    def __init__(self, verb: str, family: str, items: Sequence[Union[Element, ElementRun]], per: int) -> None:
+        self.verb, self.family, self.items, self.per = verb, family, items, per
+
+    def op(self, j: int) -> Op:
+        return self.verb, self.family, self.items[j // self.per]
+
+
+_Owner = Union[Op, _Group]
 
 
 class Encoder:
@@ -347,67 +381,168 @@ class Encoder:
         s = self.sets.get((family, set_name))
         if s is None:
             raise EncodeError(f"elements for unknown set {family} {set_name}")
-        encode_one = self._element_encoder(s, family, verb == "add")
         head = (wire.string(wire.SET_ELEM_LIST_TABLE, names.TABLE)
                 + wire.string(wire.SET_ELEM_LIST_SET, names.identifier(set_name)))
         msg_type = wire.NEWSETELEM if verb == "add" else wire.DELSETELEM
         flags = wire.NLM_F_CREATE if verb == "add" else 0
         fam = FAMILIES[family]
+        limit = _ELEMENTS_PER_MESSAGE_BYTES
         chunk: List[bytes] = []
         size = 0
         first: Op = _first_item(ops[0])
         if verb == "add" and "interval" in s.flags and len(_fields(s.key_type, s.typeof)) == 1:
             chunk.append(interval_anchor(family))
-        run_encoder = self._run_encoder(s, family, verb == "add")
-        for op in _item_ops(ops):
-            obj = op[2]
-            if isinstance(obj, Element):
-                blobs: Sequence[bytes] = encode_one(obj)
-            elif not isinstance(obj, ElementRun):  # messages() groups elements only (_same_run)
-                raise EncodeError(f"not an element of {family} {set_name}: {obj!r}")
-            elif run_encoder is not None:
-                blobs = run_encoder(obj)
-            else:
-                blobs = [b for e in obj.elements() for b in encode_one(e)]
-            total = sum(map(len, blobs))
-            if size + total <= _ELEMENTS_PER_MESSAGE_BYTES:
-                chunk.extend(blobs)  # all of them fit: what the loop below would do, blob by blob
-                size += total
+        for blob, unit, owner in self._segments(s, verb, family, ops):
+            n = len(blob)
+            if size + n <= limit:
+                chunk.append(blob)  # all of it fits: what the loop below would do, element by element
+                size += n
                 continue
-            for blob in blobs:
-                if size + len(blob) > _ELEMENTS_PER_MESSAGE_BYTES and chunk:
-                    yield (msg_type, flags, fam, head + wire.nest(wire.SET_ELEM_LIST_ELEMENTS, *chunk)), first
-                    chunk, size, first = [], 0, op
-                chunk.append(blob)
-                size += len(blob)
+            # Split at element boundaries (``unit`` bytes each), as one element at a time would be.
+            at = 0
+            while at < n:
+                take = limit - size
+                take -= take % unit
+                if take <= 0:
+                    if chunk:
+                        yield (msg_type, flags, fam, head + wire.nest(wire.SET_ELEM_LIST_ELEMENTS, *chunk)), first
+                        chunk, size = [], 0
+                        first = owner.op(at // unit) if isinstance(owner, _Group) else owner
+                        continue
+                    take = unit  # one element larger than a message: alone
+                piece = blob[at:at + take]
+                chunk.append(piece)
+                size += len(piece)
+                at += take
         if chunk:
             yield (msg_type, flags, fam, head + wire.nest(wire.SET_ELEM_LIST_ELEMENTS, *chunk)), first
 
-    def _run_encoder(self, s: Set, family: str, with_value: bool) -> Optional[Callable[[ElementRun], List[bytes]]]:
-        """The fast path for endpoint runs (``prefix . i : value``): fixed-size keys and values, so
-        every element is constant headers around packed bytes (100k of them in a 10k-service sync)."""
-        key_pack = self._packer(family, s.name, False)
-        if "interval" in s.flags or len(key_pack.fields) < 2 or key_pack.fields[-1] != "integer":
-            return None
-        value_pack = self._packer(family, s.name, True) if with_value and s.value_type not in (None, "verdict") \
-            else None
-        key_len = key_pack.length
-        value_len = value_pack.length if value_pack is not None else 0
-        key_hdr = _value_header(wire.ELEM_KEY, key_len)
-        value_hdr = _value_header(wire.ELEM_DATA, value_len) if value_pack is not None else b""
-        elem_hdr = wire.ATTR_HEADER.pack(4 + len(key_hdr) + key_len + len(value_hdr) + value_len,
-                                         wire.LIST_ELEM | wire.NLA_F_NESTED)
-        indexes = [struct.pack("=I", i) for i in range(64)]
+    def _segments(self, s: Set, verb: str, family: str, ops: Sequence[Op]) -> Iterator[Tuple[bytes, int, _Owner]]:
+        """Encoded elements, as (bytes, the size of one element in them, who they came from): many
+        fixed-size elements at once where the layout allows (endpoint runs, packed keys), else one."""
+        add = verb == "add"
+        encode_one = self._element_encoder(s, family, add)
+        runs = self._run_encoder(s, family, add)
+        keys = self._keys_encoder(s, family, add)
+        for op in ops:
+            obj = op[2]
+            items: Sequence[Union[Element, ElementRun]]
+            if isinstance(obj, Elements):
+                items = obj.items
+                if keys is not None and isinstance(items, PackedKeys):
+                    if len(items):
+                        blob = keys(items)
+                        yield blob, len(blob) // len(items), _Group(verb, family, items, 1)
+                    continue
+            else:
+                items = (obj,)  # type: ignore[assignment]
+            i, n = 0, len(items)
+            while i < n:
+                item = items[i]
+                if isinstance(item, ElementRun):
+                    if runs is None:
+                        for e in item.elements():
+                            for blob in encode_one(e):
+                                yield blob, len(blob), (verb, family, item)
+                        i += 1
+                        continue
+                    # The runs that follow with as many endpoints (a map's runs all have as many): one go.
+                    count, j = item.size, i + 1
+                    while j < n:
+                        nxt = items[j]
+                        if not isinstance(nxt, ElementRun) or nxt.size != count:
+                            break
+                        j += 1
+                    block = items[i:j] if j > i + 1 else (item,)
+                    if count:
+                        blob = runs(block, count)  # type: ignore[arg-type]
+                        yield blob, len(blob) // (count * (j - i)), _Group(verb, family, block, count)
+                    i = j
+                    continue
+                if not isinstance(item, Element):  # messages() groups elements only (_same_run)
+                    raise EncodeError(f"not an element of {family} {s.name}: {item!r}")
+                item_op = op if item is obj else (verb, family, item)
+                for blob in encode_one(item):
+                    yield blob, len(blob), item_op
+                i += 1
 
-        def encode(run: ElementRun) -> List[bytes]:
-            prefix = key_pack.prefix(run.prefix)
-            while len(indexes) < len(run.values):
-                indexes.append(struct.pack("=I", len(indexes)))
-            head = elem_hdr + key_hdr + prefix
-            if value_pack is None:
-                return [head + indexes[i] for i in range(len(run.values))]
-            mid, pack = value_hdr, value_pack.pack
-            return [b"".join((head, indexes[i], mid, pack(v))) for i, v in enumerate(run.values)]
+    def _run_encoder(self, s: Set, family: str, with_value: bool
+                     ) -> Optional[Callable[[Sequence[ElementRun], int], bytes]]:
+        """Endpoint runs (``prefix . i : value``, or ``prefix : value`` in a one-endpoint map) as
+        one bytes per block of runs with as many endpoints: every element is the same headers
+        around the run's prefix, its index and its value, so the elements are one template
+        repeated and the prefixes, indexes and values written into it column by column (in C:
+        a slice assignment with a step per byte of a field, whatever the number of elements).  The
+        values are the run's bytes as render made them; nothing is parsed per endpoint."""
+        key_pack = self._packer(family, s.name, False)
+        fields = key_pack.fields
+        if "interval" in s.flags or s.value_type in (None, "verdict"):
+            return None
+        value_pack = self._packer(family, s.name, True)
+        indexed = len(fields) >= 2 and fields[-1] == "integer"
+        if indexed:
+            prefix_pack = key_pack.prefix_packer()
+            prefix_len = key_pack.length - 4
+        else:
+            prefix_pack = key_pack.pack
+            prefix_len = key_pack.length
+        value_len = value_pack.length if with_value else 0
+        body = wire.data_value(wire.ELEM_KEY, bytes(key_pack.length))
+        if with_value:
+            value_at = len(body) + 12
+            body += wire.data_value(wire.ELEM_DATA, bytes(value_len))
+        template = wire.nest(wire.LIST_ELEM, body)
+        unit = len(template)
+        key_at = 12  # the element's header, the key's nest and its value's header: 4 bytes each
+        index_blocks: Dict[int, bytes] = {}
+
+        def encode(runs: Sequence[ElementRun], count: int) -> bytes:
+            if not indexed and count != 1:
+                raise EncodeError(f"endpoints {runs[0].prefix}: {count} values in {s.name}, keyed without an index")
+            total = count * len(runs)
+            out = bytearray(template * total)
+            if with_value:
+                if any(r.width != value_len for r in runs):
+                    bad = next(r for r in runs if r.width != value_len)
+                    raise EncodeError(f"endpoints {bad.prefix}: values of {bad.width} bytes do not fit "
+                                      f"{' . '.join(value_pack.fields)} in {s.name}")
+                values = b"".join([r.packed for r in runs])
+                for k in range(value_len):
+                    out[value_at + k::unit] = values[k::value_len]
+            prefixes = b"".join([prefix_pack(r.prefix) * count for r in runs])
+            if len(prefixes) != prefix_len * total:
+                raise EncodeError(f"a prefix of {s.name}'s runs does not fit {' . '.join(fields)}")
+            for k in range(prefix_len):
+                out[key_at + k::unit] = prefixes[k::prefix_len]
+            if indexed:
+                block = index_blocks.get(count)
+                if block is None:
+                    block = index_blocks[count] = struct.pack(f"={count}I", *range(count))
+                indexes = block * len(runs)
+                for k in range(4):
+                    out[key_at + prefix_len + k::unit] = indexes[k::4]
+            return bytes(out)
+
+        return encode
+
+    def _keys_encoder(self, s: Set, family: str, with_value: bool) -> Optional[Callable[[PackedKeys], bytes]]:
+        """Elements of a plain set given as packed keys (:class:`~objects.PackedKeys`): one template
+        repeated, the keys written into it column by column, as for runs."""
+        if "interval" in s.flags or s.value_type is not None:
+            return None
+        key_len = self._packer(family, s.name, False).length
+        template = wire.nest(wire.LIST_ELEM, wire.data_value(wire.ELEM_KEY, bytes(key_len)))
+        unit = len(template)
+
+        def encode(items: PackedKeys) -> bytes:
+            keys = items.packed_keys()
+            if len(keys) != key_len * len(items):
+                raise EncodeError(f"keys of {len(keys)} bytes for {len(items)} elements of {s.name} "
+                                  f"({key_len} bytes each)")
+            out = bytearray(template * len(items))
+            for k in range(key_len):
+                out[12 + k::unit] = keys[k::key_len]
+            return bytes(out)
 
         return encode
 

@@ -27,6 +27,7 @@ import functools
 import ipaddress
 import operator
 import socket
+import struct
 from dataclasses import dataclass, field
 from sys import intern
 from types import MappingProxyType
@@ -48,11 +49,14 @@ from netproxy.backends.nftables.layout import (
     exemption_rules,
     masquerade_rule,
 )
-from netproxy.backends.nftables.objects import Element, ElementRun, Rule, Set
+from netproxy.backends.nftables.objects import V4_WIDTH, V6_WIDTH, Element, ElementRun, PackedKeys, Rule, Set
 from netproxy.core.config import ProxyConfig
 from netproxy.core.endpoints import cluster_endpoints, external_endpoints
 from netproxy.core.firewall import firewall_sources
 from netproxy.core.model import SLOTS, Endpoint, IPAddress, NodeInfo, ServicePort
+
+WIDTHS = {"ip": V4_WIDTH, "ip6": V6_WIDTH}
+"""The bytes of one endpoints map value per family (:class:`~objects.ElementRun`)."""
 
 _NO_CHAINS: Mapping[str, Tuple[Rule, ...]] = MappingProxyType({})
 _NO_SETS: Mapping[str, Set] = MappingProxyType({})
@@ -108,23 +112,36 @@ def ip_text(ip: IPAddress) -> str:
     return str(ip)
 
 
-_Choice = Tuple[str, Endpoint]
-"""An endpoint and its ``address . port`` text; lists of these are sorted on the text (a C string
-sort: Endpoint's generated ``__lt__`` compares ipaddress objects in Python and cost 0.2 s at 10k)."""
+_Choice = Tuple[bytes, Endpoint]
+"""An endpoint and its ``address . port`` as the endpoints map's value bytes (address, then the port
+padded to 4 bytes, as the kernel's registers hold them); lists of these are sorted on the bytes:
+numeric order, address then port, and no text made for it (the text, formatted and sorted for
+every endpoint, was a fifth of a 10k-service render, and the netlink writer parsed it back)."""
 
 _first = operator.itemgetter(0)
 _V4 = ipaddress.IPv4Address
+_pack_v4 = struct.Struct(">IH2x").pack
+_pack_v6 = struct.Struct(">QQH2x").pack
+_ip_port = operator.attrgetter("ip._ip", "port")
+
+
+def endpoint_value(ep: Endpoint) -> bytes:
+    """An endpoint as an endpoints map's value: ``address . port`` as the kernel holds it."""
+    address, port = _ip_port(ep)
+    if type(ep.ip) is _V4:
+        return _pack_v4(address, port)
+    return _pack_v6(address >> 64, address & 0xFFFFFFFFFFFFFFFF, port)
 
 
 def _choices(eps: Sequence[Endpoint]) -> Tuple[_Choice, ...]:
-    # ip_text() inlined for IPv4: this runs once per endpoint, 100k times in a 10k-service sync.
-    ntoa = socket.inet_ntoa
-    return tuple(sorted(((f"{ntoa(int(e.ip).to_bytes(4, 'big'))} . {e.port}" if type(e.ip) is _V4
-                          else f"{e.ip} . {e.port}", e) for e in eps), key=_first))
+    # endpoint_value() inlined for IPv4: this runs once per endpoint, 100k times in a 10k-service sync.
+    pack, ip_port = _pack_v4, _ip_port
+    return tuple(sorted(((pack(*ip_port(e)) if type(e.ip) is _V4 else endpoint_value(e), e) for e in eps),
+                        key=_first))
 
 
-
-
+def _run(set_name: str, prefix: str, choices: Sequence[_Choice], family: str) -> ElementRun:
+    return ElementRun.of_packed(set_name, prefix, b"".join([v for v, _ in choices]), WIDTHS[family])
 
 
 @dataclass
@@ -176,7 +193,7 @@ class _Port:
             # and map, and the record keeps each copy (1.4 MB of a 10k-service render).
             verdict = intern(f"goto {pick.chain}")
             if choices:
-                self.out.runs[("main", key)] = ElementRun(intern(pick.map), run_prefix, [v for v, _ in choices])
+                self.out.runs[("main", key)] = _run(intern(pick.map), run_prefix, choices, self.family)
             if sticky:
                 record = Record(self.proto, self.svc.affinity_timeout)
                 self.uses[key].append(record)
@@ -190,7 +207,7 @@ class _Port:
         pick = Pick(EXEMPT, self.proto, len(choices), nodeport, self.svc.client_ip_affinity)
         self.uses.setdefault(key, []).append(pick)
         self.put(names.EXEMPT_NODEPORTS if nodeport else names.EXEMPT_IPS, key, intern(f"goto {pick.chain}"))
-        self.out.runs[("exempt", key)] = ElementRun(intern(pick.map), run_prefix, [v for v, _ in choices])
+        self.out.runs[("exempt", key)] = _run(intern(pick.map), run_prefix, choices, self.family)
 
     def affinity_chain(self, kind: str) -> str:
         """The per-service ClientIP affinity chain for ``kind`` (built once)."""
@@ -257,7 +274,7 @@ def _hairpin(node: NodeInfo, choices: Sequence[Tuple[_Choice, ...]]) -> Tuple[in
     """``hairpin``'s addresses: endpoints that can reach their own service *through this node* (on
     this node, or of unknown node), as the iptables backend (docs/parity.md).  An endpoint on another
     node reaches its services through its own node's proxy; listing it here would be dead weight.
-    Each once, in the order of the choices (sorted on their text)."""
+    Each once, in the order of the choices (numeric)."""
     return tuple(dict.fromkeys(_ip_int(ep) for group in choices for _, ep in group
                                if not ep.node_name or ep.node_name == node.name))
 
@@ -269,28 +286,41 @@ def hairpin_key(address: int, family: str) -> str:
 
 
 def hairpin_order(addresses: Iterable[int], family: str) -> List[int]:
-    """``addresses`` sorted as their pairs' texts sort (the order a transaction writes them in, as
-    when they were Elements: 10.1.0.10 before 10.1.0.6)."""
-    if family == "ip":
-        ntoa = socket.inet_ntoa
-        return sorted(addresses, key=lambda a: ntoa(a.to_bytes(4, "big")))
-    return sorted(addresses, key=lambda a: str(ipaddress.IPv6Address(a)))
+    """``addresses`` in the order a transaction writes their pairs in: numeric (a set's elements
+    have no order in the kernel; this one makes no text to sort on)."""
+    return sorted(addresses)
 
 
 def hairpin_element(address: int, family: str) -> Element:
     return Element(names.HAIRPIN, hairpin_key(address, family))
 
 
-class HairpinElements(Sequence[Element]):
+class HairpinElements(PackedKeys):
     """``hairpin``'s elements for a sorted list of addresses, each made when it is read: how a full
     sync's transaction carries them (:class:`~objects.Elements`), so that the writers expand them one
-    at a time rather than the record holding 142k Elements and texts at the mixed 10k cluster."""
+    at a time rather than the record holding 142k Elements and texts at the mixed 10k cluster.  The
+    netlink writer reads no Element at all: :meth:`packed_keys` gives it every pair's bytes."""
 
     __slots__ = ("family", "addresses")
 
     def __init__(self, family: str, addresses: Sequence[int]) -> None:
         self.family = family
         self.addresses = addresses
+
+    def packed_keys(self) -> bytes:
+        if self.family == "ip":
+            raw = struct.pack(f">{len(self.addresses)}I", *self.addresses)
+            width = 4
+        else:
+            raw = b"".join([a.to_bytes(16, "big") for a in self.addresses])
+            width = 16
+        # Each address twice (``a . a``): the two fields of every key, interleaved in C.
+        out = bytearray(2 * len(raw))
+        for k in range(width):
+            column = raw[k::width]
+            out[k::2 * width] = column
+            out[width + k::2 * width] = column
+        return bytes(out)
 
     def __len__(self) -> int:
         return len(self.addresses)

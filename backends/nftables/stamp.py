@@ -46,11 +46,13 @@ from netproxy.core import hashes as hashlib  # hashlib's hashes without OpenSSL 
 from netproxy.core.config import ProxyConfig
 from netproxy.core.model import Endpoint, IPAddress, IPNetwork, NodeInfo, ServicePort, ServicePortName
 
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 """Bumped whenever what an object's name, key or comment means changes without the rendered text
-showing it: a table stamped with another layout is never adopted.  4: the service stamps split over
-sixteen sets by their keys' first hex digit (3: one ``service-stamps`` set).  3: service stamps
-digest the port's inputs (2: its rendered objects), and count its own elements."""
+showing it: a table stamped with another layout is never adopted.  5: an endpoint run's index i is
+the i-th endpoint in numeric order (address, then port; 4 and before: in the order of their text).
+4: the service stamps split over sixteen sets by their keys' first hex digit (3: one
+``service-stamps`` set).  3: service stamps digest the port's inputs (2: its rendered objects), and
+count its own elements."""
 
 STAMP_SET = names.STAMP
 SERVICE_STAMP_SETS = names.SERVICE_STAMP_SETS

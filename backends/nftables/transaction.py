@@ -17,7 +17,7 @@ from typing import Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional,
 from typing import Set as PySet
 
 from netproxy.backends.nftables import layout, names, render, stamp
-from netproxy.backends.nftables.objects import Chain, Element, ElementRun, Elements, Object, Rule
+from netproxy.backends.nftables.objects import Chain, Element, ElementRun, Elements, Object, Rule, endpoint_text
 from netproxy.backends.nftables.serialise import Op, ops_text
 from netproxy.core.config import ProxyConfig
 from netproxy.core.model import SLOTS, Endpoint, IPNetwork, NodeInfo, ServicePort, ServicePortName
@@ -414,12 +414,14 @@ def _diff_runs(tx: Transaction, fam: str, old: Dict[render.RunKey, ElementRun],
         if now is None or (now.set, now.prefix) != (run.set, run.prefix):
             tx.put("delete-elements", "delete", fam, run)
             continue
-        # Same map, so the same count: replace the changed indexes only (a one-endpoint change).
-        for i, (was, will) in enumerate(zip(run.values, now.values)):
+        # Same map, so the same count: replace the changed indexes only (a one-endpoint change),
+        # compared as bytes; text only for the elements written.
+        for i in range(min(run.size, now.size)):
+            was, will = run.value(i), now.value(i)
             if was != will:
                 element_key = f"{run.prefix} . {i}" if run.indexed else run.prefix
-                tx.put("delete-elements", "delete", fam, Element(run.set, element_key, was))
-                tx.put("elements", "add", fam, Element(run.set, element_key, will))
+                tx.put("delete-elements", "delete", fam, Element(run.set, element_key, endpoint_text(was)))
+                tx.put("elements", "add", fam, Element(run.set, element_key, endpoint_text(will)))
     for key, run in new.items():
         before = old.get(key)
         if before is None or (before.set, before.prefix) != (run.set, run.prefix):

@@ -67,10 +67,11 @@ def test_the_fake_applies_a_group_as_its_elements() -> None:
         assert fake.dump(fam) == flat_fake.dump(fam) == fresh_dumps(snapshot)[fam]
 
 
-def test_a_run_keeps_its_values_as_one_string_and_behaves_as_the_tuple_did() -> None:
+def test_a_run_keeps_its_values_as_the_kernels_bytes_and_behaves_as_the_tuple_did() -> None:
     values = ("10.1.0.1 . 8080", "10.1.0.2 . 8080", "10.1.0.3 . 8080")
     run = ElementRun("eps", "10.96.0.10 . 80", values)
-    assert run.values == values and run.indexed and type(run.packed) is str
+    assert run.values == values and run.indexed and run.size == 3
+    assert run.packed == b"".join(bytes([10, 1, 0, i]) + (8080).to_bytes(2, "big") + b"\0\0" for i in (1, 2, 3))
     assert run == ElementRun("eps", "10.96.0.10 . 80", list(values)) and hash(run) == hash(ElementRun(*run[:2], values))
     assert run != ElementRun("eps", "10.96.0.10 . 80", values[:2])
     one = ElementRun("eps", "10.96.0.10 . 80", values[:1])
