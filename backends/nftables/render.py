@@ -105,11 +105,16 @@ def family_of(ip: IPAddress) -> str:
 
 
 def ip_text(ip: IPAddress) -> str:
-    """``str(ip)``, several times faster for IPv4: ipaddress formats in pure Python, and a
-    10k-service render formats 110k addresses."""
-    if ip.version == 4:
-        return socket.inet_ntoa(int(ip).to_bytes(4, "big"))
+    """``str(ip)``, several times faster for IPv4: ipaddress formats in pure Python (and ``int()``
+    and ``.version`` are Python-level too; ``_ip``, as stamp.py reads it, is the int itself)."""
+    if type(ip) is _V4:
+        return _ntoa(_address(ip).to_bytes(4, "big"))
     return str(ip)
+
+
+_ntoa = socket.inet_ntoa
+_address = operator.attrgetter("_ip")
+"""An address's int, read in C (a unit test pins ``_ip`` to ``int()``, as stamp.py's)."""
 
 
 _Choice = Tuple[bytes, Endpoint]
@@ -144,29 +149,39 @@ def _run(set_name: str, prefix: str, choices: Sequence[_Choice], family: str) ->
     return ElementRun.of_packed(set_name, prefix, b"".join([v for v, _ in choices]), WIDTHS[family])
 
 
-@dataclass
+@functools.lru_cache(maxsize=4096)
+def _pick(kind: str, proto: str, size: int, nodeport: bool, sticky: bool) -> Tuple[Pick, str, str]:
+    """A shared pick chain, its dispatch verdict and its map's name: one of each per distinct chain
+    (a few dozen), not per service port.  Interned: the record keeps a reference per port (one
+    copy each was 1.4 MB of a 10k-service render); bounded for odd clusters."""
+    pick = Pick(kind, proto, size, nodeport, sticky)
+    return pick, intern(f"goto {pick.chain}"), intern(pick.map)
+
+
 class _Port:
-    """One service port in one family while it renders: its inputs and what it has produced so far."""
+    """One service port in one family while it renders: its inputs and what it has produced so far.
+    Slotted, its attributes set once here: one per service port and family of every full sync."""
 
-    svc: ServicePort
-    family: str
-    config: ProxyConfig
-    choices: Dict[str, Tuple[_Choice, ...]]
-    """Eligible endpoints per kind of traffic (netproxy/core/endpoints.py's answers)."""
-    has_endpoints: bool
-    out: ServiceObjects = field(default_factory=ServiceObjects)
-    chains: Dict[str, Tuple[Rule, ...]] = field(default_factory=dict)
-    """``out.chains`` while it renders (out's is the shared empty mapping until one is made)."""
-    sets: Dict[str, Set] = field(default_factory=dict)
-    uses: Dict[str, List[Shared]] = field(default_factory=dict)
-    keys: List[str] = field(default_factory=list)
+    __slots__ = ("svc", "family", "config", "choices", "has_endpoints", "out", "chains", "sets", "uses", "keys",
+                 "proto", "comment")
 
-    @property
-    def proto(self) -> str:
-        return self.svc.protocol.lower()
+    def __init__(self, svc: ServicePort, family: str, config: ProxyConfig, choices: Dict[str, Tuple[_Choice, ...]],
+                 has_endpoints: bool) -> None:
+        self.svc, self.family, self.config, self.has_endpoints = svc, family, config, has_endpoints
+        self.choices = choices
+        """Eligible endpoints per kind of traffic (netproxy/core/endpoints.py's answers)."""
+        self.out = ServiceObjects()
+        self.chains: Dict[str, Tuple[Rule, ...]] = {}
+        """``out.chains`` while it renders (out's is the shared empty mapping until one is made)."""
+        self.sets: Dict[str, Set] = {}
+        self.uses: Dict[str, List[Shared]] = {}
+        self.keys: List[str] = []
+        self.proto = svc.protocol.lower()
+        self.comment = names.service_comment(svc.name)
+        """Every own element's comment (made once, not once per element)."""
 
     def put(self, set_name: str, key: str, value: Optional[str] = None) -> None:
-        self.out.elements[(set_name, key)] = Element(set_name, key, value, names.service_comment(self.svc.name))
+        self.out.elements[(set_name, key)] = Element(set_name, key, value, self.comment)
 
     def dispatch(self, key: str, run_prefix: str, kind: str, nodeport: bool) -> None:
         """Route ``key`` (``address . proto . port`` or ``proto . nodePort``) for traffic of ``kind``."""
@@ -187,13 +202,10 @@ class _Port:
         else:
             if kind == LOCAL:
                 self.exempt(key, run_prefix, nodeport)
-            pick = Pick(kind, self.proto, len(choices), nodeport, sticky)
+            pick, verdict, emap = _pick(kind, self.proto, len(choices), nodeport, sticky)
             self.uses.setdefault(key, []).append(pick)
-            # Interned, as the two below: every service port with N endpoints names the same chain
-            # and map, and the record keeps each copy (1.4 MB of a 10k-service render).
-            verdict = intern(f"goto {pick.chain}")
             if choices:
-                self.out.runs[("main", key)] = _run(intern(pick.map), run_prefix, choices, self.family)
+                self.out.runs[("main", key)] = _run(emap, run_prefix, choices, self.family)
             if sticky:
                 record = Record(self.proto, self.svc.affinity_timeout)
                 self.uses[key].append(record)
@@ -204,10 +216,10 @@ class _Port:
     def exempt(self, key: str, run_prefix: str, nodeport: bool) -> None:
         """externalTrafficPolicy Local's exception path for ``key``: every endpoint, via exempt-*."""
         choices = self.choices[EXEMPT]
-        pick = Pick(EXEMPT, self.proto, len(choices), nodeport, self.svc.client_ip_affinity)
+        pick, verdict, emap = _pick(EXEMPT, self.proto, len(choices), nodeport, self.svc.client_ip_affinity)
         self.uses.setdefault(key, []).append(pick)
-        self.put(names.EXEMPT_NODEPORTS if nodeport else names.EXEMPT_IPS, key, intern(f"goto {pick.chain}"))
-        self.out.runs[("exempt", key)] = _run(intern(pick.map), run_prefix, choices, self.family)
+        self.put(names.EXEMPT_NODEPORTS if nodeport else names.EXEMPT_IPS, key, verdict)
+        self.out.runs[("exempt", key)] = _run(emap, run_prefix, choices, self.family)
 
     def affinity_chain(self, kind: str) -> str:
         """The per-service ClientIP affinity chain for ``kind`` (built once)."""

@@ -12,7 +12,7 @@ from typing import List, Sequence, Tuple
 
 import pytest
 
-from netproxy.backends.nftables import encode, layout, names, render, serialise
+from netproxy.backends.nftables import encode, layout, names, render, serialise, wire
 from netproxy.backends.nftables.layout import Pick
 from netproxy.backends.nftables.objects import Element, ElementRun, Elements, Set, endpoint_text, pack_endpoint
 from netproxy.backends.nftables.serialise import Op
@@ -180,3 +180,44 @@ def test_replacing_a_runs_values_with_none_keeps_its_width() -> None:
     empty = run._replace(values=())
     assert (empty.size, empty.width, empty.values, empty.keys()) == (0, 20, (), [])
     assert run._replace(values=("fd01::2 . 81",)).values == ("fd01::2 . 81",)
+
+
+@pytest.mark.parametrize("fields, good, odd", [
+    (("ipv4_addr",), ["10.96.0.10", "0.0.0.0"], ["10.96.0.10 . 80", "x", "", "10.1"]),
+    (("ipv6_addr",), ["fd00::1", "::ffff:10.0.0.1", "2001:db8::"], ["fd00::1 . 80", "10.0.0.1", "x"]),
+    (("inet_service",), ["80", "65535"], ["99999", "tcp", "80 . 80"]),
+    (("inet_proto",), ["tcp", "udp", "6"], ["http", "300"]),
+    (("ipv4_addr", "inet_proto", "inet_service"), ["10.96.0.10 . tcp . 80", "0.0.0.0 . udp . 1"],
+     ["10.96.0.10 . tcp", "10.96.0.10 . tcp . 80 . 1", "10.96.0.10 . ftp . 80", " .  . ", "x . tcp . 80"]),
+])
+def test_the_one_and_three_field_fast_paths_pack_as_the_general_one(fields: Tuple[str, ...], good: List[str],
+                                                                    odd: List[str]) -> None:
+    p = encode.Packer(fields)
+    for text in good:
+        assert p.pack(text) == p(text) and len(p.pack(text)) == p.length
+    for text in odd:
+        try:
+            want = p(text)
+        except encode.EncodeError:
+            with pytest.raises(encode.EncodeError):
+                p.pack(text)
+        else:
+            assert p.pack(text) == want
+
+
+def test_commented_plain_elements_encode_as_the_general_path() -> None:
+    """``service-stamps``' elements (a key and a comment, no value) take the fixed-size path with the
+    comment's length in the element's header; the bytes are the general construction's."""
+    stamps = Set(names.SERVICE_STAMPS, "ipv6_addr")
+    elements = [Element(names.SERVICE_STAMPS, f"fd00::{i:x}", None, "ns/svc-" + "x" * i + ":http d:0123 n:2")
+                for i in range(0, 130, 7)] + [Element(names.SERVICE_STAMPS, "::1")]
+    for verb in ("add", "delete"):
+        (_, _, _, body), = [m for m, _ in encode.Encoder().messages([("add", "ip6", stamps)]
+                                                                     + [(verb, "ip6", e) for e in elements])][1:]
+        want = []
+        for e in elements:
+            inner = wire.data_value(wire.ELEM_KEY, ipaddress.ip_address(e.key).packed)
+            if e.comment is not None and verb == "add":
+                inner += wire.attr(wire.ELEM_USERDATA, wire.udata((0, wire.udata_strz(names.comment(e.comment)))))
+            want.append(wire.nest(wire.LIST_ELEM, inner))
+        assert body.endswith(wire.nest(wire.SET_ELEM_LIST_ELEMENTS, *want))
