@@ -162,17 +162,18 @@ class _Port:
     """One service port in one family while it renders: its inputs and what it has produced so far.
     Slotted, its attributes set once here: one per service port and family of every full sync."""
 
-    __slots__ = ("svc", "family", "config", "choices", "has_endpoints", "out", "chains", "sets", "uses", "keys",
-                 "proto", "comment")
+    __slots__ = ("svc", "family", "config", "choices", "has_endpoints", "elements", "runs", "chains", "sets", "uses",
+                 "keys", "proto", "comment")
 
     def __init__(self, svc: ServicePort, family: str, config: ProxyConfig, choices: Dict[str, Tuple[_Choice, ...]],
                  has_endpoints: bool) -> None:
         self.svc, self.family, self.config, self.has_endpoints = svc, family, config, has_endpoints
         self.choices = choices
         """Eligible endpoints per kind of traffic (netproxy/core/endpoints.py's answers)."""
-        self.out = ServiceObjects()
+        self.elements: Dict[Tuple[str, str], Element] = {}
+        self.runs: Dict[RunKey, ElementRun] = {}
         self.chains: Dict[str, Tuple[Rule, ...]] = {}
-        """``out.chains`` while it renders (out's is the shared empty mapping until one is made)."""
+        """Its own chains, if any (else the objects get the shared empty mapping)."""
         self.sets: Dict[str, Set] = {}
         self.uses: Dict[str, List[Shared]] = {}
         self.keys: List[str] = []
@@ -181,7 +182,7 @@ class _Port:
         """Every own element's comment (made once, not once per element)."""
 
     def put(self, set_name: str, key: str, value: Optional[str] = None) -> None:
-        self.out.elements[(set_name, key)] = Element(set_name, key, value, self.comment)
+        self.elements[(set_name, key)] = Element(set_name, key, value, self.comment)
 
     def dispatch(self, key: str, run_prefix: str, kind: str, nodeport: bool) -> None:
         """Route ``key`` (``address . proto . port`` or ``proto . nodePort``) for traffic of ``kind``."""
@@ -205,7 +206,7 @@ class _Port:
             pick, verdict, emap = _pick(kind, self.proto, len(choices), nodeport, sticky)
             self.uses.setdefault(key, []).append(pick)
             if choices:
-                self.out.runs[("main", key)] = _run(emap, run_prefix, choices, self.family)
+                self.runs[("main", key)] = _run(emap, run_prefix, choices, self.family)
             if sticky:
                 record = Record(self.proto, self.svc.affinity_timeout)
                 self.uses[key].append(record)
@@ -219,7 +220,7 @@ class _Port:
         pick, verdict, emap = _pick(EXEMPT, self.proto, len(choices), nodeport, self.svc.client_ip_affinity)
         self.uses.setdefault(key, []).append(pick)
         self.put(names.EXEMPT_NODEPORTS if nodeport else names.EXEMPT_IPS, key, verdict)
-        self.out.runs[("exempt", key)] = _run(emap, run_prefix, choices, self.family)
+        self.runs[("exempt", key)] = _run(emap, run_prefix, choices, self.family)
 
     def affinity_chain(self, kind: str) -> str:
         """The per-service ClientIP affinity chain for ``kind`` (built once)."""
@@ -396,11 +397,12 @@ def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeIn
                    config: ProxyConfig) -> ServiceObjects:
     """The objects one service port owns in ``family``'s table (empty if it has no such address)."""
     version = VERSIONS[family]
-    cluster_addrs = [ip for ip in svc.cluster_ips if ip.version == version]
-    ext_addrs = [ip for ip in svc.external_ips + svc.load_balancer_ips if ip.version == version]
+    v4 = version == 4  # type() rather than the Python-level .version property, per address
+    cluster_addrs = [ip for ip in svc.cluster_ips if (type(ip) is _V4) is v4]
+    ext_addrs = [ip for ip in svc.external_ips + svc.load_balancer_ips if (type(ip) is _V4) is v4] \
+        if svc.external_ips or svc.load_balancer_ips else []
     if not cluster_addrs and not ext_addrs:
         return ServiceObjects()
-    v4 = version == 4  # type() rather than the Python-level .version property, per endpoint
     fam_eps = [e for e in endpoints if (type(e.ip) is _V4) is v4]
     internal = cluster_endpoints(svc, fam_eps, node)
     # Every eligible endpoint, whatever internalTrafficPolicy says: what external traffic with
@@ -426,21 +428,16 @@ def render_service(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeIn
     if svc.node_port:
         p.dispatch(f"{proto} . {svc.node_port}", str(svc.node_port), ext_kind, nodeport=True)
     _firewall(p, [ip for ip in svc.load_balancer_ips if ip.version == version], node)
-    if p.has_endpoints:
-        p.out.hairpin = _hairpin(node, list(choices.values()))
-    out = p.out
-    if p.chains:
-        out.chains = p.chains
-    if p.sets:
-        out.sets = p.sets
-    out.uses = {k: _same_uses(tuple(used)) for k, used in p.uses.items()}
-    out.shared = _same_shared(tuple(out.uses.values()))
-    out.dispatch_keys = tuple(p.keys)
-    # A tuple, not a frozenset: 20k frozensets of ~11 refs held 7 MB at 10k services (with the
-    # hairpin pairs then), and the refs are only counted up and down, never looked up.
+    uses = {k: _same_uses(tuple(used)) for k, used in p.uses.items()}
+    # All fields given: a ServiceObjects' default factories (three dicts, two lambdas) would make
+    # objects only to be replaced, once per service port and family.
+    # refs: a tuple, not a frozenset: 20k frozensets of ~11 refs held 7 MB at 10k services (with
+    # the hairpin pairs then), and the refs are only counted up and down, never looked up.
     # (dict.fromkeys: each counted once.)
-    out.refs = tuple(dict.fromkeys(refs))
-    return out
+    return ServiceObjects(elements=p.elements, runs=p.runs, chains=p.chains or _NO_CHAINS, sets=p.sets or _NO_SETS,
+                          shared=_same_shared(tuple(uses.values())), uses=uses, dispatch_keys=tuple(p.keys),
+                          refs=tuple(dict.fromkeys(refs)),
+                          hairpin=_hairpin(node, list(choices.values())) if p.has_endpoints else ())
 
 
 # Service ports use a few dozen distinct combinations of shared chains: one tuple and one frozenset

@@ -177,10 +177,14 @@ class Before:
 
 
 def _tally(counts: Dict[_K, int], used: Iterable[_K], step: int, before: Optional[Dict[_K, int]]) -> None:
+    if before is None:  # a full sync's render: every port counted up, nothing to remember
+        get = counts.get
+        for r in used:
+            counts[r] = get(r, 0) + step
+        return
     for r in used:
         n = counts.get(r, 0)
-        if before is not None:
-            before.setdefault(r, n)
+        before.setdefault(r, n)
         counts[r] = n + step
 
 
@@ -188,9 +192,14 @@ def count_users(fstate: FamilyState, objs: render.ServiceObjects, step: int, bef
     """Count one service port's uses of shared chains and shared elements up or down: what its
     rendered objects declare they use (``shared``, ``refs``, ``hairpin``); ``before`` keeps the counts
     from before this sync of what it touched."""
-    _tally(fstate.shared, objs.shared, step, before.shared if before is not None else None)
-    _tally(fstate.refs, objs.refs, step, before.refs if before is not None else None)
-    _tally(fstate.hairpin, objs.hairpin, step, before.hairpin if before is not None else None)
+    if before is None:
+        _tally(fstate.shared, objs.shared, step, None)
+        _tally(fstate.refs, objs.refs, step, None)
+        _tally(fstate.hairpin, objs.hairpin, step, None)
+        return
+    _tally(fstate.shared, objs.shared, step, before.shared)
+    _tally(fstate.refs, objs.refs, step, before.refs)
+    _tally(fstate.hairpin, objs.hairpin, step, before.hairpin)
 
 
 def user_changes(tx: Transaction, fam: str, fstate: FamilyState, before: Before) -> None:
