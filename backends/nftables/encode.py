@@ -270,7 +270,10 @@ class Packer:
         parts = text.split(" . ")
         if len(parts) != len(self.converters) - 1:
             raise EncodeError(f"prefix {text!r} does not fit {' . '.join(self.fields)}")
-        return b"".join([c(p) for c, p in zip(self.converters, parts)])
+        try:
+            return b"".join([c(p) for c, p in zip(self.converters, parts)])
+        except (OSError, ValueError, KeyError, OverflowError) as exc:
+            raise EncodeError(f"prefix {text!r} is not a {' . '.join(self.fields[:-1])}: {exc}") from None
 
     def prefix_packer(self) -> Callable[[str], bytes]:
         """:meth:`prefix`, with a path for one or two leading fields (a run's ``address . port`` or
@@ -280,10 +283,12 @@ class Packer:
             single = self.converters[0]
 
             def one(text: str) -> bytes:
-                try:
-                    return single(text)
-                except (OSError, ValueError, KeyError, OverflowError):
-                    return general(text)  # its error names the prefix
+                if " . " not in text:  # (inet_aton takes "10.0.0.1 . 5": what follows a space is ignored)
+                    try:
+                        return single(text)
+                    except (OSError, ValueError, KeyError, OverflowError):
+                        pass
+                return general(text)  # its answer, or its error naming the prefix
 
             return one
         if len(self.converters) != 3:
@@ -547,9 +552,7 @@ class Encoder:
                 values = b"".join([r.packed for r in runs])
                 for k in range(value_len):
                     out[value_at + k::unit] = values[k::value_len]
-            prefixes = b"".join([prefix_pack(r.prefix) * count for r in runs])
-            if len(prefixes) != prefix_len * total:
-                raise EncodeError(f"a prefix of {s.name}'s runs does not fit {' . '.join(fields)}")
+            prefixes = b"".join([prefix_pack(r.prefix) * count for r in runs])  # each field's fixed size
             for k in range(prefix_len):
                 out[key_at + k::unit] = prefixes[k::prefix_len]
             if indexed:

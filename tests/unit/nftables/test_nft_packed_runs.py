@@ -117,17 +117,30 @@ def test_a_block_of_runs_encodes_as_its_elements_one_by_one(family: str, n: int,
         assert fast == slow
 
 
-def test_a_block_larger_than_a_message_splits_where_elements_one_by_one_split() -> None:
-    """6,000 runs of 10 (~60k elements): the messages (each under 64 KB) and the operation each one
-    names (a refused one names its first element's run) are those of the elements one at a time."""
-    runs = _runs(6000, 10)
-    emap = _map(Pick("cluster", "tcp", 10))
-    few = [Element(emap.name, "10.200.0.1 . 80 . 0", "10.2.0.1 . 80")]
-    ops: List[Op] = [("add", "ip", emap), ("add", "ip", few[0]), ("add", "ip", Elements(emap.name, tuple(runs)))]
+@pytest.mark.parametrize("family, nodeport, unit", [("ip", False, 40), ("ip", True, 36), ("ip6", False, 64)])
+def test_a_block_larger_than_a_message_splits_where_elements_one_by_one_split(family: str, nodeport: bool,
+                                                                             unit: int) -> None:
+    """Runs of 10, ~1 MB of elements (40, 36, 64 bytes each: a message's 60,000 bytes not always a
+    multiple): the messages (each under 64 KB) and the operation each one names (a refused one names
+    its first element's run) are those of the elements one at a time."""
+    runs = _runs(2500 if family == "ip" else 1600, 10, family, nodeport)
+    emap = _map(Pick("cluster", "tcp", 10, nodeport), family)
+    key = "30999" if nodeport else ("10.200.0.1 . 80" if family == "ip" else "fd00::1 . 80")
+    few = [Element(emap.name, f"{key} . 0", "10.2.0.1 . 80" if family == "ip" else "fd02::1 . 80")]
+    ops: List[Op] = [("add", family, emap), ("add", family, few[0]),
+                     ("add", family, Elements(emap.name, tuple(runs)))]
     fast, named = _messages(ops)
     slow, slow_named = _messages(_flat(ops))
     assert len(fast) > 10 and fast == slow
-    assert all(len(body) < 65536 for _, _, _, body in fast)
+    # Read without the encoder's chunking: whole elements in every message, as many as fit.
+    counts = []
+    for _, _, _, body in fast[1:]:
+        listed = wire.attributes(body)[wire.SET_ELEM_LIST_ELEMENTS]
+        elements = wire.attribute_list(listed)
+        assert {len(e) + 4 for _, e in elements} == {unit} and len(listed) == unit * len(elements) < 65536
+        counts.append(len(elements))
+    assert sum(counts) == 1 + 10 * len(runs)
+    assert counts[:-1] == [encode._ELEMENTS_PER_MESSAGE_BYTES // unit] * (len(counts) - 1)
     assert named[0] == slow_named[0] == ops[0]
     # Past the map: the one-by-one path names an element, the block the run that holds that element.
     assert named[1] == slow_named[1] == ops[1]
@@ -189,6 +202,8 @@ def test_replacing_a_runs_values_with_none_keeps_its_width() -> None:
     (("inet_proto",), ["tcp", "udp", "6"], ["http", "300"]),
     (("ipv4_addr", "inet_proto", "inet_service"), ["10.96.0.10 . tcp . 80", "0.0.0.0 . udp . 1"],
      ["10.96.0.10 . tcp", "10.96.0.10 . tcp . 80 . 1", "10.96.0.10 . ftp . 80", " .  . ", "x . tcp . 80"]),
+    # inet_aton takes "10.0.0.1 . 5" (what follows a space is ignored): a fourth field must not hide there.
+    (("inet_proto", "inet_service", "ipv4_addr"), ["tcp . 80 . 10.0.0.1"], ["tcp . 80 . 10.0.0.1 . 5"]),
 ])
 def test_the_one_and_three_field_fast_paths_pack_as_the_general_one(fields: Tuple[str, ...], good: List[str],
                                                                     odd: List[str]) -> None:
@@ -221,3 +236,27 @@ def test_commented_plain_elements_encode_as_the_general_path() -> None:
                 inner += wire.attr(wire.ELEM_USERDATA, wire.udata((0, wire.udata_strz(names.comment(e.comment)))))
             want.append(wire.nest(wire.LIST_ELEM, inner))
         assert body.endswith(wire.nest(wire.SET_ELEM_LIST_ELEMENTS, *want))
+
+
+@pytest.mark.parametrize("fields, good, bad", [
+    (("ipv4_addr", "inet_service", "integer"), ["10.96.0.10 . 80"], ["10.96.0.10", "10.96.0.10 . 80 . 1", "x . 80"]),
+    (("inet_service", "integer"), ["30080"], ["30080 . 1", "x"]),
+    (("ipv4_addr", "integer"), ["10.96.0.10"], ["10.96.0.10 . 5"]),
+    (("ipv4_addr", "ipv4_addr", "integer"), ["10.0.0.1 . 10.0.0.2"], ["10.0.0.1 . 10.0.0.2 . 5"]),
+])
+def test_a_runs_prefix_packs_as_the_general_prefix(fields: Tuple[str, ...], good: List[str], bad: List[str]) -> None:
+    p = encode.Packer(fields)
+    fast = p.prefix_packer()
+    for text in good:
+        assert fast(text) == p.prefix(text) and len(fast(text)) == p.length - 4
+    for text in bad:
+        with pytest.raises(encode.EncodeError):
+            fast(text)
+
+
+def test_endpoints_at_one_address_and_port_keep_their_order_whatever_else_differs() -> None:
+    """Sorted on their bytes alone: two endpoints with one address and port (two slices listing it,
+    one with its node) are not compared as objects (None against a node name cannot be)."""
+    endpoints = eps("10.1.0.2") + eps("10.1.0.1", node="node-a") + eps("10.1.0.1")
+    objs = render.render_service(svc("web", "10.96.0.10"), endpoints, NodeInfo("node-a"), "ip", CONFIG)
+    assert objs.runs[("main", "10.96.0.10 . tcp . 80")].values == ("10.1.0.1 . 8080",) * 2 + ("10.1.0.2 . 8080",)
