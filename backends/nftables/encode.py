@@ -42,6 +42,11 @@ _HOOKS = {"prerouting": 0, "input": 1, "forward": 2, "output": 3, "postrouting":
 _PROTOS = {"tcp": 6, "udp": 17, "sctp": 132}
 _ELEMENTS_PER_MESSAGE_BYTES = 60000
 """An attribute's length is 16 bits: a message's element list stays under 64 KB."""
+_BLOCK_ELEMENTS = 4096
+"""Endpoint elements laid out in one go (Encoder._run_encoder): ~160 KB, a few messages' worth.
+Enough that the per-block work (a slice assignment per byte of a field) is nothing per element;
+few enough that the block and its copy stay small beside the batch (a map's every run at once
+was ~4 MB twice at 10k services, ~40 MB twice at 100k)."""
 
 # --- types ---------------------------------------------------------------------------------------
 # (nft datatype id, length in bytes, byte order for user data: 2 big endian, 1 host)
@@ -489,9 +494,11 @@ class Encoder:
                                 yield blob, len(blob), (verb, family, item)
                         i += 1
                         continue
-                    # The runs that follow with as many endpoints (a map's runs all have as many): one go.
+                    # The runs that follow with as many endpoints (a map's runs all have as many): one
+                    # go, up to ~_BLOCK_ELEMENTS elements (the block's bytes are held twice while made).
                     count, j = item.size, i + 1
-                    while j < n:
+                    end = min(n, i + max(1, _BLOCK_ELEMENTS // max(count, 1)))
+                    while j < end:
                         nxt = items[j]
                         if not isinstance(nxt, ElementRun) or nxt.size != count:
                             break
