@@ -97,7 +97,10 @@ class State:
     """Generations of our own transactions since the last check of the change notifications."""
 
     def family(self, fam: str) -> FamilyState:
-        return self.families.setdefault(fam, FamilyState())
+        got = self.families.get(fam)
+        if got is None:  # (not setdefault: a FamilyState made for nothing, twice per port of a full sync)
+            got = self.families[fam] = FamilyState()
+        return got
 
 
 def render_entry(svc: ServicePort, eps: Tuple[Endpoint, ...], node: NodeInfo, config: ProxyConfig,
