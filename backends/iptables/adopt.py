@@ -98,31 +98,24 @@ class Digests:
         """Each chain's digest; ``remember=False`` (a one-shot sync's stamp) uses what is remembered
         (an adopting restart's digests) but adds nothing: at 100k services the memo is ~32 MiB, which
         a one-shot sync would carry under the fingerprint's table blob for nothing."""
-        out: Dict[str, str] = {}
-        memo = self._memo
-        for chain, rules in chains.items():
-            key = (family, table, chain)
-            hit = memo.get(key)
-            if hit is None or hit[0] is not rules:
-                hit = (rules, chain_digest(rules))
-                if remember:
-                    memo[key] = hit
-            out[chain] = hit[1]
-        return out
+        return {chain: self._digest(family, table, chain, rules, remember) for chain, rules in chains.items()}
 
     def pairs(self, family: int, table: str, chains: Mapping[str, Tuple[Rule, ...]], remember: bool = True
               ) -> Iterator[Tuple[str, str]]:
         """(chain, digest) in chain order, made as they are read (:func:`stamp_body`)."""
-        memo = self._memo
         for chain in sorted(chains):
-            rules = chains[chain]
-            key = (family, table, chain)
-            hit = memo.get(key)
-            if hit is None or hit[0] is not rules:
-                hit = (rules, chain_digest(rules))
-                if remember:
-                    memo[key] = hit
-            yield chain, hit[1]
+            yield chain, self._digest(family, table, chain, chains[chain], remember)
+
+    def _digest(self, family: int, table: str, chain: str, rules: Tuple[Rule, ...], remember: bool) -> str:
+        """One chain's digest: the memo's while it holds these very rules, else made (and kept if
+        ``remember``)."""
+        key = (family, table, chain)
+        hit = self._memo.get(key)
+        if hit is None or hit[0] is not rules:
+            hit = (rules, chain_digest(rules))
+            if remember:
+                self._memo[key] = hit
+        return hit[1]
 
     def keep(self, held: Mapping[int, Mapping[str, Mapping[str, object]]]) -> None:
         """Forget the digests of chains no longer held (``held``: family → table → chains)."""

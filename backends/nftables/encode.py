@@ -198,6 +198,24 @@ def _converter(kind: str) -> Callable[[str], bytes]:
     return cached
 
 
+def _two_fields(first: Callable[[str], bytes], second: Callable[[str], bytes],
+                general: Callable[[str], bytes]) -> Callable[[str], bytes]:
+    """A packer of ``a . b`` texts without the general path's split, zip and list; anything it
+    cannot take (another shape, a value a converter refuses) goes to ``general``, which answers or
+    raises the error that names the value."""
+
+    def pack(text: str) -> bytes:
+        a, sep, b = text.partition(" . ")
+        if sep and " . " not in b:
+            try:
+                return first(a) + second(b)
+            except (OSError, ValueError, KeyError, OverflowError):
+                pass
+        return general(text)
+
+    return pack
+
+
 class Packer:
     """Packs value text of one set's key or value type: one converter per field, in C where it can."""
 
@@ -247,18 +265,7 @@ class Packer:
 
     def _pair(self) -> Callable[[str], bytes]:
         first, second = self.converters
-        general = self.__call__
-
-        def pack(text: str) -> bytes:
-            a, sep, b = text.partition(" . ")
-            if sep and " . " not in b:
-                try:
-                    return first(a) + second(b)
-                except (OSError, ValueError, KeyError, OverflowError):
-                    pass
-            return general(text)  # the general path's answer, or its error naming the value
-
-        return pack
+        return _two_fields(first, second, self.__call__)
 
     def __call__(self, text: str) -> bytes:
         parts = text.split(" . ")
@@ -299,17 +306,7 @@ class Packer:
         if len(self.converters) != 3:
             return general
         first, second = self.converters[:2]
-
-        def two(text: str) -> bytes:
-            a, sep, b = text.partition(" . ")
-            if sep and " . " not in b:
-                try:
-                    return first(a) + second(b)
-                except (OSError, ValueError, KeyError, OverflowError):
-                    pass
-            return general(text)
-
-        return two
+        return _two_fields(first, second, general)
 
     @property
     def length(self) -> int:
