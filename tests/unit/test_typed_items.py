@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from netproxy.source import plainservice, plainslice
 from netproxy.source.convert import HEADLESS, SERVICE_PROXY_NAME, TRIGGER_TIME
@@ -114,23 +114,32 @@ def _answer(converted: Any) -> Any:
             [type(p.port) for p in value.ports])
 
 
+def _differential(rng: random.Random, count: int, make: Callable[[random.Random], str],
+                  fast: Callable[[bytes], Any], answer: Callable[[Any], Any], kind: str) -> Tuple[int, int]:
+    """``count`` random items of ``kind``: whatever the typed shortcut ``fast`` takes, the general
+    conversion of the decoded dict answers the same (compared through ``answer``).  Returns (taken
+    by the shortcut, valid but left to the general path)."""
+    from netproxy.source.files import Converted
+
+    taken = general_only = 0
+    for _ in range(count):
+        text = make(rng)
+        general = convert_object(json.loads(text), "", remember_addresses=False)
+        got = fast(text.encode())
+        if got is None:
+            general_only += general.kind == kind and general.error is None
+            continue
+        taken += 1
+        assert answer(Converted(kind, *got)) == answer(general), text
+    return taken, general_only
+
+
 def test_typed_slices_convert_as_the_general_path() -> None:
     """Random slices mixing plain, valid-but-not-plain and invalid values (and keys given twice):
     whatever the shortcut takes, the general conversion of the decoded dict gives the same
     endpoints, ports, service, reference and trigger time, with the same field types."""
-    from netproxy.source.files import Converted
-
-    rng = random.Random(40)
-    taken = general_only = 0
-    for _ in range(3000):
-        text = _random_slice(rng)
-        general = convert_object(json.loads(text), "", remember_addresses=False)
-        fast = plainslice.converted(text.encode())
-        if fast is None:
-            general_only += general.kind == "EndpointSlice" and general.error is None
-            continue
-        taken += 1
-        assert _answer(Converted("EndpointSlice", *fast)) == _answer(general), text
+    taken, general_only = _differential(random.Random(40), 3000, _random_slice, plainslice.converted, _answer,
+                                        "EndpointSlice")
     assert taken > 1000 and general_only > 100, (taken, general_only)  # ~1,540 and ~140
 
 
@@ -167,19 +176,8 @@ def test_typed_services_convert_as_the_general_path() -> None:
     """Random Services (plain, valid-but-not-plain, invalid values in every field; odd names,
     proxy labels, no kind, keys given twice): whatever the typed shortcut takes, the general
     conversion of the decoded dict gives the same service ports, reference and field types."""
-    from netproxy.source.files import Converted
-
-    rng = random.Random(42)
-    taken = general_only = 0
-    for _ in range(4000):
-        text = _random_service_text(rng)
-        general = convert_object(json.loads(text), "", remember_addresses=False)
-        fast = plainservice.converted(text.encode())
-        if fast is None:
-            general_only += general.kind == "Service" and general.error is None
-            continue
-        taken += 1
-        assert _service_answer(Converted("Service", *fast)) == _service_answer(general), text
+    taken, general_only = _differential(random.Random(42), 4000, _random_service_text, plainservice.converted,
+                                        _service_answer, "Service")
     assert taken > 250 and general_only > 250, (taken, general_only)  # ~360 and ~410
 
 
