@@ -31,7 +31,7 @@ import struct
 from dataclasses import dataclass, field
 from sys import intern
 from types import MappingProxyType
-from typing import Dict, FrozenSet, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, overload
+from typing import Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Tuple, overload
 
 from netproxy.backends.nftables import names
 from netproxy.backends.nftables import stmt as st
@@ -297,12 +297,6 @@ def hairpin_key(address: int, family: str) -> str:
     """The ``hairpin`` key of an endpoint address: ``a . a``, the address as render writes it."""
     text = socket.inet_ntoa(address.to_bytes(4, "big")) if family == "ip" else str(ipaddress.IPv6Address(address))
     return f"{text} . {text}"
-
-
-def hairpin_order(addresses: Iterable[int], family: str) -> List[int]:
-    """``addresses`` in the order a transaction writes their pairs in: numeric (a set's elements
-    have no order in the kernel; this one makes no text to sort on)."""
-    return sorted(addresses)
 
 
 def hairpin_element(address: int, family: str) -> Element:

@@ -195,14 +195,9 @@ def count_users(fstate: FamilyState, objs: render.ServiceObjects, step: int, bef
     """Count one service port's uses of shared chains and shared elements up or down: what its
     rendered objects declare they use (``shared``, ``refs``, ``hairpin``); ``before`` keeps the counts
     from before this sync of what it touched."""
-    if before is None:
-        _tally(fstate.shared, objs.shared, step, None)
-        _tally(fstate.refs, objs.refs, step, None)
-        _tally(fstate.hairpin, objs.hairpin, step, None)
-        return
-    _tally(fstate.shared, objs.shared, step, before.shared)
-    _tally(fstate.refs, objs.refs, step, before.refs)
-    _tally(fstate.hairpin, objs.hairpin, step, before.hairpin)
+    _tally(fstate.shared, objs.shared, step, before.shared if before is not None else None)
+    _tally(fstate.refs, objs.refs, step, before.refs if before is not None else None)
+    _tally(fstate.hairpin, objs.hairpin, step, before.hairpin if before is not None else None)
 
 
 def user_changes(tx: Transaction, fam: str, fstate: FamilyState, before: Before) -> None:
@@ -217,7 +212,7 @@ def user_changes(tx: Transaction, fam: str, fstate: FamilyState, before: Before)
             tx.put("delete-elements", "delete", fam, ref)
         if now <= 0:
             fstate.refs.pop(ref, None)
-    for address in render.hairpin_order(before.hairpin, fam):
+    for address in sorted(before.hairpin):  # pairs in numeric order (no text made to sort on)
         was = before.hairpin[address]
         now = fstate.hairpin.get(address, 0)
         if was <= 0 < now:
@@ -349,7 +344,7 @@ def _create_family(tx: Transaction, fam: str, objs: Sequence[render.ServiceObjec
         if count > 0:
             _bucket(buckets, lists, ref.set).append(ref)
     # The pairs made as the writer reads them (render.HairpinElements), from the addresses alone.
-    pairs = render.hairpin_order([a for a, count in fstate.hairpin.items() if count > 0], fam)
+    pairs = sorted(a for a, count in fstate.hairpin.items() if count > 0)  # numeric, as user_changes
     if pairs:
         buckets[names.HAIRPIN] = render.HairpinElements(fam, pairs)
     for e in sorted(fstate.node):

@@ -370,11 +370,9 @@ def plain_service_ports(ns: str, name: str, raw_ips: Sequence[Any], settings: Pl
     its settings and its ports, or None."""
     cluster_ips = []
     for addr in raw_ips:
-        ip = _plain_v4(addr)
+        ip = valid_ip(addr, False)  # as check_ip decides (its dotted-quad fast path first), uncached
         if ip is None:
-            ip = valid_ip(addr, False)  # IPv6 (and any other spelling): as check_ip decides, uncached
-            if ip is None:
-                return None  # "None" (headless), "" or null (not allocated), or invalid
+            return None  # "None" (headless), "" or null (not allocated), or invalid
         cluster_ips.append(ip)
     if len(ports) > 1 and len({p[0] for p in ports}) != len(ports):
         return None  # a name used twice: the general path words it
@@ -405,17 +403,6 @@ def _plain_label(value: Any) -> Optional[str]:
         if len(_PORT_NAMES) < _NAMES_MAX:
             _PORT_NAMES[hit] = hit
     return hit
-
-
-def _plain_v4(addr: Any) -> Optional[IPAddress]:
-    """``addr`` when it is a canonical dotted quad (as :func:`model._parse_ip` decides), else None."""
-    if type(addr) is not str or len(addr) > 15:
-        return None
-    try:
-        packed = socket.inet_pton(socket.AF_INET, addr)
-    except (OSError, ValueError):
-        return None
-    return new_v4(int.from_bytes(packed, "big")) if socket.inet_ntop(socket.AF_INET, packed) == addr else None
 
 
 LB_IP_MODES = ("VIP", "Proxy")
