@@ -204,8 +204,8 @@ def source_change(r: Results) -> Target:
 def large(r: Results) -> Target:
     name, target = f"{BIG:,} services × 10, nftables full sync / peak RSS of `netproxy sync`", "≤ 3.0 s / ≤ 300 MB"
     if BIG not in [int(s) for s in r["meta"]["sizes"]]:
-        return _t(name, target, None, f"not run: make bench runs up to 10k; `python -m bench --max-services {BIG} "
-                  "--backends nft --out bench/results/44k`")
+        return _t(name, target, None, "not run: make bench runs up to 10k; `make bench-100k` runs "
+                  f"`python -m bench --scale {BIG} --backends nft` (bench/results/44k/latest.md)")
     why = _absent(r, NFT)
     if why:
         return _t(name, target, None, why)

@@ -137,7 +137,8 @@ def large(r: Results) -> Target:
     cell = _cell(r, NFT, BIG, "cold")
     x = seconds(cell)
     if x is None:
-        why = "not run: make bench runs up to 10k; `python -m bench --max-services 44000 --backends nft`" \
+        why = f"not run: make bench runs up to 10k; `make bench-100k` runs `python -m bench --scale {BIG} " \
+            "--backends nft` (bench/results/44k/latest.md)" \
             if str(BIG) not in [str(s) for s in r["meta"]["sizes"]] else _why(cell)
         return _t(name, target, None, why)
     mem = r["rss"].get(NFT, {}).get(str(BIG), {}).get("maxrss_mib")

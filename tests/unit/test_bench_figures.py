@@ -234,6 +234,33 @@ def test_the_scale_targets_say_met_missed_or_why_at_100k() -> None:
     assert all(t["group"] == "bench.targets_scale" for t in targets_scale.check(r))
 
 
+def test_the_44k_scale_run_judges_the_new_process_by_its_own_row_and_prints_the_rest_as_references() -> None:
+    from bench import report, targets_scale
+
+    r = _scale_results()
+    r["meta"] = {"sizes": [44000], "combos": [{"key": "nftables"}]}  # make bench-100k's 44k run: nftables alone
+    r["control"] = {"nftables": {"uniform": {"44000": {"cold": {"seconds": 2.5},
+                                                       "endpoint": {"seconds": 0.002, "backend_seconds": 0.001}}}}}
+    r["rss"] = {"nftables": {"44000": {"seconds": 2.9, "maxrss_mib": 290.0,
+                                       "restart": {"seconds": 2.0, "maxrss_mib": 250.0}}}}
+    got = targets_scale.check(r)
+    assert [t["name"].split(",")[0] for t in got] == [
+        "nftables `netproxy sync` as a new process", "nftables restart: a new `sync` with one endpoint changed "
+        "on the programmed node", "nftables one endpoint changed in the running process"]  # no legacy line
+    sync = got[0]
+    assert sync["target"] == "≤ 3 s / ≤ 300 MB" and sync["met"] is False  # 290 MiB = 304 MB > 300 MB
+    r["rss"]["nftables"]["44000"]["maxrss_mib"] = 280.0
+    assert targets_scale.check(r)[0]["met"] is True
+    r["rss"]["nftables"]["44000"]["seconds"] = 3.1
+    assert targets_scale.check(r)[0]["met"] is False  # the 8 s of 100k is not the 44k row's
+    assert all(t.get("reference") and t["met"] is None and t["target"] == "" for t in got[1:])
+    text = "\n".join(report.target_lines({"targets": got}))
+    assert "- reference: nftables restart: a new `sync` with one endpoint changed on the programmed node, " \
+        "44,000 × 10: 2.00 s, peak RSS 262 MB" in text
+    r["meta"]["sizes"] = [30000]  # an N issue 40 set no target at: every line a reference
+    assert all(t.get("reference") for t in targets_scale.check(r))
+
+
 def test_the_api_rows_take_the_100k_targets_at_100k_and_say_why_the_real_server_is_absent() -> None:
     from bench import api
 
