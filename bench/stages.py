@@ -119,12 +119,20 @@ BACKENDS = {"nftables": ["--backend", "nftables"],
 
 
 def empty_node(ns: str) -> None:
-    """netfilter of ``ns`` as a new node's: no ruleset, no legacy chains."""
+    """netfilter of ``ns`` as a new node's: no ruleset, no legacy chains, and none of netproxy's
+    ipsets (the legacy backend's hairpin and affinity sets outlive the chains that named them; left
+    in place, the next "first" sync would read and compare a full hairpin set, ~0.24 s at 10k, that
+    a new node does not have)."""
     from netproxy_lab import netns
 
     for args in (["nft", "flush", "ruleset"], *(["iptables-legacy", "-t", t, verb]
                                                  for t in ("nat", "filter") for verb in ("-F", "-X"))):
         netns.run_in_timeout(ns, args, timeout=60)
+    done = netns.run_in_timeout(ns, [sys.executable, "-m", "netproxy.backends.iptables.ipset", "destroy-all"],
+                                timeout=60, env={**os.environ, "PYTHONPATH": _root()})
+    if done.returncode != 0:
+        raise SystemExit(f"bench.stages: destroying netproxy's ipsets in {ns} exited {done.returncode}: "
+                         f"{done.stderr.decode()[-400:]}")
 
 
 def _median(runs: List[Dict[str, Any]], key: str, stage: str = "") -> float:
