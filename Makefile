@@ -93,7 +93,8 @@ bench: setup
 # 100,000 services × 10 endpoints on one node (issue 40): phase A at 100k on nftables and
 # iptables-legacy/restore, then the API path at 100k (nftables; the real server left out: creating
 # 200k objects through it takes longer than the run), then phase A at 44k on nftables (the largest
-# public kube-proxy report; issue 40's 44k row). About 25-35 minutes; bench/results/100k/, 44k/.
+# public kube-proxy report; issue 40's 44k row). About 8-9 minutes on 2 CPUs (2026-12-07, docs/performance.md);
+# bench/results/100k/, 44k/.
 bench-100k: setup
 	$(PY) -m bench --scale 100000
 	$(PY) -m bench.api --services 100000 --backends nftables --burst 2000 --no-real --out bench/results/100k
