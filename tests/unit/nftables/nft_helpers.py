@@ -5,7 +5,9 @@ from __future__ import annotations
 import ipaddress
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
-from netproxy.backends.nftables import FakeNft, NftablesBackend
+import pytest
+
+from netproxy.backends.nftables import FakeNft, NftablesBackend, encode
 from netproxy.core.config import ProxyConfig
 from netproxy.core.model import Changes, Endpoint, NodeInfo, ServicePort, Snapshot
 from netproxy_lab.manifests import service_port
@@ -57,3 +59,17 @@ def mixed_snapshot() -> Snapshot:
         (svc("v6", "fd00::10"), eps("fd01::1", "fd01::2")),
     )
 
+
+def assert_fast_pack_agrees(p: encode.Packer, good: Iterable[str], odd: Iterable[str]) -> None:
+    """``p.pack`` (the fast paths) answers as ``p`` (the general path): the same bytes, of the key's
+    length, for ``good``; for ``odd``, the same bytes, or the same refusal (EncodeError)."""
+    for text in good:
+        assert p.pack(text) == p(text) and len(p.pack(text)) == p.length
+    for text in odd:
+        try:
+            want = p(text)
+        except encode.EncodeError:
+            with pytest.raises(encode.EncodeError):
+                p.pack(text)
+        else:
+            assert p.pack(text) == want

@@ -19,7 +19,7 @@ from netproxy.backends.nftables.serialise import Op
 from netproxy.core.config import ProxyConfig
 from netproxy.core.model import Changes, NodeInfo
 
-from .nft_helpers import backend, eps, snap, svc
+from .nft_helpers import assert_fast_pack_agrees, backend, eps, snap, svc
 
 CONFIG = ProxyConfig(hostname="node-a")
 
@@ -207,17 +207,7 @@ def test_replacing_a_runs_values_with_none_keeps_its_width() -> None:
 ])
 def test_the_one_and_three_field_fast_paths_pack_as_the_general_one(fields: Tuple[str, ...], good: List[str],
                                                                     odd: List[str]) -> None:
-    p = encode.Packer(fields)
-    for text in good:
-        assert p.pack(text) == p(text) and len(p.pack(text)) == p.length
-    for text in odd:
-        try:
-            want = p(text)
-        except encode.EncodeError:
-            with pytest.raises(encode.EncodeError):
-                p.pack(text)
-        else:
-            assert p.pack(text) == want
+    assert_fast_pack_agrees(encode.Packer(fields), good, odd)
 
 
 def test_commented_plain_elements_encode_as_the_general_path() -> None:
